@@ -1,0 +1,34 @@
+# AutoMoE developer entry points. `make demo` and `make test` set everything up themselves
+# (Debian packages, .venv, CMake build) and are quick when nothing changed.
+.PHONY: all setup build test test-cpp test-python demo clean
+
+BUILD ?= build
+PY := $(CURDIR)/.venv/bin/python
+export CCACHE_SLOPPINESS := pch_defines,time_macros,include_file_mtime,include_file_ctime
+export CCACHE_BASEDIR := $(CURDIR)
+export PYTHONPATH := $(CURDIR)/python$(if $(PYTHONPATH),:$(PYTHONPATH))
+
+all: build
+
+setup:
+	@scripts/setup.sh
+
+$(BUILD)/build.ninja: CMakeLists.txt | setup
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release
+
+build: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j 2
+
+test-cpp: build
+	cd $(BUILD) && ctest --output-on-failure -j 2
+
+test-python: build
+	$(PY) -m pytest -q tests/python
+
+test: test-cpp test-python
+
+demo: build
+	$(PY) -m automoe.demo
+
+clean:
+	rm -rf $(BUILD) python/automoe/_C*.so python/automoe/bin

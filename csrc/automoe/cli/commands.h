@@ -1,0 +1,15 @@
+// The `automoe` subcommands; each takes its own arguments (argv after the subcommand name) and
+// returns the process exit code.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace automoe::cli {
+
+using Args = std::vector<std::string>;
+
+int inspect(const Args& args);
+int convert(const Args& args);
+
+}  // namespace automoe::cli

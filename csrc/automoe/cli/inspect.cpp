@@ -1,0 +1,84 @@
+// `automoe inspect DIR`: what a checkpoint is, without loading its weights.
+#include <iostream>
+#include <map>
+
+#include "automoe/cli/commands.h"
+#include "automoe/core/dtype.h"
+#include "automoe/core/error.h"
+#include "automoe/io/checkpoint.h"
+
+namespace automoe::cli {
+namespace {
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string human(int64_t n) {
+  char buf[32];
+  if (n >= 1000000000) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+  else if (n >= 1000000) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
+  else if (n >= 1000) std::snprintf(buf, sizeof buf, "%.2fK", n / 1e3);
+  else std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(n));
+  return buf;
+}
+
+}  // namespace
+
+int inspect(const Args& args) {
+  AUTOMOE_CHECK(args.size() == 1, "usage: automoe inspect DIR");
+  const std::string& dir = args[0];
+  const LoadedConfig cfg = load_config(dir);
+  const ModelSpec& s = cfg.spec;
+  const Architecture& arch = find_architecture(s.model_type, cfg.path);
+  const SafetensorsCheckpoint ckpt(dir);
+  const ExpertsLayout layout = detect_layout(ckpt, s, arch);
+
+  int64_t total = 0, experts = 0;
+  for (const auto& d : parameter_layout(s)) {
+    total += numel(d.shape);
+    std::string prefix;
+    if (find_rule(arch.per_expert_rules, d.name, &prefix)) experts += numel(d.shape);
+  }
+  const int64_t active =
+      total - experts +
+      (s.moe.num_experts > 0 ? experts / s.moe.num_experts * s.moe.top_k : 0);
+  std::map<std::string, int64_t> dtypes;
+  int64_t bytes = 0;
+  for (const auto& name : ckpt.names()) {
+    const TensorInfo& info = ckpt.info(name);
+    dtypes[dtype_to_safetensors(info.dtype)] += 1;
+    bytes += static_cast<int64_t>(info.end - info.begin);
+  }
+
+  std::cout << "checkpoint     " << dir << "\n"
+            << "architecture   " << s.model_type << " (" << arch.hf_class << ")\n"
+            << "layers         " << s.num_layers << " (" << s.num_moe_layers() << " MoE, "
+            << s.num_layers - s.num_moe_layers() << " dense)\n"
+            << "hidden         " << s.hidden_size << ", heads " << s.num_heads << " (kv "
+            << s.num_kv_heads << ", head_dim " << s.head_dim << "), vocab " << s.vocab_size
+            << (s.tie_word_embeddings ? ", tied embeddings" : "") << "\n";
+  if (s.num_moe_layers() > 0) {
+    std::cout << "experts        " << s.moe.num_experts << " per layer, top-" << s.moe.top_k
+              << ", expert intermediate " << s.moe.intermediate_size
+              << (s.moe.norm_topk_prob ? ", top-k renormalised" : "") << ", aux coef "
+              << s.moe.router_aux_loss_coef << "\n";
+  }
+  std::cout << "parameters     " << human(total) << " total (" << total << "), " << human(active)
+            << " active per token, " << human(experts) << " in experts\n"
+            << "layout         " << to_string(layout) << "\n"
+            << "config dtype   " << dtype_to_name(s.dtype) << "\n"
+            << "stored dtypes  ";
+  bool first = true;
+  for (const auto& [dt, n] : dtypes) {
+    std::cout << (first ? "" : ", ") << dt << " x" << n;
+    first = false;
+  }
+  std::cout << "\nfiles          " << ckpt.num_files() << " safetensors file(s), "
+            << ckpt.names().size() << " tensors, " << human(bytes) << "B\n";
+  return 0;
+}
+
+}  // namespace automoe::cli

@@ -1,0 +1,46 @@
+// `automoe` — the command-line entry point: dispatches to one file per subcommand.
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+#include <iostream>
+
+#include "automoe/cli/commands.h"
+#include "automoe/core/error.h"
+
+namespace {
+
+constexpr const char* kUsage = R"(usage: automoe <command> [args]
+
+commands:
+  inspect DIR                 architecture, parameter counts, experts layout and dtype of a
+                              Hugging Face checkpoint directory
+  convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
+                 [--max-shard-size BYTES]
+                              rewrite a checkpoint with the other experts layout (bit-exact)
+)";
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2 || std::string(argv[1]) == "-h" || std::string(argv[1]) == "--help") {
+    std::fputs(kUsage, argc < 2 ? stderr : stdout);
+    return argc < 2 ? 2 : 0;
+  }
+  const std::string cmd = argv[1];
+  automoe::cli::Args args(argv + 2, argv + argc);
+  try {
+    if (cmd == "inspect") return automoe::cli::inspect(args);
+    if (cmd == "convert") return automoe::cli::convert(args);
+    std::cerr << "automoe: unknown command \"" << cmd << "\"\n\n" << kUsage;
+    return 2;
+  } catch (const automoe::Error& e) {
+    std::cerr << "automoe " << cmd << ": error: " << e.what() << "\n";
+    return 1;
+  } catch (const c10::Error& e) {
+    std::cerr << "automoe " << cmd << ": error: " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "automoe " << cmd << ": error: " << e.what() << "\n";
+    return 1;
+  }
+}

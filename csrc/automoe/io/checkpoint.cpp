@@ -1,0 +1,141 @@
+#include "automoe/io/checkpoint.h"
+
+#include <ATen/ATen.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "automoe/core/dtype.h"
+#include "automoe/core/error.h"
+
+namespace automoe {
+namespace fs = std::filesystem;
+
+ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
+                            const Architecture& arch) {
+  if (arch.per_expert_rules.empty()) return ExpertsLayout::kFused;
+  for (const auto& decl : parameter_layout(spec)) {
+    std::string prefix;
+    const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
+    if (!rule) continue;
+    if (ckpt.contains(decl.name)) return ExpertsLayout::kFused;
+    if (ckpt.contains(disk_name(prefix, rule->parts.front(), 0))) return ExpertsLayout::kPerExpert;
+    fail(ckpt.dir(), ": missing tensor ", decl.name, " (fused layout) or ",
+         disk_name(prefix, rule->parts.front(), 0), " (per-expert layout)");
+  }
+  return ExpertsLayout::kPerExpert;  // no MoE layer: both layouts are the same
+}
+
+namespace {
+
+bool ignorable_extra(const std::string& name, const ModelSpec& spec) {
+  // Tied checkpoints sometimes still carry lm_head; old ones carry RoPE buffers.
+  if (spec.tie_word_embeddings && name == "lm_head.weight") return true;
+  const std::string buf = "rotary_emb.inv_freq";
+  return name.size() >= buf.size() && name.compare(name.size() - buf.size(), buf.size(), buf) == 0;
+}
+
+}  // namespace
+
+NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
+                             const Architecture& arch, std::optional<c10::ScalarType> dtype,
+                             ExpertsLayout* layout_out) {
+  const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
+  if (layout_out) *layout_out = layout;
+  std::set<std::string> used;
+  auto get = [&](const std::string& name) {
+    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
+                  to_string(layout), " layout)");
+    used.insert(name);
+    return ckpt.get(name);
+  };
+  NamedTensors out;
+  for (const auto& decl : parameter_layout(spec)) {
+    std::string prefix;
+    const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
+    at::Tensor t = (rule && layout == ExpertsLayout::kPerExpert)
+                       ? gather_experts(*rule, prefix, spec.moe.num_experts, get)
+                       : get(decl.name);
+    AUTOMOE_CHECK(t.sizes() == at::IntArrayRef(decl.shape), ckpt.dir(), ": tensor ", decl.name,
+                  ": expected shape ", at::IntArrayRef(decl.shape), " from config.json, found ",
+                  t.sizes());
+    AUTOMOE_CHECK(at::isFloatingType(t.scalar_type()), ckpt.dir(), ": tensor ", decl.name,
+                  ": expected a floating-point dtype, found ", t.scalar_type());
+    if (dtype && t.scalar_type() != *dtype) t = t.to(*dtype);
+    out.emplace_back(decl.name, std::move(t));
+  }
+  std::vector<std::string> extra;
+  for (const auto& name : ckpt.names()) {
+    if (!used.count(name) && !ignorable_extra(name, spec)) extra.push_back(name);
+  }
+  if (!extra.empty()) {
+    std::string list;
+    for (size_t i = 0; i < extra.size() && i < 5; ++i) list += (i ? ", " : "") + extra[i];
+    fail(ckpt.dir(), ": ", extra.size(), " tensor(s) that a ", spec.model_type,
+         " model with this config.json does not have: ", list, extra.size() > 5 ? ", ..." : "");
+  }
+  return out;
+}
+
+NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
+                             const Architecture& arch, ExpertsLayout layout) {
+  NamedTensors out;
+  for (const auto& [name, t] : params) {
+    std::string prefix;
+    const WeightRule* rule = find_rule(arch.per_expert_rules, name, &prefix);
+    at::Tensor data = t.detach();
+    if (rule && layout == ExpertsLayout::kPerExpert) {
+      for (auto& kv : scatter_experts(*rule, prefix, data)) out.push_back(std::move(kv));
+    } else {
+      out.emplace_back(name, data);
+    }
+  }
+  return out;
+}
+
+PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
+                                const BackendConfig& backend) {
+  PretrainedModel m;
+  m.config = load_config(dir);
+  m.source_dir = dir;
+  const Architecture& arch = find_architecture(m.config.spec.model_type, m.config.path);
+  SafetensorsCheckpoint ckpt(dir);
+  NamedTensors params = read_parameters(ckpt, m.config.spec, arch, dtype, &m.layout);
+  m.decoder = std::make_unique<Decoder>(m.config.spec, backend, std::move(params));
+  return m;
+}
+
+void save_pretrained(const PretrainedModel& model, const std::string& dir,
+                     std::optional<ExpertsLayout> layout, uint64_t max_shard_bytes) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  AUTOMOE_CHECK(!ec, dir, ": cannot create output directory: ", ec.message());
+  const ModelSpec& spec = model.decoder->spec();
+  const Architecture& arch = find_architecture(spec.model_type, model.config.path);
+  const NamedTensors& params = model.decoder->named_parameters();
+
+  nlohmann::json config = *model.config.json;
+  config["dtype"] = dtype_to_name(params.front().second.scalar_type());
+  config.erase("torch_dtype");
+  save_sharded(dir, to_disk_tensors(params, spec, arch, layout.value_or(model.layout)),
+               max_shard_bytes);
+  write_file_atomic((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
+
+  // Tokenizer, chat template, generation config: everything that is not weights or config.
+  if (model.source_dir.empty() || !fs::is_directory(model.source_dir)) return;
+  if (fs::equivalent(model.source_dir, dir, ec)) return;
+  for (const auto& entry : fs::directory_iterator(model.source_dir)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string name = entry.path().filename().string();
+    const std::string ext = entry.path().extension().string();
+    if (name == "config.json" || name.rfind('.', 0) == 0 || name.rfind("model", 0) == 0 ||
+        ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
+      continue;
+    }
+    fs::copy_file(entry.path(), fs::path(dir) / name, fs::copy_options::overwrite_existing, ec);
+    AUTOMOE_CHECK(!ec, "copying ", entry.path().string(), " to ", dir, ": ", ec.message());
+  }
+}
+
+}  // namespace automoe

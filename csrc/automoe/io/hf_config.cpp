@@ -1,0 +1,127 @@
+#include "automoe/io/hf_config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "automoe/core/error.h"
+#include "automoe/model/arch/registry.h"
+
+namespace automoe {
+
+using nlohmann::json;
+
+ConfigReader::ConfigReader(std::shared_ptr<const json> j, std::string path)
+    : json_(std::move(j)), node_(json_.get()), path_(std::move(path)) {
+  AUTOMOE_CHECK(node_->is_object(), path_, ": expected a JSON object, found ", node_->type_name());
+}
+
+const json* ConfigReader::find(const std::string& key) const {
+  auto it = node_->find(key);
+  if (it == node_->end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+void ConfigReader::fail_key(const std::string& key, const std::string& expected) const {
+  const json* v = find(key);
+  fail(path_, ": key \"", prefix_, key, "\": expected ", expected, ", found ",
+       v ? v->dump() : std::string("nothing (key missing)"));
+}
+
+bool ConfigReader::has(const std::string& key) const { return find(key) != nullptr; }
+
+int64_t ConfigReader::get_int(const std::string& key) const {
+  const json* v = find(key);
+  if (!v || !v->is_number_integer()) fail_key(key, "an integer");
+  return v->get<int64_t>();
+}
+
+int64_t ConfigReader::get_int(const std::string& key, int64_t fallback) const {
+  return has(key) ? get_int(key) : fallback;
+}
+
+double ConfigReader::get_double(const std::string& key) const {
+  const json* v = find(key);
+  if (!v || !v->is_number()) fail_key(key, "a number");
+  return v->get<double>();
+}
+
+double ConfigReader::get_double(const std::string& key, double fallback) const {
+  return has(key) ? get_double(key) : fallback;
+}
+
+bool ConfigReader::get_bool(const std::string& key, bool fallback) const {
+  const json* v = find(key);
+  if (!v) return fallback;
+  if (!v->is_boolean()) fail_key(key, "true or false");
+  return v->get<bool>();
+}
+
+std::string ConfigReader::get_string(const std::string& key) const {
+  const json* v = find(key);
+  if (!v || !v->is_string()) fail_key(key, "a string");
+  return v->get<std::string>();
+}
+
+std::string ConfigReader::get_string(const std::string& key, const std::string& fallback) const {
+  return has(key) ? get_string(key) : fallback;
+}
+
+std::vector<int64_t> ConfigReader::get_int_list(const std::string& key) const {
+  const json* v = find(key);
+  if (!v) return {};
+  if (!v->is_array()) fail_key(key, "a list of integers");
+  std::vector<int64_t> out;
+  for (const auto& x : *v) {
+    if (!x.is_number_integer()) fail_key(key, "a list of integers");
+    out.push_back(x.get<int64_t>());
+  }
+  return out;
+}
+
+std::string ConfigReader::first_present(const std::vector<std::string>& keys) const {
+  for (const auto& k : keys) {
+    if (has(k)) return k;
+  }
+  std::ostringstream names;
+  for (size_t i = 0; i < keys.size(); ++i) names << (i ? " or \"" : "\"") << prefix_ << keys[i] << "\"";
+  fail(path_, ": missing key ", names.str());
+}
+
+ConfigReader ConfigReader::child(const std::string& key) const {
+  const json* v = find(key);
+  if (!v || !v->is_object()) fail_key(key, "an object");
+  ConfigReader r = *this;
+  r.node_ = v;
+  r.prefix_ = prefix_ + key + ".";
+  return r;
+}
+
+LoadedConfig parse_config(const std::string& text, const std::string& origin) {
+  auto j = std::make_shared<json>();
+  try {
+    *j = json::parse(text);
+  } catch (const json::exception& e) {
+    fail(origin, ": not valid JSON: ", e.what());
+  }
+  ConfigReader cfg(j, origin);
+  const std::string model_type = cfg.get_string("model_type");
+  const Architecture& arch = find_architecture(model_type, origin);
+  LoadedConfig out{arch.parse(cfg), j, origin};
+  return out;
+}
+
+LoadedConfig load_config(const std::string& dir_or_file) {
+  namespace fs = std::filesystem;
+  fs::path p(dir_or_file);
+  if (fs::is_directory(p)) p /= "config.json";
+  std::ifstream in(p);
+  AUTOMOE_CHECK(in.good(), p.string(), ": cannot open config (",
+                fs::exists(p) ? "unreadable" : "no such file", ")");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str(), p.string());
+}
+
+}  // namespace automoe

@@ -1,0 +1,60 @@
+// Reading a Hugging Face config.json: typed, key-checked access (ConfigReader) and the entry point
+// that turns a checkpoint's config into a ModelSpec through the architecture registry.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "automoe/model/spec.h"
+
+namespace automoe {
+
+// Typed getters over one config.json; every error names the file and the key, what was expected
+// and what was found.
+class ConfigReader {
+ public:
+  ConfigReader(std::shared_ptr<const nlohmann::json> json, std::string path);
+
+  const std::string& path() const { return path_; }
+  bool has(const std::string& key) const;  // present and not null
+  int64_t get_int(const std::string& key) const;
+  int64_t get_int(const std::string& key, int64_t fallback) const;
+  double get_double(const std::string& key) const;
+  double get_double(const std::string& key, double fallback) const;
+  bool get_bool(const std::string& key, bool fallback) const;
+  std::string get_string(const std::string& key) const;
+  std::string get_string(const std::string& key, const std::string& fallback) const;
+  std::vector<int64_t> get_int_list(const std::string& key) const;  // missing/null -> {}
+  // The first of `keys` that is present; throws naming all of them when none is.
+  std::string first_present(const std::vector<std::string>& keys) const;
+  const nlohmann::json& raw() const { return *json_; }
+  std::shared_ptr<const nlohmann::json> shared() const { return json_; }
+  // A reader over a nested object (e.g. "rope_parameters"), errors still naming this file.
+  ConfigReader child(const std::string& key) const;
+
+  [[noreturn]] void fail_key(const std::string& key, const std::string& expected) const;
+
+ private:
+  const nlohmann::json* find(const std::string& key) const;
+  std::shared_ptr<const nlohmann::json> json_;
+  const nlohmann::json* node_;  // the object this reader looks at (root or a child)
+  std::string path_;
+  std::string prefix_;  // "rope_parameters." for a child reader
+};
+
+// Parses `<dir>/config.json` (or a config.json path) and the architecture its model_type names.
+struct LoadedConfig {
+  ModelSpec spec;
+  std::shared_ptr<const nlohmann::json> json;  // the config as read, kept to write it back on save
+  std::string path;
+};
+LoadedConfig load_config(const std::string& dir_or_file);
+// The same from JSON text (what tests and the Python front use); `origin` names it in errors.
+LoadedConfig parse_config(const std::string& json_text, const std::string& origin);
+
+}  // namespace automoe

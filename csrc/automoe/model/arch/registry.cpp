@@ -1,0 +1,33 @@
+#include "automoe/model/arch/registry.h"
+
+#include <sstream>
+
+#include "automoe/core/error.h"
+
+namespace automoe {
+namespace {
+
+const std::vector<Architecture>& all() {
+  static const std::vector<Architecture> archs = {qwen3_moe_architecture()};
+  return archs;
+}
+
+}  // namespace
+
+std::vector<std::string> supported_model_types() {
+  std::vector<std::string> out;
+  for (const auto& a : all()) out.push_back(a.model_type);
+  return out;
+}
+
+const Architecture& find_architecture(const std::string& model_type, const std::string& origin) {
+  for (const auto& a : all()) {
+    if (a.model_type == model_type) return a;
+  }
+  std::ostringstream names;
+  for (const auto& t : supported_model_types()) names << (names.tellp() > 0 ? ", " : "") << t;
+  fail(origin, ": model_type \"", model_type, "\" is not implemented by AutoMoE (supported: ",
+       names.str(), ")");
+}
+
+}  // namespace automoe

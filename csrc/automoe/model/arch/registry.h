@@ -1,0 +1,30 @@
+// The architectures AutoMoE implements. Each one is a file under model/arch/ that maps its
+// config.json to a ModelSpec and declares its checkpoint weight rules; nothing else is per-model.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "automoe/io/weight_rules.h"
+#include "automoe/model/spec.h"
+
+namespace automoe {
+
+class ConfigReader;
+
+struct Architecture {
+  std::string model_type;                      // config.json "model_type"
+  std::string hf_class;                        // e.g. "Qwen3MoeForCausalLM"
+  ModelSpec (*parse)(const ConfigReader& cfg);  // throws automoe::Error on unsupported values
+  // Rules between the fused in-memory experts and the per-expert on-disk layout.
+  std::vector<WeightRule> per_expert_rules;
+};
+
+// Throws automoe::Error naming the supported model types when `model_type` is not one of them.
+const Architecture& find_architecture(const std::string& model_type, const std::string& origin);
+std::vector<std::string> supported_model_types();
+
+// Per-architecture registration functions (one per file under arch/).
+Architecture qwen3_moe_architecture();
+
+}  // namespace automoe

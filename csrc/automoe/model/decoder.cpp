@@ -1,0 +1,296 @@
+#include "automoe/model/decoder.h"
+
+#include <ATen/ATen.h>
+
+#include <limits>
+#include <map>
+
+#include "automoe/core/error.h"
+#include "automoe/moe/aux_loss.h"
+#include "automoe/moe/experts.h"
+#include "automoe/moe/router.h"
+#include "automoe/ops/cross_entropy/cross_entropy.h"
+#include "automoe/ops/rmsnorm/rmsnorm.h"
+#include "automoe/ops/rope/rope.h"
+
+namespace automoe {
+
+std::vector<ParamDecl> parameter_layout(const ModelSpec& s) {
+  const int64_t H = s.hidden_size, D = s.head_dim, N = s.num_heads, KV = s.num_kv_heads;
+  std::vector<ParamDecl> out;
+  out.push_back({"model.embed_tokens.weight", {s.vocab_size, H}});
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    const std::string att = pre + "self_attn.";
+    out.push_back({att + "q_proj.weight", {N * D, H}});
+    if (s.attention_bias) out.push_back({att + "q_proj.bias", {N * D}});
+    out.push_back({att + "k_proj.weight", {KV * D, H}});
+    if (s.attention_bias) out.push_back({att + "k_proj.bias", {KV * D}});
+    out.push_back({att + "v_proj.weight", {KV * D, H}});
+    if (s.attention_bias) out.push_back({att + "v_proj.bias", {KV * D}});
+    out.push_back({att + "o_proj.weight", {H, N * D}});
+    if (s.attention_bias) out.push_back({att + "o_proj.bias", {H}});
+    if (s.qk_norm) {
+      out.push_back({att + "q_norm.weight", {D}});
+      out.push_back({att + "k_norm.weight", {D}});
+    }
+    if (s.layer_is_moe[l]) {
+      const int64_t E = s.moe.num_experts, I = s.moe.intermediate_size;
+      out.push_back({pre + "mlp.experts.gate_up_proj", {E, 2 * I, H}});
+      out.push_back({pre + "mlp.experts.down_proj", {E, H, I}});
+      out.push_back({pre + "mlp.gate.weight", {E, H}});
+    } else {
+      const int64_t I = s.intermediate_size;
+      out.push_back({pre + "mlp.gate_proj.weight", {I, H}});
+      out.push_back({pre + "mlp.up_proj.weight", {I, H}});
+      out.push_back({pre + "mlp.down_proj.weight", {H, I}});
+    }
+    out.push_back({pre + "input_layernorm.weight", {H}});
+    out.push_back({pre + "post_attention_layernorm.weight", {H}});
+  }
+  out.push_back({"model.norm.weight", {H}});
+  if (!s.tie_word_embeddings) out.push_back({"lm_head.weight", {s.vocab_size, H}});
+  return out;
+}
+
+Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
+    : spec_(std::move(spec)), backend_(backend), params_(std::move(params)) {
+  const auto layout = parameter_layout(spec_);
+  AUTOMOE_CHECK(layout.size() == params_.size(), "decoder: expected ", layout.size(),
+                " parameters for this config, got ", params_.size());
+  std::map<std::string, int64_t> index;
+  for (size_t i = 0; i < layout.size(); ++i) {
+    AUTOMOE_CHECK(params_[i].first == layout[i].name, "decoder: parameter ", i, " should be ",
+                  layout[i].name, ", got ", params_[i].first);
+    AUTOMOE_CHECK(params_[i].second.sizes() == at::IntArrayRef(layout[i].shape), "parameter ",
+                  layout[i].name, ": expected shape ", at::IntArrayRef(layout[i].shape),
+                  ", found ", params_[i].second.sizes());
+    index[layout[i].name] = static_cast<int64_t>(i);
+  }
+  auto at_name = [&](const std::string& n) { return index.count(n) ? index.at(n) : -1; };
+  embed_ = at_name("model.embed_tokens.weight");
+  final_norm_ = at_name("model.norm.weight");
+  lm_head_ = spec_.tie_word_embeddings ? embed_ : at_name("lm_head.weight");
+  for (int64_t l = 0; l < spec_.num_layers; ++l) {
+    const std::string pre = "model.layers." + std::to_string(l) + ".";
+    const std::string att = pre + "self_attn.";
+    LayerIdx L{};
+    L.input_norm = at_name(pre + "input_layernorm.weight");
+    L.post_norm = at_name(pre + "post_attention_layernorm.weight");
+    L.q = at_name(att + "q_proj.weight");
+    L.k = at_name(att + "k_proj.weight");
+    L.v = at_name(att + "v_proj.weight");
+    L.o = at_name(att + "o_proj.weight");
+    L.q_bias = at_name(att + "q_proj.bias");
+    L.k_bias = at_name(att + "k_proj.bias");
+    L.v_bias = at_name(att + "v_proj.bias");
+    L.o_bias = at_name(att + "o_proj.bias");
+    L.q_norm = at_name(att + "q_norm.weight");
+    L.k_norm = at_name(att + "k_norm.weight");
+    L.moe = spec_.layer_is_moe[l];
+    L.router = at_name(pre + "mlp.gate.weight");
+    L.gate_up = at_name(pre + "mlp.experts.gate_up_proj");
+    L.down = at_name(pre + "mlp.experts.down_proj");
+    L.mlp_gate = at_name(pre + "mlp.gate_proj.weight");
+    L.mlp_up = at_name(pre + "mlp.up_proj.weight");
+    L.mlp_down = at_name(pre + "mlp.down_proj.weight");
+    layers_.push_back(L);
+  }
+  inv_freq_ = ops::rope_inv_freq(spec_.head_dim, spec_.rope.theta,
+                                 spec_.rope.type == RopeType::kLinear ? spec_.rope.factor : 1.0);
+}
+
+void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
+  for (auto& [n, t] : params_) {
+    if (n != name) continue;
+    AUTOMOE_CHECK(tensor.sizes() == t.sizes(), "set_parameter ", name, ": expected shape ",
+                  t.sizes(), ", got ", tensor.sizes());
+    t = tensor;
+    return;
+  }
+  fail("set_parameter: no parameter named ", name);
+}
+
+at::Tensor Decoder::rms_norm(const at::Tensor& x, int64_t weight) const {
+  return ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
+}
+
+namespace {
+
+std::optional<at::Tensor> opt_param(const NamedTensors& params, int64_t i) {
+  if (i < 0) return std::nullopt;
+  return params[i].second;
+}
+
+// [B, N_kv, S, D] -> [B, N_kv * groups, S, D], each kv head repeated for its query group.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t groups) {
+  if (groups == 1) return x;
+  const auto B = x.size(0), Nkv = x.size(1), S = x.size(2), D = x.size(3);
+  return x.unsqueeze(2).expand({B, Nkv, groups, S, D}).reshape({B, Nkv * groups, S, D});
+}
+
+void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
+  const at::Tensor& ids = a.input_ids;
+  AUTOMOE_CHECK(ids.defined() && ids.dim() == 2, "input_ids: expected a [batch, seq] tensor, got ",
+                ids.defined() ? ids.sizes() : at::IntArrayRef{});
+  AUTOMOE_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+                "input_ids: expected integer token ids, got dtype ", ids.scalar_type());
+  AUTOMOE_CHECK(ids.size(0) > 0 && ids.size(1) > 0, "input_ids: empty batch ", ids.sizes());
+  const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+  AUTOMOE_CHECK(lo >= 0 && hi < s.vocab_size, "input_ids: token ids must be in [0, ",
+                s.vocab_size, "), found values in [", lo, ", ", hi, "]");
+  if (a.attention_mask) {
+    AUTOMOE_CHECK(a.attention_mask->sizes() == ids.sizes(), "attention_mask: expected shape ",
+                  ids.sizes(), " like input_ids, got ", a.attention_mask->sizes());
+  }
+  if (a.position_ids) {
+    const auto& pos = *a.position_ids;
+    AUTOMOE_CHECK(pos.dim() == 2 && (pos.size(0) == ids.size(0) || pos.size(0) == 1) &&
+                      pos.size(1) == ids.size(1),
+                  "position_ids: expected shape [", ids.size(0), " or 1, ", ids.size(1),
+                  "], got ", pos.sizes());
+    AUTOMOE_CHECK(!at::isFloatingType(pos.scalar_type()), "position_ids: expected integers, got ",
+                  pos.scalar_type());
+  }
+  if (a.labels) {
+    const auto& lab = *a.labels;
+    AUTOMOE_CHECK(lab.sizes() == ids.sizes(), "labels: expected shape ", ids.sizes(),
+                  " like input_ids, got ", lab.sizes());
+    const at::Tensor bad = lab.ne(-100).logical_and(lab.lt(0).logical_or(lab.ge(s.vocab_size)));
+    AUTOMOE_CHECK(!bad.any().item<bool>(), "labels: expected token ids in [0, ", s.vocab_size,
+                  ") or -100, found ", lab.masked_select(bad).slice(0, 0, 5));
+  }
+}
+
+// Additive attention mask [B or 1, 1, S, S] (0 where a query may attend, the dtype's lowest value
+// elsewhere — finite, so a fully masked row gives uniform weights rather than NaN, as in
+// Transformers), or nullopt when plain causal attention is all that is needed.
+std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos_BS,
+                                     int64_t sliding_window, c10::ScalarType dtype,
+                                     bool need_explicit) {
+  const int64_t S = a.input_ids.size(1);
+  const auto dev = a.input_ids.device();
+  const at::Tensor q_idx = at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).view({S, 1});
+  const at::Tensor k_idx = q_idx.view({1, S});
+  at::Tensor allowed = k_idx.le(q_idx);  // [S, S]
+  bool plain = true;
+  if (sliding_window > 0) {
+    allowed = allowed.logical_and((q_idx - k_idx).lt(sliding_window));
+    plain = false;
+  }
+  allowed = allowed.view({1, 1, S, S});
+  if (a.attention_mask) {
+    const at::Tensor keep_B11S = a.attention_mask->ne(0).view({-1, 1, 1, S});
+    if (!keep_B11S.all().item<bool>()) plain = false;
+    allowed = allowed.logical_and(keep_B11S);
+  } else if (a.position_ids) {
+    // Packed sequences: a position that does not follow its predecessor by one starts a document;
+    // tokens attend only within their document.
+    const at::Tensor first = pos_BS.narrow(1, 0, 1) - 1;
+    const at::Tensor seg_BS = at::diff(pos_BS, 1, -1, first).ne(1).cumsum(-1);
+    if (seg_BS.narrow(1, S - 1, 1).ne(0).any().item<bool>()) {
+      allowed = allowed.logical_and(seg_BS.view({-1, 1, S, 1}).eq(seg_BS.view({-1, 1, 1, S})));
+      plain = false;
+    }
+  }
+  if (plain && !need_explicit) return std::nullopt;
+  const double lowest = dtype == at::kBFloat16 ? -3.3895313892515355e38
+                        : dtype == at::kHalf    ? -65504.0
+                        : dtype == at::kDouble  ? std::numeric_limits<double>::lowest()
+                                                : std::numeric_limits<float>::lowest();
+  return at::zeros(allowed.sizes(), at::TensorOptions().dtype(dtype).device(dev))
+      .masked_fill(allowed.logical_not(), lowest);
+}
+
+}  // namespace
+
+at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
+                              const at::Tensor& sin_BSD,
+                              const std::optional<at::Tensor>& mask) const {
+  const int64_t B = x_BSH.size(0), S = x_BSH.size(1), D = spec_.head_dim;
+  const int64_t N = spec_.num_heads, KV = spec_.num_kv_heads;
+  auto project = [&](int64_t w, int64_t b, int64_t heads) {
+    return at::linear(x_BSH, p(w), opt_param(params_, b)).view({B, S, heads, D});
+  };
+  at::Tensor q_BSND = project(L.q, L.q_bias, N);
+  at::Tensor k_BSND = project(L.k, L.k_bias, KV);
+  const at::Tensor v_BNSD = project(L.v, L.v_bias, KV).transpose(1, 2);
+  if (spec_.qk_norm) {
+    q_BSND = rms_norm(q_BSND, L.q_norm);
+    k_BSND = rms_norm(k_BSND, L.k_norm);
+  }
+  const at::Tensor q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+  const at::Tensor k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+  at::Tensor out_BNSD;
+  if (backend_.attn == AttnBackend::kEager) {
+    const at::Tensor k = repeat_kv(k_BNSD, N / KV), v = repeat_kv(v_BNSD, N / KV);
+    at::Tensor scores = at::matmul(q_BNSD, k.transpose(2, 3)) * scale;
+    if (mask) scores = scores + *mask;
+    const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q_BNSD.scalar_type());
+    out_BNSD = at::matmul(probs, v);
+  } else {
+    out_BNSD = at::scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, mask, 0.0,
+                                                /*is_causal=*/!mask.has_value(), scale,
+                                                /*enable_gqa=*/N != KV);
+  }
+  const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
+  return at::linear(out_BSH, p(L.o), opt_param(params_, L.o_bias));
+}
+
+ForwardResult Decoder::forward(const ForwardArgs& a) const {
+  check_inputs(a, spec_);
+  const int64_t B = a.input_ids.size(0), S = a.input_ids.size(1), H = spec_.hidden_size;
+  const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
+  const auto dev = a.input_ids.device();
+
+  at::Tensor h_BSH = at::embedding(p(embed_), a.input_ids.to(at::kLong));
+  const c10::ScalarType dtype = h_BSH.scalar_type();
+  at::Tensor pos_BS =
+      a.position_ids ? a.position_ids->to(at::kLong).expand({B, S})
+                     : at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, S});
+  const auto mask = build_mask(a, pos_BS, spec_.sliding_window, dtype,
+                               /*need_explicit=*/backend_.attn == AttnBackend::kEager);
+  const auto [cos_BSD, sin_BSD] = ops::rope_cos_sin(pos_BS, inv_freq_, dtype);
+
+  ForwardResult r;
+  for (const LayerIdx& L : layers_) {
+    at::Tensor residual = h_BSH;
+    h_BSH = residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask);
+    residual = h_BSH;
+    const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
+    at::Tensor y_TH;
+    if (L.moe) {
+      const moe::Routing routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
+      y_TH = moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up), p(L.down));
+      if (want_router) r.router_logits.push_back(routing.logits_TE);
+    } else {
+      y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
+                        p(L.mlp_down));
+    }
+    h_BSH = residual + y_TH.view({B, S, H});
+  }
+  h_BSH = rms_norm(h_BSH, final_norm_);
+  r.logits = at::linear(h_BSH, p(lm_head_));
+
+  if (a.labels) {
+    const auto ce = ops::causal_lm_cross_entropy_reference(r.logits, *a.labels);
+    if (a.num_items_in_batch) {
+      AUTOMOE_CHECK(*a.num_items_in_batch > 0, "num_items_in_batch: expected > 0, got ",
+                    *a.num_items_in_batch);
+      r.loss = ce.sum / *a.num_items_in_batch;
+    } else {
+      r.loss = ce.sum / ce.count.to(at::kFloat);
+    }
+  }
+  if (want_router) {
+    r.aux_loss = r.router_logits.empty()
+                     ? at::zeros({}, r.logits.options().dtype(at::kFloat))
+                     : moe::load_balancing_loss(r.router_logits, spec_.moe.num_experts,
+                                                spec_.moe.top_k, a.attention_mask);
+    if (r.loss) r.loss = *r.loss + spec_.moe.router_aux_loss_coef * *r.aux_loss;
+  }
+  return r;
+}
+
+}  // namespace automoe

@@ -1,0 +1,79 @@
+// The generic MoE decoder: one implementation, parameterised by a ModelSpec, holding its
+// parameters under Transformers v5's in-memory names and shapes (so state dicts compare 1:1).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "automoe/model/backend.h"
+#include "automoe/model/spec.h"
+
+namespace automoe {
+
+struct ParamDecl {
+  std::string name;
+  std::vector<int64_t> shape;
+};
+
+// Every parameter the spec implies, in Transformers' named_parameters() order.
+std::vector<ParamDecl> parameter_layout(const ModelSpec& spec);
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+struct ForwardArgs {
+  at::Tensor input_ids;                      // [B, S] integer token ids
+  std::optional<at::Tensor> attention_mask;  // [B, S], nonzero = token, 0 = padding
+  std::optional<at::Tensor> position_ids;    // [B, S] or [1, S]; default 0..S-1
+  std::optional<at::Tensor> labels;          // [B, S], -100 = no loss; shifted inside
+  std::optional<bool> output_router_logits;  // default: the config's output_router_logits
+  std::optional<double> num_items_in_batch;  // loss = sum / this (else mean over loss tokens)
+};
+
+struct ForwardResult {
+  at::Tensor logits;                       // [B, S, V], model dtype
+  std::optional<at::Tensor> loss;          // cross-entropy (+ coef * aux when router logits on)
+  std::optional<at::Tensor> aux_loss;      // load-balancing loss, when router logits are on
+  std::vector<at::Tensor> router_logits;   // per MoE layer [B*S, E] float32, when on
+};
+
+class Decoder {
+ public:
+  // `params` must hold exactly parameter_layout(spec), same names and shapes (checked).
+  Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params);
+
+  const ModelSpec& spec() const { return spec_; }
+  const BackendConfig& backend() const { return backend_; }
+  void set_backend(BackendConfig backend) { backend_ = backend; }
+  const NamedTensors& named_parameters() const { return params_; }
+  // Replaces the tensor behind `name` (same shape), e.g. by a Python nn.Parameter that aliases it,
+  // so that gradients land where the caller's optimizer looks.
+  void set_parameter(const std::string& name, const at::Tensor& tensor);
+
+  ForwardResult forward(const ForwardArgs& args) const;
+
+ private:
+  struct LayerIdx {
+    int64_t input_norm, post_norm;
+    int64_t q, k, v, o, q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1, q_norm, k_norm;
+    bool moe;
+    int64_t router = -1, gate_up = -1, down = -1;        // MoE
+    int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense
+  };
+  const at::Tensor& p(int64_t i) const { return params_[i].second; }
+  at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
+                       const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask) const;
+  at::Tensor rms_norm(const at::Tensor& x, int64_t weight) const;
+
+  ModelSpec spec_;
+  BackendConfig backend_;
+  NamedTensors params_;
+  std::vector<LayerIdx> layers_;
+  int64_t embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  at::Tensor inv_freq_;
+};
+
+}  // namespace automoe

@@ -1,0 +1,32 @@
+#include "automoe/moe/experts.h"
+
+#include <ATen/ATen.h>
+
+namespace automoe::moe {
+
+at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                         const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
+                         const at::Tensor& w_down_EHI) {
+  const int64_t E = w_gate_up_EIH.size(0);
+  at::Tensor out_TH = at::zeros_like(x_TH);
+  // counts_E on the host once: the loop below visits only experts with tokens.
+  const at::Tensor counts_E = at::bincount(idx_TK.reshape({-1}), {}, E).cpu();
+  const int64_t* counts = counts_E.data_ptr<int64_t>();
+  for (int64_t e = 0; e < E; ++e) {
+    if (counts[e] == 0) continue;
+    // (token, slot) pairs routed to e, tokens ascending.
+    const at::Tensor hit_TK = idx_TK.eq(e);
+    const auto where = at::where(hit_TK);
+    const at::Tensor& token_idx = where[0];
+    const at::Tensor& slot_idx = where[1];
+    const at::Tensor x_eH = x_TH.index_select(0, token_idx);
+    const auto gate_up = at::linear(x_eH, w_gate_up_EIH[e]).chunk(2, -1);
+    const at::Tensor h_eI = at::silu(gate_up[0]) * gate_up[1];
+    at::Tensor y_eH = at::linear(h_eI, w_down_EHI[e]);
+    y_eH = y_eH * weights_TK.index({token_idx, slot_idx}).unsqueeze(-1);
+    out_TH.index_add_(0, token_idx, y_eH.to(out_TH.scalar_type()));
+  }
+  return out_TH;
+}
+
+}  // namespace automoe::moe

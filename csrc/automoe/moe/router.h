@@ -1,0 +1,20 @@
+// Top-k softmax router. Logits, softmax and top-k run in float32 whatever the model dtype.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "automoe/model/spec.h"
+
+namespace automoe::moe {
+
+struct Routing {
+  at::Tensor logits_TE;   // float32 router logits (what the aux loss and users read)
+  at::Tensor weights_TK;  // combine weights, in the dtype of x
+  at::Tensor idx_TK;      // int64 expert indices, per token in descending score order
+};
+
+// x [T, H], w_router [E, H].
+Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                           const MoESpec& moe);
+
+}  // namespace automoe::moe

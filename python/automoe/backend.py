@@ -1,0 +1,39 @@
+"""BackendConfig: which implementation runs each component of the model.
+
+Field names follow NeMo AutoModel where the meaning is the same (see DESIGN.md). The engine
+checks every value and refuses one it does not implement, naming those it does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass
+class BackendConfig:
+    attn: str = "sdpa"  # "sdpa" | "eager"
+    experts: str = "eager"  # per-expert loop (Transformers' eager semantics)
+    rms_norm: str = "torch"
+    rope: str = "torch"
+    swiglu: str = "torch"
+    loss: str = "torch"
+    dispatcher: str = "local"
+
+    @classmethod
+    def coerce(cls, value: "BackendConfig | dict[str, Any] | None") -> "BackendConfig":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            unknown = set(value) - set(cls.__dataclass_fields__)
+            if unknown:
+                raise ValueError(
+                    f"backend: unknown field(s) {sorted(unknown)}; known: {sorted(cls.__dataclass_fields__)}"
+                )
+            return cls(**value)
+        raise TypeError(f"backend: expected a BackendConfig or a dict, got {type(value).__name__}")
+
+    def to_dict(self) -> dict[str, str]:
+        return {k: str(v) for k, v in asdict(self).items()}
