@@ -70,7 +70,8 @@ def test_aux_loss_is_off_unless_router_logits_requested(checkpoint_factory):
 
 
 def test_packed_position_ids_without_mask_match_transformers(checkpoint_factory):
-    """position_ids restarting inside a row mean separate documents, as Transformers reads them."""
+    """position_ids restarting inside a row mean separate documents, as Transformers reads them
+    when it runs without a KV cache (use_cache=False, the training setting)."""
     from transformers import AutoModelForCausalLM as HFModel
 
     path = checkpoint_factory("e6_top3_norm_mlp_only")
@@ -78,7 +79,7 @@ def test_packed_position_ids_without_mask_match_transformers(checkpoint_factory)
     ours = automoe.AutoModelForCausalLM.from_pretrained(path)
     ids = torch.randint(0, hf.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
-    ref = hf(input_ids=ids, position_ids=pos, labels=ids)
+    ref = hf(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
     out = ours(input_ids=ids, position_ids=pos, labels=ids)
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.loss, ref.loss) <= 1e-5

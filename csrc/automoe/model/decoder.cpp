@@ -164,10 +164,11 @@ void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
 
 // Additive attention mask [B or 1, 1, S, S] (0 where a query may attend, the dtype's lowest value
 // elsewhere — finite, so a fully masked row gives uniform weights rather than NaN, as in
-// Transformers), or nullopt when plain causal attention is all that is needed.
+// Transformers), or nullopt when plain causal attention is all that is needed. Sets
+// *fully_masked_rows when some query sees no key at all (a left-padded row's padding).
 std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos_BS,
                                      int64_t sliding_window, c10::ScalarType dtype,
-                                     bool need_explicit) {
+                                     bool need_explicit, bool* fully_masked_rows) {
   const int64_t S = a.input_ids.size(1);
   const auto dev = a.input_ids.device();
   const at::Tensor q_idx = at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).view({S, 1});
@@ -194,6 +195,7 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
     }
   }
   if (plain && !need_explicit) return std::nullopt;
+  if (fully_masked_rows) *fully_masked_rows = !allowed.any(-1).all().item<bool>();
   const double lowest = dtype == at::kBFloat16 ? -3.3895313892515355e38
                         : dtype == at::kHalf    ? -65504.0
                         : dtype == at::kDouble  ? std::numeric_limits<double>::lowest()
@@ -206,7 +208,7 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
 
 at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
                               const at::Tensor& sin_BSD,
-                              const std::optional<at::Tensor>& mask) const {
+                              const std::optional<at::Tensor>& mask, bool eager) const {
   const int64_t B = x_BSH.size(0), S = x_BSH.size(1), D = spec_.head_dim;
   const int64_t N = spec_.num_heads, KV = spec_.num_kv_heads;
   auto project = [&](int64_t w, int64_t b, int64_t heads) {
@@ -223,7 +225,7 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
   const at::Tensor k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), cos_BSD, sin_BSD);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor out_BNSD;
-  if (backend_.attn == AttnBackend::kEager) {
+  if (eager) {
     const at::Tensor k = repeat_kv(k_BNSD, N / KV), v = repeat_kv(v_BNSD, N / KV);
     at::Tensor scores = at::matmul(q_BNSD, k.transpose(2, 3)) * scale;
     if (mask) scores = scores + *mask;
@@ -249,14 +251,21 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   at::Tensor pos_BS =
       a.position_ids ? a.position_ids->to(at::kLong).expand({B, S})
                      : at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, S});
+  bool fully_masked_rows = false;
   const auto mask = build_mask(a, pos_BS, spec_.sliding_window, dtype,
-                               /*need_explicit=*/backend_.attn == AttnBackend::kEager);
+                               /*need_explicit=*/backend_.attn == AttnBackend::kEager,
+                               &fully_masked_rows);
+  // Queries that see no key attend uniformly to every key in Transformers (its mask is finite).
+  // The fused SDPA kernels agree in the forward but not in the backward for such rows, so those
+  // batches take the reference path and gradients match Transformers exactly.
+  const bool eager_attn = backend_.attn == AttnBackend::kEager || fully_masked_rows;
   const auto [cos_BSD, sin_BSD] = ops::rope_cos_sin(pos_BS, inv_freq_, dtype);
 
   ForwardResult r;
   for (const LayerIdx& L : layers_) {
     at::Tensor residual = h_BSH;
-    h_BSH = residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask);
+    h_BSH = residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask,
+                                 eager_attn);
     residual = h_BSH;
     const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
     at::Tensor y_TH;

@@ -65,7 +65,8 @@ class Decoder {
   };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }
   at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
-                       const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask) const;
+                       const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
+                       bool eager) const;
   at::Tensor rms_norm(const at::Tensor& x, int64_t weight) const;
 
   ModelSpec spec_;

@@ -1,0 +1,168 @@
+// config.json -> ModelSpec: the keys that change the math are read, and values the engine does not
+// implement are refused with an error naming the file and the key.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "automoe/core/error.h"
+#include "automoe/io/hf_config.h"
+
+namespace automoe {
+namespace {
+
+nlohmann::json base_config() {
+  return {{"model_type", "qwen3_moe"},
+          {"vocab_size", 97},
+          {"hidden_size", 24},
+          {"intermediate_size", 40},
+          {"moe_intermediate_size", 12},
+          {"num_hidden_layers", 4},
+          {"num_attention_heads", 4},
+          {"num_key_value_heads", 2},
+          {"head_dim", 8},
+          {"num_local_experts", 5},
+          {"num_experts_per_tok", 2},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 1000.0}}},
+          {"dtype", "bfloat16"}};
+}
+
+ModelSpec parse(const nlohmann::json& j) { return parse_config(j.dump(), "cfg.json").spec; }
+
+// Expects parse to throw an automoe::Error whose message contains every one of `parts`.
+void expect_error(const nlohmann::json& j, std::initializer_list<std::string> parts) {
+  try {
+    parse(j);
+    FAIL() << "expected an error for " << j.dump();
+  } catch (const Error& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+        << "message \"" << e.what() << "\" lacks \"" << p << "\"";
+  }
+}
+
+TEST(Config, ReadsEveryKeyThatChangesTheMath) {
+  auto j = base_config();
+  j["norm_topk_prob"] = true;
+  j["router_aux_loss_coef"] = 0.02;
+  j["output_router_logits"] = true;
+  j["tie_word_embeddings"] = true;
+  j["attention_bias"] = true;
+  j["rms_norm_eps"] = 1e-5;
+  const ModelSpec s = parse(j);
+  EXPECT_EQ(s.model_type, "qwen3_moe");
+  EXPECT_EQ(s.vocab_size, 97);
+  EXPECT_EQ(s.num_kv_heads, 2);
+  EXPECT_EQ(s.head_dim, 8);
+  EXPECT_EQ(s.moe.num_experts, 5);
+  EXPECT_EQ(s.moe.top_k, 2);
+  EXPECT_EQ(s.moe.intermediate_size, 12);
+  EXPECT_TRUE(s.moe.norm_topk_prob);
+  EXPECT_DOUBLE_EQ(s.moe.router_aux_loss_coef, 0.02);
+  EXPECT_TRUE(s.moe.output_router_logits);
+  EXPECT_TRUE(s.tie_word_embeddings);
+  EXPECT_TRUE(s.attention_bias);
+  EXPECT_DOUBLE_EQ(s.rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(s.rope.theta, 1000.0);
+  EXPECT_EQ(s.dtype, c10::kBFloat16);
+  EXPECT_EQ(s.sliding_window, 0);
+}
+
+TEST(Config, AcceptsNumExpertsSpellingAndLegacyRopeKeys) {
+  auto j = base_config();
+  j.erase("num_local_experts");
+  j["num_experts"] = 7;
+  j.erase("rope_parameters");
+  j["rope_theta"] = 5e5;
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 4.0}};
+  j.erase("dtype");
+  j["torch_dtype"] = "float32";
+  const ModelSpec s = parse(j);
+  EXPECT_EQ(s.moe.num_experts, 7);
+  EXPECT_DOUBLE_EQ(s.rope.theta, 5e5);
+  EXPECT_EQ(s.rope.type, RopeType::kLinear);
+  EXPECT_DOUBLE_EQ(s.rope.factor, 4.0);
+  EXPECT_EQ(s.dtype, c10::kFloat);
+}
+
+TEST(Config, PlacesMoeLayersBySparseStepAndMlpOnlyLayers) {
+  auto j = base_config();
+  j["decoder_sparse_step"] = 2;
+  j["mlp_only_layers"] = {3};
+  EXPECT_EQ(parse(j).layer_is_moe, (std::vector<bool>{false, true, false, false}));
+  j["decoder_sparse_step"] = 1;
+  j["mlp_only_layers"] = {0, 2};
+  EXPECT_EQ(parse(j).layer_is_moe, (std::vector<bool>{false, true, false, true}));
+}
+
+TEST(Config, HeadDimDefaultsToHiddenOverHeads) {
+  auto j = base_config();
+  j.erase("head_dim");
+  EXPECT_EQ(parse(j).head_dim, 6);
+}
+
+TEST(Config, SlidingWindowOnlyWhenEnabled) {
+  auto j = base_config();
+  j["sliding_window"] = 16;
+  EXPECT_EQ(parse(j).sliding_window, 0);
+  j["use_sliding_window"] = true;
+  EXPECT_EQ(parse(j).sliding_window, 16);
+}
+
+TEST(Config, RejectsUnsupportedArchitectureNamingSupportedOnes) {
+  auto j = base_config();
+  j["model_type"] = "mixtral";
+  expect_error(j, {"cfg.json", "mixtral", "qwen3_moe"});
+}
+
+TEST(Config, RejectsValuesTheEngineDoesNotImplement) {
+  auto j = base_config();
+  j["hidden_act"] = "gelu";
+  expect_error(j, {"cfg.json", "hidden_act", "gelu"});
+  j = base_config();
+  j["rope_parameters"]["rope_type"] = "yarn";
+  expect_error(j, {"rope_parameters.rope_type", "yarn"});
+  j = base_config();
+  j["quantization_config"] = {{"quant_method", "fp8"}};
+  expect_error(j, {"quantization_config"});
+  j = base_config();
+  j["attention_dropout"] = 0.1;
+  expect_error(j, {"attention_dropout"});
+  j = base_config();
+  j["dtype"] = "int8";
+  expect_error(j, {"dtype", "int8"});
+}
+
+TEST(Config, RejectsInconsistentValues) {
+  auto j = base_config();
+  j["num_experts_per_tok"] = 6;
+  expect_error(j, {"num_experts_per_tok", "6"});
+  j = base_config();
+  j["num_key_value_heads"] = 3;
+  expect_error(j, {"num_key_value_heads", "divisor"});
+  j = base_config();
+  j["mlp_only_layers"] = {9};
+  expect_error(j, {"mlp_only_layers", "[0, 4)"});
+  j = base_config();
+  j["decoder_sparse_step"] = 0;
+  expect_error(j, {"decoder_sparse_step"});
+  j = base_config();
+  j["hidden_size"] = "24";
+  expect_error(j, {"hidden_size", "an integer", "\"24\""});
+  j = base_config();
+  j.erase("vocab_size");
+  expect_error(j, {"vocab_size", "missing"});
+  j = base_config();
+  j.erase("num_local_experts");
+  expect_error(j, {"num_experts", "num_local_experts"});
+}
+
+TEST(Config, RejectsMalformedJson) {
+  try {
+    parse_config("{\"model_type\": ", "broken.json");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("broken.json: not valid JSON"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace automoe
