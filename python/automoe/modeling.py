@@ -212,16 +212,6 @@ class AutoModelForCausalLM:
         if attn_implementation is not None:
             cfg.attn = attn_implementation
         chosen = dtype if dtype is not None else torch_dtype
-        engine = _C.load_pretrained(path, _dtype_name(chosen) or _config_dtype(path), cfg.to_dict())
+        engine = _C.load_pretrained(path, _dtype_name(chosen) or "auto", cfg.to_dict())
         return MoEForCausalLM(engine)
 
-
-def _config_dtype(path: str) -> str:
-    """The dtype Transformers v5 loads by default ("auto"): the config's, else float32."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return "float32"  # the engine reports the real problem with the file
-    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    return name if isinstance(name, str) else "float32"

@@ -114,7 +114,9 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& dir, const std::optional<std::string>& dtype,
          const std::map<std::string, std::string>& backend) {
         const BackendConfig cfg = BackendConfig::from_map(backend, "backend");
-        const auto dt = parse_dtype(dtype);
+        // "auto" (Transformers v5's default): the dtype config.json names.
+        const auto dt = dtype && *dtype == "auto" ? std::optional(load_config(dir).spec.dtype)
+                                                  : parse_dtype(dtype);
         py::gil_scoped_release no_gil;
         return load_pretrained(dir, dt, cfg);
       },
