@@ -1,0 +1,128 @@
+// The generic decoder on a Qwen3-MoE spec built in C++ (no checkpoint): the aux loss against a
+// hand count, padding and packing invariances, and shape checks on construction.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "automoe/core/error.h"
+#include "automoe/model/decoder.h"
+#include "automoe/moe/aux_loss.h"
+
+namespace automoe {
+namespace {
+
+ModelSpec tiny_spec() {
+  ModelSpec s;
+  s.model_type = "qwen3_moe";
+  s.vocab_size = 31;
+  s.hidden_size = 16;
+  s.num_layers = 2;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 6;
+  s.intermediate_size = 20;
+  s.moe = MoESpec{5, 2, 8, RouterScore::kSoftmax, true, 0.01, true};
+  s.layer_is_moe = {true, false};
+  return s;
+}
+
+Decoder random_decoder(const ModelSpec& s, BackendConfig backend = {}) {
+  at::manual_seed(0);
+  NamedTensors params;
+  for (const auto& d : parameter_layout(s)) params.emplace_back(d.name, at::randn(d.shape) * 0.3);
+  return Decoder(s, backend, std::move(params));
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max()).item<double>();
+}
+
+TEST(AuxLoss, MatchesHandCountWithPaddingExcluded) {
+  // 3 tokens, 3 experts, top-1; the last token is padding.
+  const at::Tensor logits = at::log(at::tensor({0.7, 0.2, 0.1, 0.1, 0.6, 0.3, 0.1, 0.1, 0.8}))
+                                .view({3, 3}).to(at::kFloat);
+  const at::Tensor mask = at::tensor({1, 1, 0}, at::kLong).view({1, 3});
+  const double loss = moe::load_balancing_loss({logits}, 3, 1, mask).item<double>();
+  // f = [1/2, 1/2, 0] (tokens 0 and 1 pick experts 0 and 1); P = [(0.7+0.1)/2, (0.2+0.6)/2, (0.1+0.3)/2]
+  const double expected = 3 * (0.5 * 0.4 + 0.5 * 0.4 + 0.0 * 0.2);
+  EXPECT_NEAR(loss, expected, 1e-6);
+  // without a mask the padding row counts: f = [1/3, 1/3, 1/3], P = [0.9, 0.9, 1.2] / 3
+  const double unmasked = moe::load_balancing_loss({logits}, 3, 1, std::nullopt).item<double>();
+  EXPECT_NEAR(unmasked, 3 * (1.0 / 3) * ((0.9 + 0.9 + 1.2) / 3), 1e-6);
+}
+
+TEST(Decoder, RightPaddingDoesNotChangeTheRealTokens) {
+  const ModelSpec s = tiny_spec();
+  const Decoder model = random_decoder(s);
+  const at::Tensor ids = at::randint(0, s.vocab_size, {1, 7}, at::kLong);
+  const at::Tensor padded = at::cat({ids, at::zeros({1, 3}, at::kLong)}, 1);
+  const at::Tensor mask = at::cat({at::ones({1, 7}, at::kLong), at::zeros({1, 3}, at::kLong)}, 1);
+  ForwardArgs a{ids};
+  ForwardArgs b{padded, mask};
+  const at::Tensor alone = model.forward(a).logits;
+  const at::Tensor with_pad = model.forward(b).logits.narrow(1, 0, 7);
+  EXPECT_LT(max_rel(with_pad, alone), 1e-5);
+}
+
+TEST(Decoder, LeftPaddingGivesFiniteOutputsAndTheSameRealTokens) {
+  const ModelSpec s = tiny_spec();
+  for (auto attn : {AttnBackend::kSdpa, AttnBackend::kEager}) {
+    BackendConfig backend;
+    backend.attn = attn;
+    const Decoder model = random_decoder(s, backend);
+    const at::Tensor ids = at::randint(0, s.vocab_size, {1, 6}, at::kLong);
+    const at::Tensor padded = at::cat({at::zeros({1, 2}, at::kLong), ids}, 1);
+    const at::Tensor mask = at::cat({at::zeros({1, 2}, at::kLong), at::ones({1, 6}, at::kLong)}, 1);
+    // Real tokens keep their positions 0..5, as a tokenizer's left padding with position_ids does.
+    const at::Tensor pos = at::clamp_min(at::arange(-2, 6, at::kLong), 0).view({1, 8});
+    ForwardArgs a{ids};
+    ForwardArgs b{padded, mask, pos};
+    const at::Tensor out = model.forward(b).logits;
+    EXPECT_TRUE(at::isfinite(out).all().item<bool>());
+    EXPECT_LT(max_rel(out.narrow(1, 2, 6), model.forward(a).logits), 1e-5);
+  }
+}
+
+TEST(Decoder, PackedDocumentsDoNotSeeEachOther) {
+  const ModelSpec s = tiny_spec();
+  const Decoder model = random_decoder(s);
+  const at::Tensor doc1 = at::randint(0, s.vocab_size, {1, 4}, at::kLong);
+  const at::Tensor doc2 = at::randint(0, s.vocab_size, {1, 5}, at::kLong);
+  ForwardArgs packed{at::cat({doc1, doc2}, 1), std::nullopt,
+                     at::cat({at::arange(4, at::kLong), at::arange(5, at::kLong)}).view({1, 9})};
+  const at::Tensor out = model.forward(packed).logits;
+  ForwardArgs one{doc1}, two{doc2};
+  EXPECT_LT(max_rel(out.narrow(1, 0, 4), model.forward(one).logits), 1e-5);
+  EXPECT_LT(max_rel(out.narrow(1, 4, 5), model.forward(two).logits), 1e-5);
+}
+
+TEST(Decoder, AuxLossAddedOnlyWhenRouterLogitsRequested) {
+  const ModelSpec s = tiny_spec();
+  const Decoder model = random_decoder(s);
+  const at::Tensor ids = at::randint(0, s.vocab_size, {2, 5}, at::kLong);
+  ForwardArgs off{ids, std::nullopt, std::nullopt, ids, false};
+  ForwardArgs on{ids, std::nullopt, std::nullopt, ids, true};
+  const ForwardResult r_off = model.forward(off);
+  const ForwardResult r_on = model.forward(on);
+  EXPECT_FALSE(r_off.aux_loss.has_value());
+  ASSERT_TRUE(r_on.aux_loss.has_value());
+  ASSERT_EQ(r_on.router_logits.size(), 1u);  // one MoE layer
+  EXPECT_EQ(r_on.router_logits[0].sizes(), (std::vector<int64_t>{10, 5}));
+  EXPECT_NEAR(r_on.loss->item<double>(),
+              r_off.loss->item<double>() + 0.01 * r_on.aux_loss->item<double>(), 1e-6);
+}
+
+TEST(Decoder, RejectsParametersOfTheWrongShape) {
+  const ModelSpec s = tiny_spec();
+  NamedTensors params;
+  for (const auto& d : parameter_layout(s)) params.emplace_back(d.name, at::zeros(d.shape));
+  params[3].second = at::zeros({3, 3});
+  try {
+    Decoder(s, {}, params);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(params[3].first), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace automoe
