@@ -34,8 +34,9 @@ void expect_error(const nlohmann::json& j, std::initializer_list<std::string> pa
     parse(j);
     FAIL() << "expected an error for " << j.dump();
   } catch (const Error& e) {
-    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
-        << "message \"" << e.what() << "\" lacks \"" << p << "\"";
+    for (const auto& p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << "message \"" << e.what() << "\" lacks \"" << p << "\"";
   }
 }
 

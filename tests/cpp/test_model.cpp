@@ -39,10 +39,12 @@ double max_rel(const at::Tensor& a, const at::Tensor& b) {
 TEST(AuxLoss, MatchesHandCountWithPaddingExcluded) {
   // 3 tokens, 3 experts, top-1; the last token is padding.
   const at::Tensor logits = at::log(at::tensor({0.7, 0.2, 0.1, 0.1, 0.6, 0.3, 0.1, 0.1, 0.8}))
-                                .view({3, 3}).to(at::kFloat);
+                                .view({3, 3})
+                                .to(at::kFloat);
   const at::Tensor mask = at::tensor({1, 1, 0}, at::kLong).view({1, 3});
   const double loss = moe::load_balancing_loss({logits}, 3, 1, mask).item<double>();
-  // f = [1/2, 1/2, 0] (tokens 0 and 1 pick experts 0 and 1); P = [(0.7+0.1)/2, (0.2+0.6)/2, (0.1+0.3)/2]
+  // f = [1/2, 1/2, 0] (tokens 0 and 1 pick experts 0 and 1); P = [(0.7+0.1)/2, (0.2+0.6)/2,
+  // (0.1+0.3)/2]
   const double expected = 3 * (0.5 * 0.4 + 0.5 * 0.4 + 0.0 * 0.2);
   EXPECT_NEAR(loss, expected, 1e-6);
   // without a mask the padding row counts: f = [1/3, 1/3, 1/3], P = [0.9, 0.9, 1.2] / 3

@@ -48,9 +48,11 @@ TEST(WeightRules, TransposeIsUndoneOnSave) {
   const WeightRule rule{"experts.down_proj", {"experts.{E}.w2"}, 0, std::make_pair(1, 2)};
   std::map<std::string, at::Tensor> disk{{"experts.0.w2", at::randn({4, 6})},
                                          {"experts.1.w2", at::randn({4, 6})}};
-  const at::Tensor fused = gather_experts(rule, "", 2, [&](const std::string& n) { return disk.at(n); });
+  const at::Tensor fused =
+      gather_experts(rule, "", 2, [&](const std::string& n) { return disk.at(n); });
   EXPECT_EQ(fused.sizes(), (std::vector<int64_t>{2, 6, 4}));
-  for (const auto& [name, t] : scatter_experts(rule, "", fused)) EXPECT_TRUE(at::equal(t, disk.at(name)));
+  for (const auto& [name, t] : scatter_experts(rule, "", fused))
+    EXPECT_TRUE(at::equal(t, disk.at(name)));
 }
 
 TEST(WeightRules, RejectsExpertsOfDifferentShapes) {

@@ -18,10 +18,14 @@ int64_t numel(const std::vector<int64_t>& shape) {
 
 std::string human(int64_t n) {
   char buf[32];
-  if (n >= 1000000000) std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
-  else if (n >= 1000000) std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
-  else if (n >= 1000) std::snprintf(buf, sizeof buf, "%.2fK", n / 1e3);
-  else std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(n));
+  if (n >= 1000000000)
+    std::snprintf(buf, sizeof buf, "%.2fB", n / 1e9);
+  else if (n >= 1000000)
+    std::snprintf(buf, sizeof buf, "%.2fM", n / 1e6);
+  else if (n >= 1000)
+    std::snprintf(buf, sizeof buf, "%.2fK", n / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%lld", static_cast<long long>(n));
   return buf;
 }
 
@@ -43,8 +47,7 @@ int inspect(const Args& args) {
     if (find_rule(arch.per_expert_rules, d.name, &prefix)) experts += numel(d.shape);
   }
   const int64_t active =
-      total - experts +
-      (s.moe.num_experts > 0 ? experts / s.moe.num_experts * s.moe.top_k : 0);
+      total - experts + (s.moe.num_experts > 0 ? experts / s.moe.num_experts * s.moe.top_k : 0);
   std::map<std::string, int64_t> dtypes;
   int64_t bytes = 0;
   for (const auto& name : ckpt.names()) {

@@ -55,11 +55,16 @@ c10::ScalarType dtype_from_name(const std::string& raw, const std::string& what)
 
 std::string dtype_to_name(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return "float32";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kHalf: return "float16";
-    case c10::kDouble: return "float64";
-    default: fail("no Hugging Face dtype name for ", c10::toString(t));
+    case c10::kFloat:
+      return "float32";
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kHalf:
+      return "float16";
+    case c10::kDouble:
+      return "float64";
+    default:
+      fail("no Hugging Face dtype name for ", c10::toString(t));
   }
 }
 

@@ -33,7 +33,7 @@ template <typename... Args>
 }  // namespace automoe
 
 // AUTOMOE_CHECK(cond, "what was expected", value...) — throws automoe::Error when cond is false.
-#define AUTOMOE_CHECK(cond, ...)            \
-  do {                                      \
+#define AUTOMOE_CHECK(cond, ...)               \
+  do {                                         \
     if (!(cond)) ::automoe::fail(__VA_ARGS__); \
   } while (0)

@@ -85,7 +85,8 @@ std::string ConfigReader::first_present(const std::vector<std::string>& keys) co
     if (has(k)) return k;
   }
   std::ostringstream names;
-  for (size_t i = 0; i < keys.size(); ++i) names << (i ? " or \"" : "\"") << prefix_ << keys[i] << "\"";
+  for (size_t i = 0; i < keys.size(); ++i)
+    names << (i ? " or \"" : "\"") << prefix_ << keys[i] << "\"";
   fail(path_, ": missing key ", names.str());
 }
 

@@ -2,10 +2,9 @@
 // that turns a checkpoint's config into a ModelSpec through the architecture registry.
 #pragma once
 
-#include <nlohmann/json_fwd.hpp>
-
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <optional>
 #include <string>
 #include <vector>

@@ -74,9 +74,9 @@ std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule
   const auto n = static_cast<int64_t>(rule.parts.size());
   std::vector<at::Tensor> parts{t};
   if (n > 1) {
-    AUTOMOE_CHECK(t.size(rule.concat_dim) % n == 0, "tensor ", prefix, rule.memory_suffix,
-                  ": dim ", rule.concat_dim, " of size ", t.size(rule.concat_dim),
-                  " does not split into ", n, " equal parts");
+    AUTOMOE_CHECK(t.size(rule.concat_dim) % n == 0, "tensor ", prefix, rule.memory_suffix, ": dim ",
+                  rule.concat_dim, " of size ", t.size(rule.concat_dim), " does not split into ", n,
+                  " equal parts");
     parts = t.chunk(n, rule.concat_dim);
   }
   std::vector<std::pair<std::string, at::Tensor>> out;

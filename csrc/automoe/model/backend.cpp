@@ -10,12 +10,8 @@ namespace {
 // field -> the values this build implements (the first is the default).
 const std::map<std::string, std::vector<std::string>>& implemented() {
   static const std::map<std::string, std::vector<std::string>> fields = {
-      {"attn", {"sdpa", "eager"}},
-      {"experts", {"eager"}},
-      {"rms_norm", {"torch"}},
-      {"rope", {"torch"}},
-      {"swiglu", {"torch"}},
-      {"loss", {"torch"}},
+      {"attn", {"sdpa", "eager"}}, {"experts", {"eager"}}, {"rms_norm", {"torch"}},
+      {"rope", {"torch"}},         {"swiglu", {"torch"}},  {"loss", {"torch"}},
       {"dispatcher", {"local"}},
   };
   return fields;
@@ -41,8 +37,8 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
     }
     const auto& values = it->second;
     if (std::find(values.begin(), values.end(), value) == values.end()) {
-      fail(origin, ": backend ", key, "=\"", value, "\" is not implemented in this build (available: ",
-           join(values), ")");
+      fail(origin, ": backend ", key, "=\"", value,
+           "\" is not implemented in this build (available: ", join(values), ")");
     }
     if (key == "attn") cfg.attn = value == "eager" ? AttnBackend::kEager : AttnBackend::kSdpa;
   }

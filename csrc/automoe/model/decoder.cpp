@@ -63,8 +63,8 @@ Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
     AUTOMOE_CHECK(params_[i].first == layout[i].name, "decoder: parameter ", i, " should be ",
                   layout[i].name, ", got ", params_[i].first);
     AUTOMOE_CHECK(params_[i].second.sizes() == at::IntArrayRef(layout[i].shape), "parameter ",
-                  layout[i].name, ": expected shape ", at::IntArrayRef(layout[i].shape),
-                  ", found ", params_[i].second.sizes());
+                  layout[i].name, ": expected shape ", at::IntArrayRef(layout[i].shape), ", found ",
+                  params_[i].second.sizes());
     index[layout[i].name] = static_cast<int64_t>(i);
   }
   auto at_name = [&](const std::string& n) { return index.count(n) ? index.at(n) : -1; };
@@ -137,8 +137,8 @@ void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
                 "input_ids: expected integer token ids, got dtype ", ids.scalar_type());
   AUTOMOE_CHECK(ids.size(0) > 0 && ids.size(1) > 0, "input_ids: empty batch ", ids.sizes());
   const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-  AUTOMOE_CHECK(lo >= 0 && hi < s.vocab_size, "input_ids: token ids must be in [0, ",
-                s.vocab_size, "), found values in [", lo, ", ", hi, "]");
+  AUTOMOE_CHECK(lo >= 0 && hi < s.vocab_size, "input_ids: token ids must be in [0, ", s.vocab_size,
+                "), found values in [", lo, ", ", hi, "]");
   if (a.attention_mask) {
     AUTOMOE_CHECK(a.attention_mask->sizes() == ids.sizes(), "attention_mask: expected shape ",
                   ids.sizes(), " like input_ids, got ", a.attention_mask->sizes());
@@ -147,8 +147,8 @@ void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
     const auto& pos = *a.position_ids;
     AUTOMOE_CHECK(pos.dim() == 2 && (pos.size(0) == ids.size(0) || pos.size(0) == 1) &&
                       pos.size(1) == ids.size(1),
-                  "position_ids: expected shape [", ids.size(0), " or 1, ", ids.size(1),
-                  "], got ", pos.sizes());
+                  "position_ids: expected shape [", ids.size(0), " or 1, ", ids.size(1), "], got ",
+                  pos.sizes());
     AUTOMOE_CHECK(!at::isFloatingType(pos.scalar_type()), "position_ids: expected integers, got ",
                   pos.scalar_type());
   }
@@ -171,7 +171,8 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
                                      bool need_explicit, bool* fully_masked_rows) {
   const int64_t S = a.input_ids.size(1);
   const auto dev = a.input_ids.device();
-  const at::Tensor q_idx = at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).view({S, 1});
+  const at::Tensor q_idx =
+      at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).view({S, 1});
   const at::Tensor k_idx = q_idx.view({1, S});
   at::Tensor allowed = k_idx.le(q_idx);  // [S, S]
   bool plain = true;
@@ -197,9 +198,9 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
   if (plain && !need_explicit) return std::nullopt;
   if (fully_masked_rows) *fully_masked_rows = !allowed.any(-1).all().item<bool>();
   const double lowest = dtype == at::kBFloat16 ? -3.3895313892515355e38
-                        : dtype == at::kHalf    ? -65504.0
-                        : dtype == at::kDouble  ? std::numeric_limits<double>::lowest()
-                                                : std::numeric_limits<float>::lowest();
+                        : dtype == at::kHalf   ? -65504.0
+                        : dtype == at::kDouble ? std::numeric_limits<double>::lowest()
+                                               : std::numeric_limits<float>::lowest();
   return at::zeros(allowed.sizes(), at::TensorOptions().dtype(dtype).device(dev))
       .masked_fill(allowed.logical_not(), lowest);
 }
@@ -207,8 +208,8 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
 }  // namespace
 
 at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
-                              const at::Tensor& sin_BSD,
-                              const std::optional<at::Tensor>& mask, bool eager) const {
+                              const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
+                              bool eager) const {
   const int64_t B = x_BSH.size(0), S = x_BSH.size(1), D = spec_.head_dim;
   const int64_t N = spec_.num_heads, KV = spec_.num_kv_heads;
   auto project = [&](int64_t w, int64_t b, int64_t heads) {
@@ -249,12 +250,13 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   at::Tensor h_BSH = at::embedding(p(embed_), a.input_ids.to(at::kLong));
   const c10::ScalarType dtype = h_BSH.scalar_type();
   at::Tensor pos_BS =
-      a.position_ids ? a.position_ids->to(at::kLong).expand({B, S})
-                     : at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, S});
+      a.position_ids
+          ? a.position_ids->to(at::kLong).expand({B, S})
+          : at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, S});
   bool fully_masked_rows = false;
-  const auto mask = build_mask(a, pos_BS, spec_.sliding_window, dtype,
-                               /*need_explicit=*/backend_.attn == AttnBackend::kEager,
-                               &fully_masked_rows);
+  const auto mask =
+      build_mask(a, pos_BS, spec_.sliding_window, dtype,
+                 /*need_explicit=*/backend_.attn == AttnBackend::kEager, &fully_masked_rows);
   // Queries that see no key attend uniformly to every key in Transformers (its mask is finite).
   // The fused SDPA kernels agree in the forward but not in the backward for such rows, so those
   // batches take the reference path and gradients match Transformers exactly.
@@ -264,8 +266,8 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   ForwardResult r;
   for (const LayerIdx& L : layers_) {
     at::Tensor residual = h_BSH;
-    h_BSH = residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask,
-                                 eager_attn);
+    h_BSH =
+        residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask, eager_attn);
     residual = h_BSH;
     const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
     at::Tensor y_TH;

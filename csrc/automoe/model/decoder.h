@@ -34,10 +34,10 @@ struct ForwardArgs {
 };
 
 struct ForwardResult {
-  at::Tensor logits;                       // [B, S, V], model dtype
-  std::optional<at::Tensor> loss;          // cross-entropy (+ coef * aux when router logits on)
-  std::optional<at::Tensor> aux_loss;      // load-balancing loss, when router logits are on
-  std::vector<at::Tensor> router_logits;   // per MoE layer [B*S, E] float32, when on
+  at::Tensor logits;                      // [B, S, V], model dtype
+  std::optional<at::Tensor> loss;         // cross-entropy (+ coef * aux when router logits on)
+  std::optional<at::Tensor> aux_loss;     // load-balancing loss, when router logits are on
+  std::vector<at::Tensor> router_logits;  // per MoE layer [B*S, E] float32, when on
 };
 
 class Decoder {
@@ -60,7 +60,7 @@ class Decoder {
     int64_t input_norm, post_norm;
     int64_t q, k, v, o, q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1, q_norm, k_norm;
     bool moe;
-    int64_t router = -1, gate_up = -1, down = -1;        // MoE
+    int64_t router = -1, gate_up = -1, down = -1;       // MoE
     int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense
   };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }

@@ -43,7 +43,7 @@ struct ModelSpec {
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
   bool attention_bias = false;
-  bool qk_norm = true;  // per-head RMSNorm on q and k before RoPE (Qwen3)
+  bool qk_norm = true;         // per-head RMSNorm on q and k before RoPE (Qwen3)
   int64_t sliding_window = 0;  // 0: full causal attention; else keys within this many positions
   RopeSpec rope;
   Activation hidden_act = Activation::kSilu;

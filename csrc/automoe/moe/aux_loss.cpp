@@ -21,8 +21,9 @@ at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int
       probs_E = probs_E + probs_TE.sum(0);
       rows = rows + static_cast<double>(probs_TE.size(0));
     } else {
-      tokens_E = tokens_E + at::zeros({num_experts}, opts).scatter_add(
-                                0, idx_TK.reshape({-1}), mask_T->repeat_interleave(top_k));
+      tokens_E =
+          tokens_E + at::zeros({num_experts}, opts)
+                         .scatter_add(0, idx_TK.reshape({-1}), mask_T->repeat_interleave(top_k));
       probs_E = probs_E + (probs_TE * mask_T->unsqueeze(-1)).sum(0);
       rows = rows + mask_T->sum();
     }

@@ -25,8 +25,8 @@ py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
                  std::optional<at::Tensor> attention_mask, std::optional<at::Tensor> position_ids,
                  std::optional<at::Tensor> labels, std::optional<bool> output_router_logits,
                  std::optional<double> num_items_in_batch) {
-  ForwardArgs args{input_ids,           std::move(attention_mask), std::move(position_ids),
-                   std::move(labels),   output_router_logits,      num_items_in_batch};
+  ForwardArgs args{input_ids,         std::move(attention_mask), std::move(position_ids),
+                   std::move(labels), output_router_logits,      num_items_in_batch};
   ForwardResult r;
   {
     py::gil_scoped_release no_gil;
@@ -80,15 +80,14 @@ PYBIND11_MODULE(_C, m) {
                              [](const PretrainedModel& self) { return to_string(self.layout); })
       .def_property_readonly("config_json",
                              [](const PretrainedModel& self) { return self.config.json->dump(); })
-      .def_property_readonly("spec",
-                             [](const PretrainedModel& self) { return spec_dict(self.decoder->spec()); })
-      .def_property_readonly("source_dir", [](const PretrainedModel& self) { return self.source_dir; })
+      .def_property_readonly(
+          "spec", [](const PretrainedModel& self) { return spec_dict(self.decoder->spec()); })
+      .def_property_readonly("source_dir",
+                             [](const PretrainedModel& self) { return self.source_dir; })
       .def("named_parameters",
            [](const PretrainedModel& self) { return self.decoder->named_parameters(); })
-      .def("set_parameter",
-           [](PretrainedModel& self, const std::string& name, const at::Tensor& t) {
-             self.decoder->set_parameter(name, t);
-           })
+      .def("set_parameter", [](PretrainedModel& self, const std::string& name,
+                               const at::Tensor& t) { self.decoder->set_parameter(name, t); })
       .def("backend", [](const PretrainedModel& self) { return self.decoder->backend().to_map(); })
       .def("set_backend",
            [](PretrainedModel& self, const std::map<std::string, std::string>& fields) {
@@ -96,8 +95,7 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("forward", &forward, py::arg("input_ids"), py::arg("attention_mask") = py::none(),
            py::arg("position_ids") = py::none(), py::arg("labels") = py::none(),
-           py::arg("output_router_logits") = py::none(),
-           py::arg("num_items_in_batch") = py::none())
+           py::arg("output_router_logits") = py::none(), py::arg("num_items_in_batch") = py::none())
       .def(
           "save_pretrained",
           [](const PretrainedModel& self, const std::string& dir,

@@ -19,7 +19,8 @@ int64_t positive(const ConfigReader& cfg, const std::string& key, int64_t v) {
 // Keys whose presence means math this engine does not implement.
 void reject_unsupported(const ConfigReader& cfg) {
   if (cfg.has("quantization_config")) {
-    cfg.fail_key("quantization_config", "no quantization (quantized checkpoints are not supported)");
+    cfg.fail_key("quantization_config",
+                 "no quantization (quantized checkpoints are not supported)");
   }
   if (cfg.get_double("attention_dropout", 0.0) != 0.0) {
     cfg.fail_key("attention_dropout", "0.0 (attention dropout is not implemented)");
@@ -28,34 +29,30 @@ void reject_unsupported(const ConfigReader& cfg) {
   if (act != "silu") cfg.fail_key("hidden_act", "\"silu\" (the only activation implemented)");
 }
 
+// Reads the scaling part ("rope_type"/"type", "factor") of a rope_parameters / rope_scaling object.
+void parse_rope_scaling(const ConfigReader& r, RopeSpec* rope) {
+  const std::string type = r.get_string("rope_type", r.get_string("type", "default"));
+  if (type == "linear") {
+    rope->type = RopeType::kLinear;
+    rope->factor = r.get_double("factor");
+    if (rope->factor <= 0) r.fail_key("factor", "a positive number");
+  } else if (type != "default") {
+    r.fail_key("rope_type", "\"default\" or \"linear\" (other RoPE scalings are not implemented)");
+  }
+}
+
 RopeSpec parse_rope(const ConfigReader& cfg) {
   RopeSpec rope;
+  rope.theta = cfg.get_double("rope_theta", 10000.0);
   // Transformers v5 writes "rope_parameters"; v4 checkpoints have "rope_theta" + "rope_scaling".
   if (cfg.has("rope_parameters")) {
-    ConfigReader rp = cfg.child("rope_parameters");
-    rope.theta = rp.get_double("rope_theta", cfg.get_double("rope_theta", 10000.0));
-    const std::string type = rp.get_string("rope_type", rp.get_string("type", "default"));
-    if (type == "linear") {
-      rope.type = RopeType::kLinear;
-      rope.factor = rp.get_double("factor");
-    } else if (type != "default") {
-      rp.fail_key("rope_type", "\"default\" or \"linear\" (other RoPE scalings are not implemented)");
-    }
-  } else {
-    rope.theta = cfg.get_double("rope_theta", 10000.0);
-    if (cfg.has("rope_scaling")) {
-      ConfigReader rs = cfg.child("rope_scaling");
-      const std::string type = rs.get_string("rope_type", rs.get_string("type", "default"));
-      if (type == "linear") {
-        rope.type = RopeType::kLinear;
-        rope.factor = rs.get_double("factor");
-      } else if (type != "default") {
-        rs.fail_key("rope_type", "\"default\" or \"linear\" (other RoPE scalings are not implemented)");
-      }
-    }
+    const ConfigReader rp = cfg.child("rope_parameters");
+    rope.theta = rp.get_double("rope_theta", rope.theta);
+    parse_rope_scaling(rp, &rope);
+  } else if (cfg.has("rope_scaling")) {
+    parse_rope_scaling(cfg.child("rope_scaling"), &rope);
   }
   if (rope.theta <= 0) cfg.fail_key("rope_theta", "a positive number");
-  if (rope.factor <= 0) cfg.fail_key("rope_parameters", "a positive \"factor\"");
   return rope;
 }
 
@@ -67,7 +64,8 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
   s.hidden_size = positive(cfg, "hidden_size", cfg.get_int("hidden_size"));
   s.num_layers = positive(cfg, "num_hidden_layers", cfg.get_int("num_hidden_layers"));
   s.num_heads = positive(cfg, "num_attention_heads", cfg.get_int("num_attention_heads"));
-  s.num_kv_heads = positive(cfg, "num_key_value_heads", cfg.get_int("num_key_value_heads", s.num_heads));
+  s.num_kv_heads =
+      positive(cfg, "num_key_value_heads", cfg.get_int("num_key_value_heads", s.num_heads));
   if (s.num_heads % s.num_kv_heads != 0) {
     cfg.fail_key("num_key_value_heads",
                  "a divisor of num_attention_heads (" + std::to_string(s.num_heads) + ")");
@@ -105,8 +103,7 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
   const std::vector<int64_t> mlp_only = cfg.get_int_list("mlp_only_layers");
   for (int64_t l : mlp_only) {
     if (l < 0 || l >= s.num_layers) {
-      cfg.fail_key("mlp_only_layers",
-                   "layer indices in [0, " + std::to_string(s.num_layers) + ")");
+      cfg.fail_key("mlp_only_layers", "layer indices in [0, " + std::to_string(s.num_layers) + ")");
     }
   }
   s.layer_is_moe.resize(s.num_layers);

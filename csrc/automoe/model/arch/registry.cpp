@@ -26,8 +26,8 @@ const Architecture& find_architecture(const std::string& model_type, const std::
   }
   std::ostringstream names;
   for (const auto& t : supported_model_types()) names << (names.tellp() > 0 ? ", " : "") << t;
-  fail(origin, ": model_type \"", model_type, "\" is not implemented by AutoMoE (supported: ",
-       names.str(), ")");
+  fail(origin, ": model_type \"", model_type,
+       "\" is not implemented by AutoMoE (supported: ", names.str(), ")");
 }
 
 }  // namespace automoe

@@ -13,8 +13,8 @@ namespace automoe {
 class ConfigReader;
 
 struct Architecture {
-  std::string model_type;                      // config.json "model_type"
-  std::string hf_class;                        // e.g. "Qwen3MoeForCausalLM"
+  std::string model_type;                       // config.json "model_type"
+  std::string hf_class;                         // e.g. "Qwen3MoeForCausalLM"
   ModelSpec (*parse)(const ConfigReader& cfg);  // throws automoe::Error on unsupported values
   // Rules between the fused in-memory experts and the per-expert on-disk layout.
   std::vector<WeightRule> per_expert_rules;

@@ -5,8 +5,8 @@
 namespace automoe::ops {
 
 at::Tensor rope_inv_freq(int64_t head_dim, double theta, double factor) {
-  const at::Tensor exponent = at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) /
-                              static_cast<double>(head_dim);
+  const at::Tensor exponent =
+      at::arange(0, head_dim, 2, at::kLong).to(at::kFloat) / static_cast<double>(head_dim);
   at::Tensor inv_freq = 1.0 / at::pow(theta, exponent);
   return factor == 1.0 ? inv_freq : inv_freq / factor;
 }
