@@ -15,8 +15,28 @@ from typing import Any
 import torch
 from torch import nn
 
-from automoe import _C
 from automoe.backend import BackendConfig
+
+
+def _load_engine():
+    """Imports automoe._C after checking it was compiled against the torch that is installed
+    (LibTorch's C++ ABI changes between releases: a mismatch would fail with undefined symbols)."""
+    try:
+        from automoe._build_info import TORCH_VERSION as built_with
+    except ImportError as e:
+        raise ImportError("automoe: the engine is not built; run `make` (or `pip install .`)") from e
+    if built_with != torch.__version__:
+        raise ImportError(
+            f"automoe was compiled against torch {built_with} but torch {torch.__version__} is "
+            "installed; rebuild it against this torch: `make` in the repository, or "
+            "`pip install --no-build-isolation .`"
+        )
+    from automoe import _C
+
+    return _C
+
+
+_C = _load_engine()
 
 AutoMoEError = _C.AutoMoEError
 
