@@ -20,6 +20,7 @@ build: setup $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j 2
 
 test-cpp: build
+	@test -x $(BUILD)/automoe_tests || { echo "make: C++ tests were not built (GoogleTest missing?)"; exit 1; }
 	cd $(BUILD) && ctest --output-on-failure -j 2
 
 test-python: build

@@ -17,6 +17,9 @@ commands:
   convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
                  [--max-shard-size BYTES]
                               rewrite a checkpoint with the other experts layout (bit-exact)
+  bench [--preset NAME | --config FILE] [--batch B --seq S --steps N ...]
+                              time training steps of a random Qwen3-MoE (see bench --help and
+                              bench/compare_hf.py for the side-by-side with Transformers)
 )";
 
 }  // namespace
@@ -31,6 +34,7 @@ int main(int argc, char** argv) {
   try {
     if (cmd == "inspect") return automoe::cli::inspect(args);
     if (cmd == "convert") return automoe::cli::convert(args);
+    if (cmd == "bench") return automoe::cli::bench(args);
     std::cerr << "automoe: unknown command \"" << cmd << "\"\n\n" << kUsage;
     return 2;
   } catch (const automoe::Error& e) {

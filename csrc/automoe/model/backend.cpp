@@ -13,6 +13,7 @@ const std::map<std::string, std::vector<std::string>>& implemented() {
       {"attn", {"sdpa", "eager"}}, {"experts", {"eager"}}, {"rms_norm", {"torch"}},
       {"rope", {"torch"}},         {"swiglu", {"torch"}},  {"loss", {"torch"}},
       {"dispatcher", {"local"}},
+      {"fake_balanced_gate", {"false", "true"}},
   };
   return fields;
 }
@@ -41,6 +42,7 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
            "\" is not implemented in this build (available: ", join(values), ")");
     }
     if (key == "attn") cfg.attn = value == "eager" ? AttnBackend::kEager : AttnBackend::kSdpa;
+    if (key == "fake_balanced_gate") cfg.fake_balanced_gate = value == "true";
   }
   return cfg;
 }
@@ -50,6 +52,7 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   for (const auto& [k, v] : implemented()) out[k] = v.front();
   out["attn"] = attn == AttnBackend::kEager ? "eager" : "sdpa";
   out["experts"] = "eager";
+  out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
   return out;
 }
 

@@ -13,6 +13,9 @@ enum class ExpertsBackend { kEager };
 struct BackendConfig {
   AttnBackend attn = AttnBackend::kSdpa;
   ExpertsBackend experts = ExpertsBackend::kEager;
+  // Round-robin routing (token t -> experts (t*K + k) mod E, weights 1/K) for performance
+  // measurements with perfectly balanced experts, as NeMo AutoModel's benchmarks do.
+  bool fake_balanced_gate = false;
 
   // From {"attn": "sdpa", ...}; an unknown field or value is an automoe::Error naming it and the
   // accepted values; `origin` says where the map came from (a recipe key, a Python argument).

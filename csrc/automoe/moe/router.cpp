@@ -13,4 +13,15 @@ Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH
   return {logits_TE, top_TK.to(x_TH.scalar_type()), idx_TK};
 }
 
+Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                          const MoESpec& moe) {
+  const int64_t T = x_TH.size(0), K = moe.top_k, E = moe.num_experts;
+  at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  const at::Tensor idx_TK =
+      at::arange(T * K, at::TensorOptions().dtype(at::kLong).device(x_TH.device())).remainder(E).view({T, K});
+  // 1/K, tied to the logits so that the router still receives a (zero) gradient.
+  const at::Tensor weights_TK = (logits_TE.narrow(1, 0, 1) * 0 + 1.0 / K).expand({T, K});
+  return {logits_TE, weights_TK.to(x_TH.scalar_type()).contiguous(), idx_TK};
+}
+
 }  // namespace automoe::moe

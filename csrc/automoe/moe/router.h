@@ -17,4 +17,8 @@ struct Routing {
 Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                            const MoESpec& moe);
 
+// Round-robin routing for benchmarks: idx[t, k] = (t*K + k) mod E, weights 1/K; the router logits
+// are still computed (and differentiable) so that the router's cost and gradient stay in the step.
+Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH, const MoESpec& moe);
+
 }  // namespace automoe::moe

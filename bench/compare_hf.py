@@ -1,0 +1,366 @@
+#!/usr/bin/env python
+"""Side-by-side training-step benchmark: AutoMoE against Transformers v5, in one run.
+
+    python bench/compare_hf.py --preset cpu-small
+    python bench/compare_hf.py --preset qwen3-30b-a3b-L4 --device cuda --fake-balanced-gate
+
+The model is a Qwen3-MoE with random weights whose config.json comes from `automoe bench
+--print-config` (a named preset or --config FILE), so both sides build the same model. Each side
+runs in its own process (peak memory is per process): the same batch of random tokens, dtype and
+AdamW, warm-up steps then timed steps. Transformers runs with attn_implementation="sdpa" and each
+experts_implementation in --impls that runs; the best of them is the baseline.
+
+Reported per side: tokens/s = tokens / (forward + loss + backward) (NeMo AutoModel's definition),
+forward/backward/optimizer ms (medians over timed steps), TFLOP/s and MFU from one analytic FLOPs
+formula (csrc/automoe/train/flops.h, the same number for both sides), peak memory (GPU:
+max_memory_allocated; CPU: the process's peak RSS, and the part of it above the RSS before the
+model was built), and the ratios AutoMoE / baseline. MFU is against the bf16/fp32 matmul
+throughput measured in the same run (large at::mm), and on GPU against the datasheet peak too.
+
+Writes OUT/results.json, OUT/results.md and OUT/chart.png; prints the Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_BIN = REPO / "python" / "automoe" / "bin" / "automoe"
+HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
+# Dense bf16 tensor-core peak from NVIDIA's datasheets (TFLOP/s), keyed by a substring of the name.
+DATASHEET_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}
+
+# Every per-side record has these fields (tested).
+SIDE_FIELDS = (
+    "side", "impl", "device", "dtype", "batch", "seq", "tokens_per_step", "warmup", "steps",
+    "fake_balanced_gate", "num_parameters", "forward_ms", "backward_ms", "optimizer_ms",
+    "step_ms", "tokens_per_s", "train_flops_per_token", "tflops", "mfu_measured",
+    "mfu_datasheet", "peak_memory_bytes", "peak_memory_kind", "model_memory_bytes",
+    "loss_first", "loss_last", "speedup_vs_baseline", "memory_vs_baseline", "error",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# The Transformers side (runs in a child process: `compare_hf.py --hf-side ...`)
+# ---------------------------------------------------------------------------------------------
+def _rss_now() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def _patch_round_robin_router() -> None:
+    """Round-robin routing for Transformers' Qwen3-MoE router, as `automoe bench` does it."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as m
+
+    def forward(self, hidden_states):
+        hs = hidden_states.reshape(-1, self.hidden_dim)
+        logits = F.linear(hs, self.weight)
+        T = hs.shape[0]
+        idx = (torch.arange(T * self.top_k, device=hs.device) % self.num_experts).view(T, self.top_k)
+        scores = (logits[:, :1] * 0 + 1.0 / self.top_k).expand(T, self.top_k).to(logits.dtype)
+        return logits, scores, idx
+
+    m.Qwen3MoeTopKRouter.forward = forward
+
+
+def run_hf_side(args) -> dict:
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    raw = json.loads(Path(args.config).read_text())
+    for key in ("model_type", "architectures", "dtype", "transformers_version"):
+        raw.pop(key, None)
+    dtype = getattr(torch, args.dtype)
+    device = torch.device(args.device)
+    if args.fake_balanced_gate:
+        _patch_round_robin_router()
+    rss_before = _rss_now()
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(
+        Qwen3MoeConfig(**raw), dtype=dtype, attn_implementation="sdpa",
+        experts_implementation=args.impl,
+    ).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    ids = torch.randint(0, raw["vocab_size"], (args.batch, args.seq), generator=g).to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    fwd, bwd, optim, losses = [], [], [], []
+    for step in range(args.warmup + args.steps):
+        sync()
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        sync()
+        t1 = time.perf_counter()
+        loss.backward()
+        sync()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        t3 = time.perf_counter()
+        losses.append(loss.item())
+        if step >= args.warmup:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+            optim.append((t3 - t2) * 1e3)
+    f, b, o = statistics.median(fwd), statistics.median(bwd), statistics.median(optim)
+    tokens = args.batch * args.seq
+    out = dict(
+        side="transformers", impl=f"transformers {args.impl} (sdpa)", device=args.device,
+        dtype=args.dtype, batch=args.batch, seq=args.seq, tokens_per_step=tokens,
+        warmup=args.warmup, steps=args.steps, fake_balanced_gate=args.fake_balanced_gate,
+        num_parameters=sum(p.numel() for p in model.parameters()), forward_ms=f, backward_ms=b,
+        optimizer_ms=o, step_ms=f + b + o, tokens_per_s=tokens / ((f + b) * 1e-3),
+        loss_first=losses[0], loss_last=losses[-1], threads=torch.get_num_threads(),
+    )
+    if device.type == "cuda":
+        out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        out["peak_memory_kind"] = "cuda max_memory_allocated"
+    else:
+        out["peak_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        out["peak_memory_kind"] = "process peak RSS"
+        out["baseline_memory_bytes"] = rss_before
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The orchestrator
+# ---------------------------------------------------------------------------------------------
+def run_json(cmd: list[str], timeout: float) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+    start = proc.stdout.index("{")
+    return json.loads(proc.stdout[start:])
+
+
+def common_flags(args) -> list[str]:
+    flags = ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
+             "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device,
+             "--seed", str(args.seed)]
+    return flags + (["--fake-balanced-gate"] if args.fake_balanced_gate else [])
+
+
+def finish(record: dict, flops_per_token: float, peak_tflops: float | None,
+           datasheet_tflops: float | None) -> dict:
+    r = {k: None for k in SIDE_FIELDS}
+    r.update(record)
+    if r.get("tokens_per_s"):
+        r["train_flops_per_token"] = flops_per_token
+        r["tflops"] = flops_per_token * r["tokens_per_s"] / 1e12
+        r["mfu_measured"] = r["tflops"] / peak_tflops if peak_tflops else None
+        r["mfu_datasheet"] = r["tflops"] / datasheet_tflops if datasheet_tflops else None
+    if r.get("baseline_memory_bytes") is not None and r.get("peak_memory_bytes") is not None:
+        r["model_memory_bytes"] = r["peak_memory_bytes"] - r["baseline_memory_bytes"]
+    elif r.get("peak_memory_bytes") is not None:
+        r["model_memory_bytes"] = r["peak_memory_bytes"]  # GPU: allocator peak is the model's
+    return r
+
+
+def gpu_name() -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def versions() -> dict:
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version()}
+
+
+def fmt(x, spec: str, unit: str = "") -> str:
+    return "—" if x is None else f"{x:{spec}}{unit}"
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [
+        f"**{m['model']}** · batch {m['batch']} × seq {m['seq']} · {m['dtype']} · {m['device']} "
+        f"({m['machine']}) · routing {'round-robin (fake balanced gate)' if m['fake_balanced_gate'] else 'real'} "
+        f"· {m['steps']} timed steps after {m['warmup']} warm-up · {m['date']}",
+        "",
+        f"torch {m['versions']['torch']}, transformers {m['versions']['transformers']}; "
+        f"measured matmul peak: bf16 {fmt(m['peak_tflops'].get('bfloat16'), '.3f')} TFLOP/s, "
+        f"fp32 {fmt(m['peak_tflops'].get('float32'), '.3f')} TFLOP/s"
+        + (f"; datasheet bf16 {m['datasheet_bf16_tflops']} TFLOP/s" if m.get("datasheet_bf16_tflops") else ""),
+        "",
+        "| side | tokens/s | fwd ms | bwd ms | optim ms | TFLOP/s | MFU (measured peak) | peak memory | model memory | tokens/s vs baseline | memory vs baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["sides"]:
+        if r.get("error"):
+            lines.append(f"| {r['impl']} | failed: {r['error'].splitlines()[-1][:80]} |" + " |" * 10)
+            continue
+        gib = lambda b: fmt(None if b is None else b / 2**30, ".2f", " GiB")  # noqa: E731
+        lines.append(
+            f"| {r['impl']}{' (baseline)' if r.get('is_baseline') else ''} | {r['tokens_per_s']:.1f} | "
+            f"{r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | "
+            f"{fmt(r['tflops'], '.4f')} | {fmt(None if r['mfu_measured'] is None else 100 * r['mfu_measured'], '.1f', ' %')} | "
+            f"{gib(r['peak_memory_bytes'])} | {gib(r['model_memory_bytes'])} | "
+            f"{fmt(r['speedup_vs_baseline'], '.2f', '×')} | {fmt(r['memory_vs_baseline'], '.2f', '×')} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def chart(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in result["sides"] if not r.get("error")]
+    names = [r["impl"].replace(" (", "\n(") for r in ok]
+    colors = ["#76b900" if r["side"] == "automoe" else "#888888" for r in ok]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].bar(names, [r["tokens_per_s"] for r in ok], color=colors)
+    axes[0].set_title("tokens/s (forward + backward)")
+    axes[1].bar(names, [(r["model_memory_bytes"] or 0) / 2**30 for r in ok], color=colors)
+    axes[1].set_title("peak memory above start-up (GiB)")
+    for ax in axes:
+        ax.tick_params(axis="x", labelsize=7)
+    fig.suptitle(result["meta"]["model"] + f" · {result['meta']['device']} · {result['meta']['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def record(result: dict, doc: Path) -> None:
+    """Replaces (or appends) this configuration's section of docs/performance.md."""
+    m = result["meta"]
+    key = f"{m['model']}:{m['device']}:{m['dtype']}:{'fake' if m['fake_balanced_gate'] else 'real'}"
+    begin, end = f"<!-- bench {key} -->", f"<!-- /bench {key} -->"
+    section = f"{begin}\n{markdown(result)}{end}\n"
+    text = doc.read_text() if doc.exists() else "# Performance\n\n"
+    if begin in text and end in text:
+        pre, rest = text.split(begin, 1)
+        text = pre + section + rest.split(end, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    doc.write_text(text)
+
+
+def orchestrate(args) -> dict:
+    exe = str(args.automoe)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    source = ["--config", args.config] if args.config else ["--preset", args.preset]
+    described = run_json([exe, "bench", *source, "--seq", str(args.seq), "--print-config"], 60)
+    config_path = out / "config.json"
+    config_path.write_text(json.dumps(described["config"], indent=2))
+    flops_per_token = described["train_flops_per_token"]
+    peak = run_json([exe, "bench", "--peak", "--device", args.device], 600)["matmul_peak"]
+    peak_tflops = {k: v["tflops"] for k, v in peak.items()}
+    gpu = gpu_name() if args.device == "cuda" else None
+    datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if gpu and k in gpu), None)
+    datasheet = datasheet if args.dtype == "bfloat16" else None
+
+    records = []
+    for impl in args.impls.split(","):
+        cmd = [sys.executable, __file__, "--hf-side", "--config", str(config_path), "--impl", impl,
+               *common_flags(args)]
+        try:
+            records.append(run_json(cmd, args.timeout))
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            records.append(dict(side="transformers", impl=f"transformers {impl} (sdpa)", error=str(e)))
+    try:
+        records.append(run_json([exe, "bench", "--config", str(config_path), *common_flags(args)],
+                                args.timeout))
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        records.append(dict(side="automoe", impl="automoe", error=str(e)))
+
+    sides = [finish(r, flops_per_token, peak_tflops.get(args.dtype), datasheet) for r in records]
+    hf_ok = [r for r in sides if r["side"] == "transformers" and not r.get("error")]
+    base = max(hf_ok, key=lambda r: r["tokens_per_s"]) if hf_ok else None
+    for r in sides:
+        r["is_baseline"] = r is base
+        if base and not r.get("error"):
+            r["speedup_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+            if r["model_memory_bytes"] and base["model_memory_bytes"]:
+                r["memory_vs_baseline"] = r["model_memory_bytes"] / base["model_memory_bytes"]
+
+    model = args.preset if not args.config else Path(args.config).name
+    machine = gpu or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    result = dict(
+        meta=dict(model=model, batch=args.batch, seq=args.seq, dtype=args.dtype, device=args.device,
+                  machine=machine, warmup=args.warmup, steps=args.steps,
+                  fake_balanced_gate=args.fake_balanced_gate, versions=versions(),
+                  date=_dt.date.today().isoformat(), peak_tflops=peak_tflops,
+                  datasheet_bf16_tflops=datasheet, train_flops_per_token=flops_per_token,
+                  baseline=base["impl"] if base else None),
+        sides=sides,
+    )
+    (out / "results.json").write_text(json.dumps(result, indent=2))
+    (out / "results.md").write_text(markdown(result))
+    try:
+        chart(result, out / "chart.png")
+    except ImportError as e:  # matplotlib is in requirements.txt; say so rather than fail the run
+        print(f"compare_hf: no chart ({e})", file=sys.stderr)
+    if args.record:
+        record(result, Path(args.record))
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu-small")
+    p.add_argument("--config", help="a Qwen3-MoE config.json instead of a preset")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fake-balanced-gate", action="store_true")
+    p.add_argument("--impls", default=",".join(HF_IMPLS), help="Transformers experts_implementation values")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
+    p.add_argument("--record", help="also update this Markdown file (docs/performance.md)")
+    # internal: run one Transformers side and print its JSON
+    p.add_argument("--hf-side", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", default="eager", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.hf_side:
+        os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        print(json.dumps(run_hf_side(args), indent=2))
+        return 0
+    if not Path(args.automoe).exists():
+        p.error(f"{args.automoe} not found: build AutoMoE first (make)")
+    result = orchestrate(args)
+    print(markdown(result))
+    print(f"wrote {Path(args.out) / 'results.json'}, results.md, chart.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

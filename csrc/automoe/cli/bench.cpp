@@ -1,0 +1,306 @@
+// `automoe bench`: the AutoMoE side of the side-by-side benchmark (bench/compare_hf.py runs the
+// Transformers side). Builds a random Qwen3-MoE from a preset or config.json, runs warm-up then
+// timed training steps (forward + loss, backward, AdamW) and reports times, tokens/s and peak
+// memory as JSON. `--peak` measures the machine's matmul throughput (large at::mm) instead.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <sys/resource.h>
+#include <torch/cuda.h>
+#include <torch/optim/adamw.h>
+#include <torch/version.h>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <iostream>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "automoe/bench/presets.h"
+#include "automoe/cli/commands.h"
+#include "automoe/core/dtype.h"
+#include "automoe/core/error.h"
+#include "automoe/io/hf_config.h"
+#include "automoe/model/init.h"
+#include "automoe/train/flops.h"
+
+#ifdef AUTOMOE_TORCH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
+
+namespace automoe::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using nlohmann::json;
+
+constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config FILE] [options]
+  --preset NAME          cpu-small | cpu-medium | qwen3-30b-a3b-L{n}   (default cpu-small)
+  --config FILE          a Qwen3-MoE config.json instead of a preset
+  --batch B --seq S      micro-batch and sequence length                (default 2 x 256)
+  --warmup N --steps N   untimed and timed training steps               (default 1, 3)
+  --dtype NAME           parameter and compute dtype                    (default bfloat16)
+  --device cpu|cuda      (default cpu)
+  --attn sdpa|eager      attention backend                              (default sdpa)
+  --fake-balanced-gate   round-robin routing (balanced experts)
+  --seed N               weights and tokens                             (default 0)
+  --json FILE            also write the result there
+  --print-config         print the preset's config.json and FLOPs per token, run nothing
+  --peak                 measure bf16 and fp32 matmul throughput (at::mm) on the device
+)";
+
+struct Options {
+  std::string preset = "cpu-small";
+  std::string config_file;
+  int64_t batch = 2, seq = 256, warmup = 1, steps = 3;
+  uint64_t seed = 0;
+  c10::ScalarType dtype = c10::kBFloat16;
+  std::string device = "cpu";
+  std::string attn = "sdpa";
+  bool fake_gate = false, print_config = false, peak = false;
+  std::string json_out;
+};
+
+int64_t to_int(const std::string& flag, const std::string& v, int64_t min) {
+  int64_t n = 0;
+  try {
+    size_t used = 0;
+    n = std::stoll(v, &used);
+    AUTOMOE_CHECK(used == v.size(), "");
+  } catch (const std::exception&) {
+    fail(flag, ": expected an integer, got \"", v, "\"");
+  }
+  AUTOMOE_CHECK(n >= min, flag, ": expected >= ", min, ", got ", n);
+  return n;
+}
+
+Options parse(const Args& args) {
+  Options o;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& a = args[i];
+    auto value = [&]() -> const std::string& {
+      AUTOMOE_CHECK(i + 1 < args.size(), a, " needs a value\n", kUsage);
+      return args[++i];
+    };
+    if (a == "--preset") o.preset = value();
+    else if (a == "--config") o.config_file = value();
+    else if (a == "--batch") o.batch = to_int(a, value(), 1);
+    else if (a == "--seq") o.seq = to_int(a, value(), 1);
+    else if (a == "--warmup") o.warmup = to_int(a, value(), 0);
+    else if (a == "--steps") o.steps = to_int(a, value(), 1);
+    else if (a == "--seed") o.seed = static_cast<uint64_t>(to_int(a, value(), 0));
+    else if (a == "--dtype") o.dtype = dtype_from_name(value(), "--dtype");
+    else if (a == "--device") o.device = value();
+    else if (a == "--attn") o.attn = value();
+    else if (a == "--json") o.json_out = value();
+    else if (a == "--fake-balanced-gate") o.fake_gate = true;
+    else if (a == "--print-config") o.print_config = true;
+    else if (a == "--peak") o.peak = true;
+    else if (a == "-h" || a == "--help") {
+      std::cout << kUsage;
+      std::exit(0);
+    } else {
+      fail("unknown option ", a, "\n", kUsage);
+    }
+  }
+  AUTOMOE_CHECK(o.device == "cpu" || o.device == "cuda", "--device: expected cpu or cuda, got ",
+                o.device);
+  AUTOMOE_CHECK(o.device == "cpu" || torch::cuda::is_available(),
+                "--device cuda: no CUDA device is visible to this torch");
+  return o;
+}
+
+void sync(const c10::Device& dev) {
+  if (dev.is_cuda()) torch::cuda::synchronize();
+}
+
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+// Resident memory now (VmRSS) and at its peak (ru_maxrss), in bytes.
+int64_t rss_now() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+int64_t rss_peak() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+void emit(const json& j, const std::string& path) {
+  std::cout << j.dump(2) << "\n";
+  if (!path.empty()) {
+    std::ofstream out(path);
+    AUTOMOE_CHECK(out.good(), "--json ", path, ": cannot open for writing");
+    out << j.dump(2) << "\n";
+  }
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+// Matmul throughput of the device: square at::mm large enough to reach the BLAS's steady state,
+// best of the two operand layouts (on CPUs without native bf16, a*b and a*b^T differ by 10x and
+// more; the model's linear layers use the b^T layout).
+json measure_peak(const c10::Device& dev) {
+  json out = json::object();
+  // CPU: without native bf16 matmul (no AVX512-BF16/AMX) bf16 at::mm is orders of magnitude
+  // slower than fp32; a smaller n keeps that measurement to seconds.
+  const int64_t n = dev.is_cuda() ? 8192 : 1024;
+  const int reps = dev.is_cuda() ? 20 : 2;
+  for (auto dtype : {c10::kBFloat16, c10::kFloat}) {
+    const auto opts = at::TensorOptions().dtype(dtype).device(dev);
+    const at::Tensor a = at::randn({n, n}, opts), b = at::randn({n, n}, opts);
+    at::Tensor c = at::empty({n, n}, opts);
+    double best_ms = std::numeric_limits<double>::infinity();
+    std::string best_layout;
+    for (const std::string layout : {"a*b", "a*b^T"}) {
+      const at::Tensor rhs = layout == "a*b" ? b : b.t();
+      at::mm_out(c, a, rhs);  // warm-up
+      sync(dev);
+      for (int r = 0; r < reps; ++r) {
+        const auto t0 = Clock::now();
+        at::mm_out(c, a, rhs);
+        sync(dev);
+        const double ms = ms_since(t0);
+        if (ms < best_ms) best_ms = ms, best_layout = layout;
+      }
+    }
+    out[dtype_to_name(dtype)] = {{"n", n},
+                                 {"ms", best_ms},
+                                 {"layout", best_layout},
+                                 {"tflops", 2.0 * n * n * n / (best_ms * 1e-3) / 1e12}};
+  }
+  return out;
+}
+
+}  // namespace
+
+int bench(const Args& args) {
+  const Options o = parse(args);
+  const c10::Device dev(o.device == "cuda" ? c10::kCUDA : c10::kCPU);
+  if (o.peak) {
+    emit({{"device", o.device}, {"threads", at::get_num_threads()}, {"matmul_peak", measure_peak(dev)}},
+         o.json_out);
+    return 0;
+  }
+
+  std::string text, origin;
+  if (!o.config_file.empty()) {
+    std::ifstream in(o.config_file);
+    AUTOMOE_CHECK(in.good(), o.config_file, ": cannot open config");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+    origin = o.config_file;
+  } else {
+    text = bench::preset_config_json(o.preset);
+    origin = "preset " + o.preset;
+  }
+  const LoadedConfig cfg = parse_config(text, origin);
+  const ModelSpec& spec = cfg.spec;
+  const double flops_per_token = training_flops_per_token(spec, o.seq);
+  if (o.print_config) {
+    emit({{"config", *cfg.json}, {"seq", o.seq}, {"train_flops_per_token", flops_per_token}},
+         o.json_out);
+    return 0;
+  }
+
+  const int64_t rss_before = rss_now();
+  BackendConfig backend = BackendConfig::from_map({{"attn", o.attn}}, "--attn");
+  backend.fake_balanced_gate = o.fake_gate;
+  NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
+  std::vector<at::Tensor> leaves;
+  int64_t num_params = 0;
+  for (auto& [name, t] : params) {
+    t.requires_grad_(true);
+    leaves.push_back(t);
+    num_params += t.numel();
+  }
+  const Decoder model(spec, backend, std::move(params));
+  torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+#ifdef AUTOMOE_TORCH_CUDA
+  if (dev.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index() < 0 ? 0 : dev.index());
+#endif
+
+  at::Generator gen = at::detail::createCPUGenerator(o.seed + 1);
+  const at::Tensor ids = at::randint(0, spec.vocab_size, {o.batch, o.seq}, gen).to(dev);
+  std::vector<double> fwd, bwd, optim, losses;
+  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    sync(dev);
+    auto t0 = Clock::now();
+    const ForwardResult r = model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt});
+    const at::Tensor loss = *r.loss;
+    sync(dev);
+    const double f = ms_since(t0);
+    t0 = Clock::now();
+    loss.backward();
+    sync(dev);
+    const double b = ms_since(t0);
+    t0 = Clock::now();
+    opt.step();
+    opt.zero_grad(/*set_to_none=*/true);
+    sync(dev);
+    const double s = ms_since(t0);
+    losses.push_back(loss.item<double>());
+    if (step >= o.warmup) {
+      fwd.push_back(f);
+      bwd.push_back(b);
+      optim.push_back(s);
+    }
+  }
+
+  const double tokens = static_cast<double>(o.batch * o.seq);
+  const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
+  json j = {
+      {"side", "automoe"},
+      {"impl", "automoe (experts=eager, attn=" + o.attn + ")"},
+      {"device", o.device},
+      {"dtype", dtype_to_name(o.dtype)},
+      {"batch", o.batch},
+      {"seq", o.seq},
+      {"tokens_per_step", tokens},
+      {"warmup", o.warmup},
+      {"steps", o.steps},
+      {"fake_balanced_gate", o.fake_gate},
+      {"num_parameters", num_params},
+      {"forward_ms", fwd_ms},
+      {"backward_ms", bwd_ms},
+      {"optimizer_ms", opt_ms},
+      {"step_ms", fwd_ms + bwd_ms + opt_ms},
+      {"tokens_per_s", tokens / ((fwd_ms + bwd_ms) * 1e-3)},
+      {"train_flops_per_token", flops_per_token},
+      {"loss_first", losses.front()},
+      {"loss_last", losses.back()},
+      {"threads", at::get_num_threads()},
+      {"torch_version", TORCH_VERSION},
+  };
+  if (dev.is_cuda()) {
+#ifdef AUTOMOE_TORCH_CUDA
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
+    j["peak_memory_bytes"] = stats.allocated_bytes[0].peak;
+    j["peak_memory_kind"] = "cuda max_memory_allocated";
+#else
+    j["peak_memory_bytes"] = nullptr;
+    j["peak_memory_kind"] = "unavailable (built without CUDA headers)";
+#endif
+  } else {
+    j["peak_memory_bytes"] = rss_peak();
+    j["peak_memory_kind"] = "process peak RSS";
+    j["baseline_memory_bytes"] = rss_before;
+  }
+  emit(j, o.json_out);
+  return 0;
+}
+
+}  // namespace automoe::cli

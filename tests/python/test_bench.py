@@ -1,0 +1,71 @@
+"""The side-by-side benchmark harness end to end on a tiny config (1 timed step): both sides run,
+the FLOPs formula is the hand-counted one, and the JSON has every field."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from conftest import AUTOMOE_BIN, REPO
+
+TINY = {
+    "model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 16, "intermediate_size": 24,
+    "moe_intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "head_dim": 8, "num_experts": 4, "num_experts_per_tok": 2,
+    "mlp_only_layers": [1], "dtype": "float32",
+}
+
+
+def hand_count_train_flops(seq: int) -> float:
+    H, N, KV, D, E, K, I, Id, V = 16, 2, 1, 8, 4, 2, 8, 24, 64
+    attn = 2 * H * N * D + 2 * 2 * H * KV * D + 2 * N * D * H + 2 * 2 * N * D * (seq + 1) / 2
+    moe = 2 * H * E + K * (2 * H * 2 * I + 2 * I * H)
+    dense = 2 * H * 2 * Id + 2 * Id * H
+    return 3 * (attn + moe + attn + dense + 2 * H * V)
+
+
+def test_compare_hf_runs_both_sides_and_writes_every_field(tmp_path):
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    out = tmp_path / "out"
+    doc = tmp_path / "performance.md"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "compare_hf.py"), "--config", str(cfg), "--batch", "2",
+         "--seq", "12", "--warmup", "0", "--steps", "1", "--dtype", "float32", "--impls", "eager",
+         "--fake-balanced-gate", "--out", str(out), "--record", str(doc), "--automoe", str(AUTOMOE_BIN)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads((out / "results.json").read_text())
+    sides = {r["side"]: r for r in result["sides"]}
+    assert set(sides) == {"transformers", "automoe"}
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from compare_hf import SIDE_FIELDS
+
+    for r in result["sides"]:
+        assert r["error"] is None, r["error"]
+        assert set(SIDE_FIELDS) <= set(r), set(SIDE_FIELDS) - set(r)
+        assert r["tokens_per_s"] > 0 and r["forward_ms"] > 0 and r["backward_ms"] > 0
+        assert r["peak_memory_bytes"] > 0 and r["tflops"] > 0
+        assert r["train_flops_per_token"] == hand_count_train_flops(12)
+        assert abs(r["tokens_per_s"] - 24 / ((r["forward_ms"] + r["backward_ms"]) / 1e3)) < 1e-6 * r["tokens_per_s"]
+    assert sides["transformers"]["speedup_vs_baseline"] == 1.0
+    assert result["meta"]["peak_tflops"]["float32"] > 0
+    # the same model on both sides
+    assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
+    assert (out / "chart.png").stat().st_size > 1000
+    assert "| automoe" in (out / "results.md").read_text()
+    assert "<!-- bench tiny.json:cpu:float32:fake -->" in doc.read_text()
+
+
+def test_bench_print_config_gives_the_exact_qwen3_30b_layer_geometry():
+    proc = subprocess.run([str(AUTOMOE_BIN), "bench", "--preset", "qwen3-30b-a3b-L4", "--print-config"],
+                          capture_output=True, text=True, check=True)
+    cfg = json.loads(proc.stdout)["config"]
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"],
+            cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+            cfg["vocab_size"], cfg["num_hidden_layers"]) == (2048, 32, 4, 128, 128, 8, 768, 151936, 4)
+    bad = subprocess.run([str(AUTOMOE_BIN), "bench", "--preset", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "cpu-small" in bad.stderr
