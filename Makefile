@@ -13,7 +13,10 @@ all: build
 setup:
 	@scripts/setup.sh
 
-$(BUILD)/build.ninja: CMakeLists.txt | setup
+.venv/.automoe-requirements: requirements.txt
+	@scripts/setup.sh
+
+$(BUILD)/build.ninja: CMakeLists.txt .venv/.automoe-requirements | setup
 	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(PY) -DCMAKE_BUILD_TYPE=Release
 
 build: setup $(BUILD)/build.ninja

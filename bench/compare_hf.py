@@ -153,8 +153,13 @@ def run_json(cmd: list[str], timeout: float) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
-    start = proc.stdout.index("{")
-    return json.loads(proc.stdout[start:])
+    start = proc.stdout.find("{")
+    if start < 0:
+        raise RuntimeError(f"{' '.join(cmd)} printed no JSON:\n{proc.stdout[-1000:]}{proc.stderr[-1000:]}")
+    try:
+        return json.loads(proc.stdout[start:])
+    except json.JSONDecodeError as e:
+        raise RuntimeError(f"{' '.join(cmd)} printed malformed JSON: {e}") from e
 
 
 def common_flags(args) -> list[str]:
@@ -283,21 +288,44 @@ def orchestrate(args) -> dict:
     datasheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if gpu and k in gpu), None)
     datasheet = datasheet if args.dtype == "bfloat16" else None
 
-    records = []
+    model = args.preset if not args.config else Path(args.config).name
+    machine = gpu or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    meta = dict(model=model, batch=args.batch, seq=args.seq, dtype=args.dtype, device=args.device,
+                machine=machine, warmup=args.warmup, steps=args.steps,
+                fake_balanced_gate=args.fake_balanced_gate, versions=versions(),
+                date=_dt.date.today().isoformat(), peak_tflops=peak_tflops,
+                datasheet_bf16_tflops=datasheet, train_flops_per_token=flops_per_token)
+
+    # AutoMoE first, then each Transformers implementation; the results files are rewritten after
+    # every side, so a run cut short (a time limit on a lent GPU) still leaves what it measured.
+    runs = [("automoe", "automoe", [exe, "bench", "--config", str(config_path), *common_flags(args)])]
     for impl in args.impls.split(","):
-        cmd = [sys.executable, __file__, "--hf-side", "--config", str(config_path), "--impl", impl,
-               *common_flags(args)]
+        runs.append(("transformers", f"transformers {impl} (sdpa)",
+                     [sys.executable, __file__, "--hf-side", "--config", str(config_path),
+                      "--impl", impl, *common_flags(args)]))
+    records: list[dict] = []
+    result: dict = {}
+    for side, impl, cmd in runs:
         try:
             records.append(run_json(cmd, args.timeout))
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            records.append(dict(side="transformers", impl=f"transformers {impl} (sdpa)", error=str(e)))
+            records.append(dict(side=side, impl=impl, error=str(e)))
+        result = summarize(records, meta, flops_per_token, peak_tflops.get(args.dtype), datasheet)
+        (out / "results.json").write_text(json.dumps(result, indent=2))
+        (out / "results.md").write_text(markdown(result))
     try:
-        records.append(run_json([exe, "bench", "--config", str(config_path), *common_flags(args)],
-                                args.timeout))
-    except (RuntimeError, subprocess.TimeoutExpired) as e:
-        records.append(dict(side="automoe", impl="automoe", error=str(e)))
+        chart(result, out / "chart.png")
+    except ImportError as e:  # matplotlib is in requirements.txt; say so rather than fail the run
+        print(f"compare_hf: no chart ({e})", file=sys.stderr)
+    if args.record:
+        record(result, Path(args.record))
+    return result
 
-    sides = [finish(r, flops_per_token, peak_tflops.get(args.dtype), datasheet) for r in records]
+
+def summarize(records: list[dict], meta: dict, flops_per_token: float, peak: float | None,
+              datasheet: float | None) -> dict:
+    """Per-side figures, the baseline (fastest Transformers side) and the ratios against it."""
+    sides = [finish(r, flops_per_token, peak, datasheet) for r in records]
     hf_ok = [r for r in sides if r["side"] == "transformers" and not r.get("error")]
     base = max(hf_ok, key=lambda r: r["tokens_per_s"]) if hf_ok else None
     for r in sides:
@@ -306,27 +334,9 @@ def orchestrate(args) -> dict:
             r["speedup_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
             if r["model_memory_bytes"] and base["model_memory_bytes"]:
                 r["memory_vs_baseline"] = r["model_memory_bytes"] / base["model_memory_bytes"]
-
-    model = args.preset if not args.config else Path(args.config).name
-    machine = gpu or f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    result = dict(
-        meta=dict(model=model, batch=args.batch, seq=args.seq, dtype=args.dtype, device=args.device,
-                  machine=machine, warmup=args.warmup, steps=args.steps,
-                  fake_balanced_gate=args.fake_balanced_gate, versions=versions(),
-                  date=_dt.date.today().isoformat(), peak_tflops=peak_tflops,
-                  datasheet_bf16_tflops=datasheet, train_flops_per_token=flops_per_token,
-                  baseline=base["impl"] if base else None),
-        sides=sides,
-    )
-    (out / "results.json").write_text(json.dumps(result, indent=2))
-    (out / "results.md").write_text(markdown(result))
-    try:
-        chart(result, out / "chart.png")
-    except ImportError as e:  # matplotlib is in requirements.txt; say so rather than fail the run
-        print(f"compare_hf: no chart ({e})", file=sys.stderr)
-    if args.record:
-        record(result, Path(args.record))
-    return result
+    # Table order: the Transformers sides, then AutoMoE.
+    sides.sort(key=lambda r: r["side"] == "automoe")
+    return dict(meta={**meta, "baseline": base["impl"] if base else None}, sides=sides)
 
 
 def main(argv=None) -> int:

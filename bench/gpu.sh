@@ -5,11 +5,15 @@
 # ${OUT:-bench/results/gpu}. Budget: 8 minutes in all.
 #   bash bench/gpu.sh                 # preset qwen3-30b-a3b-L4
 #   PRESET=qwen3-30b-a3b-L2 bash bench/gpu.sh
+#   DEVICE=cpu PRESET=cpu-small SEQ=128 bash bench/gpu.sh     # dry run of the script without a GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results/gpu}
 PRESET=${PRESET:-qwen3-30b-a3b-L4}
 PY=${PYTHON:-python3}
+DEVICE=${DEVICE:-cuda}
+BATCH=${BATCH:-1}
+SEQ=${SEQ:-4096}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu.log") 2>&1
 start=$(date +%s)
@@ -35,17 +39,18 @@ export PYTHONPATH="$PKG"
 
 step "C++ tests (ctest)"
 if [ -x build-gpu/automoe_tests ]; then
-  (cd build-gpu && ctest --output-on-failure -j 8 > "../$OUT/ctest.log" 2>&1); tail -3 "$OUT/ctest.log"
+  ctest --test-dir build-gpu --output-on-failure -j 8 > "$OUT/ctest.log" 2>&1; tail -3 "$OUT/ctest.log"
 else
   echo "no GoogleTest on this machine: C++ tests not built"
 fi
 
-step "op benchmark: matmul peak on the GPU"
-"$PKG/automoe/bin/automoe" bench --peak --device cuda --json "$OUT/peak.json" | tail -12
+step "op benchmark: matmul peak on $DEVICE"
+"$PKG/automoe/bin/automoe" bench --peak --device "$DEVICE" --json "$OUT/peak.json" | tail -12
 
-step "side by side: $PRESET, bf16, fake balanced gate"
-timeout 300 $PY bench/compare_hf.py --preset "$PRESET" --device cuda --dtype bfloat16 \
-  --batch 1 --seq 4096 --warmup 1 --steps 3 --fake-balanced-gate \
-  --automoe "$PKG/automoe/bin/automoe" --timeout 120 --out "$OUT/$PRESET" \
+step "side by side: $PRESET, bf16, batch $BATCH x seq $SEQ, fake balanced gate"
+# Each side gets 90 s; results are written after every side, so the outer limit loses nothing.
+timeout 420 $PY bench/compare_hf.py --preset "$PRESET" --device "$DEVICE" --dtype bfloat16 \
+  --batch "$BATCH" --seq "$SEQ" --warmup 1 --steps 3 --fake-balanced-gate \
+  --automoe "$PKG/automoe/bin/automoe" --timeout 90 --out "$OUT/$PRESET" \
   || echo "compare_hf failed or ran out of time (see above)"
 step "done; results under $OUT"

@@ -19,6 +19,7 @@ class BackendConfig:
     swiglu: str = "torch"
     loss: str = "torch"
     dispatcher: str = "local"
+    fake_balanced_gate: bool = False  # round-robin routing, for performance measurements only
 
     @classmethod
     def coerce(cls, value: "BackendConfig | dict[str, Any] | None") -> "BackendConfig":
@@ -36,4 +37,10 @@ class BackendConfig:
         raise TypeError(f"backend: expected a BackendConfig or a dict, got {type(value).__name__}")
 
     def to_dict(self) -> dict[str, str]:
-        return {k: str(v) for k, v in asdict(self).items()}
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_engine(cls, fields: dict[str, str]) -> "BackendConfig":
+        known = {k: v for k, v in fields.items() if k in cls.__dataclass_fields__}
+        known["fake_balanced_gate"] = known.get("fake_balanced_gate", "false") == "true"
+        return cls(**known)

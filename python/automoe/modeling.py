@@ -94,20 +94,43 @@ class MoEForCausalLM(nn.Module):
         super().__init__()
         self._engine = engine
         self._config = None
+        # (engine name, owning module, attribute, Parameter the engine holds)
+        self._bindings: list[tuple[str, nn.Module, str, nn.Parameter]] = []
         for name, tensor in engine.named_parameters():
             param = nn.Parameter(tensor, requires_grad=True)
             # nn.Parameter makes a new tensor over the same storage; hand it to the engine so that
             # the forward uses (and autograd fills .grad of) exactly this object.
             engine.set_parameter(name, param)
-            *path, leaf = name.split(".")
-            module: nn.Module = self
-            for part in path:
-                child = module._modules.get(part)
-                if child is None:
-                    child = _Container()
-                    module.add_module(part, child)
-                module = child
+            module, leaf = self._owner(name)
             module.register_parameter(leaf, param)
+            self._bindings.append((name, module, leaf, param))
+        if engine.spec["tie_word_embeddings"]:
+            # As in Transformers: lm_head.weight is the embedding Parameter under a second name
+            # (state_dict() has both keys; parameters() yields it once).
+            module, leaf = self._owner("lm_head.weight")
+            module.register_parameter(leaf, self.get_parameter("model.embed_tokens.weight"))
+
+    def _owner(self, name: str) -> tuple[nn.Module, str]:
+        *path, leaf = name.split(".")
+        module: nn.Module = self
+        for part in path:
+            child = module._modules.get(part)
+            if child is None:
+                child = _Container()
+                module.add_module(part, child)
+            module = child
+        return module, leaf
+
+    def _sync_parameters(self) -> None:
+        """Re-binds parameters that were replaced on the module (load_state_dict(assign=True),
+        PEFT/accelerate swapping tensors) so the engine computes with what the module holds."""
+        for i, (name, module, leaf, bound) in enumerate(self._bindings):
+            current = module._parameters.get(leaf)
+            if current is not bound:
+                if current is None:
+                    raise AutoMoEError(f"parameter {name} was removed from the model")
+                self._engine.set_parameter(name, current)
+                self._bindings[i] = (name, module, leaf, current)
 
     # -- what Transformers users reach for --------------------------------------------------
     @property
@@ -139,7 +162,7 @@ class MoEForCausalLM(nn.Module):
 
     @property
     def backend(self) -> BackendConfig:
-        return BackendConfig(**self._engine.backend())
+        return BackendConfig.from_engine(self._engine.backend())
 
     def set_backend(self, backend: BackendConfig | dict) -> None:
         self._engine.set_backend(BackendConfig.coerce(backend).to_dict())
@@ -157,11 +180,18 @@ class MoEForCausalLM(nn.Module):
     ):
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
-        unsupported = {k: v for k, v in kwargs.items() if v is not None and k not in ("use_cache",)}
+        use_cache = kwargs.pop("use_cache", None)
+        # Transformers' arguments that AutoMoE accepts at their no-op values.
+        harmless = {"logits_to_keep": 0, "output_hidden_states": False, "output_attentions": False,
+                    "past_key_values": None, "inputs_embeds": None, "cache_position": None}
+        unsupported = sorted(k for k, v in kwargs.items() if k not in harmless or v not in (None, harmless[k]))
         if unsupported:
-            raise TypeError(f"forward(): arguments not supported by AutoMoE: {sorted(unsupported)}")
+            raise TypeError(f"forward(): arguments not supported by AutoMoE: {unsupported}")
+        if use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", True))
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = float(num_items_in_batch.item())
+        self._sync_parameters()
         out = self._engine.forward(
             input_ids,
             attention_mask=attention_mask,
@@ -169,6 +199,9 @@ class MoEForCausalLM(nn.Module):
             labels=labels,
             output_router_logits=output_router_logits,
             num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
+            # Transformers splits packed documents (position_ids restarting, no attention_mask)
+            # only when it runs without a KV cache.
+            split_packed_documents=not use_cache,
         )
         result = MoeCausalLMOutputWithPast(
             loss=out["loss"],
@@ -182,7 +215,7 @@ class MoEForCausalLM(nn.Module):
         self,
         save_directory: str | os.PathLike,
         layout: str | None = None,
-        max_shard_size: int | str = "5GB",
+        max_shard_size: int | str = "50GB",
         **kwargs: Any,
     ) -> None:
         """Writes a Hugging Face checkpoint directory (config, safetensors, tokenizer files).
@@ -191,6 +224,7 @@ class MoEForCausalLM(nn.Module):
         """
         if kwargs:
             raise TypeError(f"save_pretrained(): arguments not supported by AutoMoE: {sorted(kwargs)}")
+        self._sync_parameters()
         self._engine.save_pretrained(os.fspath(save_directory), layout, _parse_size(max_shard_size))
 
     def num_parameters(self) -> int:

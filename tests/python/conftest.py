@@ -37,7 +37,7 @@ BASE = dict(
 # both ways, mlp_only_layers, decoder_sparse_step 2, tied/untied embeddings, GQA ratios, head_dim
 # different from hidden / heads, attention bias, RoPE scaling, sliding window.
 CONFIGS = {
-    "e5_top2_gqa2_untied": dict(),
+    "e5_top2_gqa2_untied": dict(pad_token_id=0),  # pad row of the embedding gets no gradient
     "e3_top1_norm_tied": dict(num_experts=3, num_experts_per_tok=1, norm_topk_prob=True,
                               tie_word_embeddings=True, num_key_value_heads=4),
     "e6_top3_norm_mlp_only": dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=True,
@@ -104,6 +104,7 @@ def padded_batch(vocab_size: int, seed: int = 1):
     mask = torch.ones(3, 9, dtype=torch.long)
     mask[1, 6:] = 0  # right padding
     mask[2, :3] = 0  # left padding
+    ids = ids.masked_fill(mask == 0, 0)  # padded with token 0 (the pad_token_id where a config has one)
     labels = ids.masked_fill(mask == 0, -100)
     return ids, mask, labels
 

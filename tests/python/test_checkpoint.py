@@ -122,7 +122,7 @@ def test_optimizer_step_changes_the_engine_parameters(checkpoint_factory):
     opt.step()
     after = model(ids, attention_mask=mask, labels=labels).loss
     assert after.item() < before.item()
-    # the checkpoint file was mapped copy-on-write: it still holds the original weights
+    # the parameters own their memory: the checkpoint file still holds the original weights
     reloaded = automoe.AutoModelForCausalLM.from_pretrained(src)
     assert torch.allclose(reloaded(ids, attention_mask=mask, labels=labels).loss, before)
 
@@ -156,3 +156,39 @@ def test_cli_reports_errors_with_exit_code_and_message(tmp_path):
     proc = run_cli("convert", tmp_path, tmp_path / "out", "--layout", "stacked", check=False)
     assert proc.returncode == 1 and "stacked" in proc.stderr
     assert run_cli("frobnicate", check=False).returncode == 2
+
+
+def test_parameters_replaced_on_the_module_are_what_the_engine_uses(checkpoint_factory):
+    """load_state_dict(assign=True) (as PEFT/accelerate do) swaps Parameter objects: the engine
+    must compute with, and put gradients on, the new ones."""
+    src = checkpoint_factory("e5_top2_gqa2_untied")
+    model = automoe.AutoModelForCausalLM.from_pretrained(src)
+    ids, mask, labels = padded_batch(model.spec["vocab_size"])
+    before = model(ids, attention_mask=mask, labels=labels).loss.item()
+    state = {k: v.detach().clone() * 0.5 for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    out = model(ids, attention_mask=mask, labels=labels)
+    assert out.loss.item() != before
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_tied_lm_head_is_in_state_dict_like_transformers(checkpoint_factory):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    src = checkpoint_factory("e3_top1_norm_tied")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(src)
+    hf = HFModel.from_pretrained(src)
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    assert ours.state_dict()["lm_head.weight"].data_ptr() == ours.state_dict()["model.embed_tokens.weight"].data_ptr()
+    hf.load_state_dict(ours.state_dict(), strict=True)
+    assert len(list(ours.parameters())) == len(list(hf.parameters()))
+
+
+def test_backend_round_trips_through_the_engine(checkpoint_factory):
+    model = automoe.AutoModelForCausalLM.from_pretrained(checkpoint_factory("e5_top2_gqa2_untied"))
+    backend = model.backend
+    assert backend.attn == "sdpa" and backend.fake_balanced_gate is False
+    backend.fake_balanced_gate = True
+    model.set_backend(backend)
+    assert model.backend.fake_balanced_gate is True

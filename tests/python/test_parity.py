@@ -80,9 +80,14 @@ def test_packed_position_ids_without_mask_match_transformers(checkpoint_factory)
     ids = torch.randint(0, hf.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(3))
     pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
     ref = hf(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
-    out = ours(input_ids=ids, position_ids=pos, labels=ids)
+    out = ours(input_ids=ids, position_ids=pos, labels=ids, use_cache=False)
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.loss, ref.loss) <= 1e-5
+    # with Transformers' default (use_cache=True) neither side splits the documents
+    ref_cached = hf(input_ids=ids, position_ids=pos, labels=ids)
+    out_cached = ours(input_ids=ids, position_ids=pos, labels=ids)
+    assert rel_err(out_cached.loss, ref_cached.loss) <= 1e-5
+    assert rel_err(out_cached.loss, out.loss) > 1e-3
     # and the first document's logits do not depend on what follows it
     alone = ours(input_ids=ids[:1, :4]).logits
     assert rel_err(out.logits[0, :4], alone[0]) <= 1e-5

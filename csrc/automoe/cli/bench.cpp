@@ -239,7 +239,7 @@ int bench(const Args& args) {
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     sync(dev);
     auto t0 = Clock::now();
-    const ForwardResult r = model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt});
+    const ForwardResult r = model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true});
     const at::Tensor loss = *r.loss;
     sync(dev);
     const double f = ms_since(t0);

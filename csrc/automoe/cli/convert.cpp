@@ -2,6 +2,7 @@
 // layout. Without --dtype every tensor keeps its stored dtype, so the conversion is bit-exact.
 #include <iostream>
 #include <optional>
+#include <regex>
 
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
@@ -9,11 +10,30 @@
 #include "automoe/io/checkpoint.h"
 
 namespace automoe::cli {
+namespace {
+
+// "5000000", "500MB", "5GB", "2GiB" -> bytes (units as Transformers' max_shard_size).
+uint64_t parse_size(const std::string& v) {
+  static const std::regex kSize(R"(([0-9]+(\.[0-9]+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB))", std::regex::icase);
+  std::smatch m;
+  AUTOMOE_CHECK(std::regex_match(v, m, kSize), "--max-shard-size: expected bytes or a size like ",
+                "500MB / 5GB / 2GiB, got \"", v, "\"");
+  std::string unit = m[3].str();
+  for (auto& c : unit) c = static_cast<char>(std::toupper(c));
+  const double mult = unit == "KB" ? 1e3 : unit == "MB" ? 1e6 : unit == "GB" ? 1e9
+                    : unit == "KIB" ? 1024.0 : unit == "MIB" ? 1048576.0
+                    : unit == "GIB" ? 1073741824.0 : 1.0;
+  const double bytes = std::stod(m[1].str()) * mult;
+  AUTOMOE_CHECK(bytes >= 1 && bytes < 1.8e19, "--max-shard-size: out of range: \"", v, "\"");
+  return static_cast<uint64_t>(bytes);
+}
+
+}  // namespace
 
 int convert(const Args& args) {
   constexpr const char* kUsage =
       "usage: automoe convert IN OUT --layout per-expert|fused [--dtype NAME] "
-      "[--max-shard-size BYTES]";
+      "[--max-shard-size SIZE]";
   std::vector<std::string> positional;
   std::optional<ExpertsLayout> layout;
   std::optional<c10::ScalarType> dtype;
@@ -29,13 +49,7 @@ int convert(const Args& args) {
     } else if (a == "--dtype") {
       dtype = dtype_from_name(value(), "--dtype");
     } else if (a == "--max-shard-size") {
-      const std::string& v = value();
-      try {
-        max_shard = std::stoull(v);
-      } catch (const std::exception&) {
-        fail("--max-shard-size: expected a number of bytes, got \"", v, "\"");
-      }
-      AUTOMOE_CHECK(max_shard > 0, "--max-shard-size: expected > 0");
+      max_shard = parse_size(value());
     } else if (a.rfind("--", 0) == 0) {
       fail("unknown option ", a, "; ", kUsage);
     } else {

@@ -15,7 +15,7 @@ commands:
   inspect DIR                 architecture, parameter counts, experts layout and dtype of a
                               Hugging Face checkpoint directory
   convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
-                 [--max-shard-size BYTES]
+                 [--max-shard-size SIZE]
                               rewrite a checkpoint with the other experts layout (bit-exact)
   bench [--preset NAME | --config FILE] [--batch B --seq S --steps N ...]
                               time training steps of a random Qwen3-MoE (see bench --help and

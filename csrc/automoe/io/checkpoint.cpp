@@ -62,7 +62,15 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
                   t.sizes());
     AUTOMOE_CHECK(at::isFloatingType(t.scalar_type()), ckpt.dir(), ": tensor ", decl.name,
                   ": expected a floating-point dtype, found ", t.scalar_type());
-    if (dtype && t.scalar_type() != *dtype) t = t.to(*dtype);
+    // Parameters own their memory: a tensor still aliasing the file mapping is copied, so that
+    // another program rewriting the checkpoint in place can neither change nor (by truncating it)
+    // crash a loaded model.
+    const bool aliases_file = !(rule && layout == ExpertsLayout::kPerExpert);
+    if (dtype && t.scalar_type() != *dtype) {
+      t = t.to(*dtype);
+    } else if (aliases_file) {
+      t = t.clone(at::MemoryFormat::Contiguous);
+    }
     out.emplace_back(decl.name, std::move(t));
   }
   std::vector<std::string> extra;

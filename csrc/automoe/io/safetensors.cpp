@@ -19,6 +19,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <regex>
 #include <set>
 #include <sstream>
 #include <tuple>
@@ -376,10 +377,11 @@ std::string format_shard_name(size_t i, size_t n) {
   return buf;
 }
 
+// What a Hugging Face save owns in a directory: model.safetensors, model-00001-of-00003.safetensors
+// and the index (not, say, a user's model_ema.safetensors).
 bool is_checkpoint_file(const std::string& name) {
-  const std::string ext = ".safetensors";
-  return name == kIndexFile || (name.rfind("model", 0) == 0 && name.size() >= ext.size() &&
-                                name.compare(name.size() - ext.size(), ext.size(), ext) == 0);
+  static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  return name == kIndexFile || name == kSingleFile || std::regex_match(name, kShard);
 }
 
 void check_unique_names(const std::string& where,
@@ -540,11 +542,26 @@ std::vector<std::string> save_sharded(
   }
   if (shards.empty()) shards.emplace_back();
 
+  // Shards are written under temporary names first; the old index is removed before any shard is
+  // renamed into place and the new index is written last. A save interrupted at any point leaves
+  // either the previous checkpoint intact or no index (an error on load) — never an index that
+  // matches a mix of old and new shards.
   std::vector<std::string> files;
+  const std::string pending = ".pending-" + std::to_string(::getpid());
   for (size_t i = 0; i < shards.size(); ++i) {
     files.push_back(shards.size() == 1 ? kSingleFile : format_shard_name(i + 1, shards.size()));
-    save_safetensors((fs::path(dir) / files.back()).string(), shards[i]);
+    save_safetensors((fs::path(dir) / (files.back() + pending)).string(), shards[i]);
   }
+  if (shards.size() > 1) {
+    fs::remove(fs::path(dir) / kIndexFile, ec);
+    AUTOMOE_CHECK(!ec, "cannot remove old index in \"", dir, "\": ", ec.message());
+  }
+  for (const auto& f : files) {
+    const fs::path from = fs::path(dir) / (f + pending), to = fs::path(dir) / f;
+    AUTOMOE_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename \"", from.string(),
+                  "\" to \"", to.string(), "\": ", errno_text(errno));
+  }
+  fsync_dir((fs::path(dir) / files.front()).string());
   std::set<std::string> keep(files.begin(), files.end());
   if (shards.size() > 1) {
     Json weight_map = Json::object();  // std::map-backed: keys come out sorted

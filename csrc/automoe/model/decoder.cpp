@@ -185,7 +185,7 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
     const at::Tensor keep_B11S = a.attention_mask->ne(0).view({-1, 1, 1, S});
     if (!keep_B11S.all().item<bool>()) plain = false;
     allowed = allowed.logical_and(keep_B11S);
-  } else if (a.position_ids) {
+  } else if (a.position_ids && a.split_packed_documents) {
     // Packed sequences: a position that does not follow its predecessor by one starts a document;
     // tokens attend only within their document.
     const at::Tensor first = pos_BS.narrow(1, 0, 1) - 1;
@@ -247,7 +247,8 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
   const auto dev = a.input_ids.device();
 
-  at::Tensor h_BSH = at::embedding(p(embed_), a.input_ids.to(at::kLong));
+  // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
+  at::Tensor h_BSH = at::embedding(p(embed_), a.input_ids.to(at::kLong), spec_.pad_token_id);
   const c10::ScalarType dtype = h_BSH.scalar_type();
   at::Tensor pos_BS =
       a.position_ids

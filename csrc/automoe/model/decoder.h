@@ -31,6 +31,10 @@ struct ForwardArgs {
   std::optional<at::Tensor> labels;          // [B, S], -100 = no loss; shifted inside
   std::optional<bool> output_router_logits;  // default: the config's output_router_logits
   std::optional<double> num_items_in_batch;  // loss = sum / this (else mean over loss tokens)
+  // Without attention_mask, position_ids that restart mark packed documents that must not attend
+  // to each other. Transformers does this only when it runs without a KV cache (use_cache=False);
+  // the drop-in passes that through, the trainer always splits.
+  bool split_packed_documents = true;
 };
 
 struct ForwardResult {

@@ -14,11 +14,11 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
   const int64_t* counts = counts_E.data_ptr<int64_t>();
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) continue;
-    // (token, slot) pairs routed to e, tokens ascending.
-    const at::Tensor hit_TK = idx_TK.eq(e);
-    const auto where = at::where(hit_TK);
-    const at::Tensor& token_idx = where[0];
-    const at::Tensor& slot_idx = where[1];
+    // (slot, token) pairs routed to e, slot-major as in Transformers (same summation order in the
+    // expert's weight gradient).
+    const auto where = at::where(idx_TK.t().eq(e));
+    const at::Tensor& slot_idx = where[0];
+    const at::Tensor& token_idx = where[1];
     const at::Tensor x_eH = x_TH.index_select(0, token_idx);
     const auto gate_up = at::linear(x_eH, w_gate_up_EIH[e]).chunk(2, -1);
     const at::Tensor h_eI = at::silu(gate_up[0]) * gate_up[1];

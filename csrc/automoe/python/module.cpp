@@ -24,9 +24,10 @@ std::optional<c10::ScalarType> parse_dtype(const std::optional<std::string>& nam
 py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
                  std::optional<at::Tensor> attention_mask, std::optional<at::Tensor> position_ids,
                  std::optional<at::Tensor> labels, std::optional<bool> output_router_logits,
-                 std::optional<double> num_items_in_batch) {
+                 std::optional<double> num_items_in_batch, bool split_packed_documents) {
   ForwardArgs args{input_ids,         std::move(attention_mask), std::move(position_ids),
-                   std::move(labels), output_router_logits,      num_items_in_batch};
+                   std::move(labels), output_router_logits,      num_items_in_batch,
+                   split_packed_documents};
   ForwardResult r;
   {
     py::gil_scoped_release no_gil;
@@ -95,7 +96,8 @@ PYBIND11_MODULE(_C, m) {
            })
       .def("forward", &forward, py::arg("input_ids"), py::arg("attention_mask") = py::none(),
            py::arg("position_ids") = py::none(), py::arg("labels") = py::none(),
-           py::arg("output_router_logits") = py::none(), py::arg("num_items_in_batch") = py::none())
+           py::arg("output_router_logits") = py::none(), py::arg("num_items_in_batch") = py::none(),
+           py::arg("split_packed_documents") = true)
       .def(
           "save_pretrained",
           [](const PretrainedModel& self, const std::string& dir,
@@ -112,9 +114,14 @@ PYBIND11_MODULE(_C, m) {
       [](const std::string& dir, const std::optional<std::string>& dtype,
          const std::map<std::string, std::string>& backend) {
         const BackendConfig cfg = BackendConfig::from_map(backend, "backend");
-        // "auto" (Transformers v5's default): the dtype config.json names.
-        const auto dt = dtype && *dtype == "auto" ? std::optional(load_config(dir).spec.dtype)
-                                                  : parse_dtype(dtype);
+        // "auto" (Transformers v5's default): the dtype config.json names, else the stored one.
+        std::optional<c10::ScalarType> dt;
+        if (dtype && *dtype == "auto") {
+          const LoadedConfig cfg = load_config(dir);
+          if (cfg.json->contains("dtype") || cfg.json->contains("torch_dtype")) dt = cfg.spec.dtype;
+        } else {
+          dt = parse_dtype(dtype);
+        }
         py::gil_scoped_release no_gil;
         return load_pretrained(dir, dt, cfg);
       },

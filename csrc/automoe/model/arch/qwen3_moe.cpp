@@ -65,7 +65,7 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
   s.num_layers = positive(cfg, "num_hidden_layers", cfg.get_int("num_hidden_layers"));
   s.num_heads = positive(cfg, "num_attention_heads", cfg.get_int("num_attention_heads"));
   s.num_kv_heads =
-      positive(cfg, "num_key_value_heads", cfg.get_int("num_key_value_heads", s.num_heads));
+      positive(cfg, "num_key_value_heads", cfg.get_int("num_key_value_heads", 4));
   if (s.num_heads % s.num_kv_heads != 0) {
     cfg.fail_key("num_key_value_heads",
                  "a divisor of num_attention_heads (" + std::to_string(s.num_heads) + ")");
