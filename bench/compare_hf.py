@@ -152,7 +152,9 @@ def run_hf_side(args) -> dict:
 def run_json(cmd: list[str], timeout: float) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr.strip()[-2000:]}")
+        why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+        tail = proc.stderr.strip()[-2000:]
+        raise RuntimeError(f"{why}: {tail.splitlines()[-1] if tail else 'no message'}\n{' '.join(cmd)}\n{tail}")
     start = proc.stdout.find("{")
     if start < 0:
         raise RuntimeError(f"{' '.join(cmd)} printed no JSON:\n{proc.stdout[-1000:]}{proc.stderr[-1000:]}")
@@ -223,7 +225,7 @@ def markdown(result: dict) -> str:
     ]
     for r in result["sides"]:
         if r.get("error"):
-            lines.append(f"| {r['impl']} | failed: {r['error'].splitlines()[-1][:80]} |" + " |" * 10)
+            lines.append(f"| {r['impl']} | failed: {r['error'].splitlines()[0][:100]} |" + " |" * 9)
             continue
         gib = lambda b: fmt(None if b is None else b / 2**30, ".2f", " GiB")  # noqa: E731
         lines.append(
@@ -243,7 +245,7 @@ def chart(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     ok = [r for r in result["sides"] if not r.get("error")]
-    names = [r["impl"].replace(" (", "\n(") for r in ok]
+    names = ["AutoMoE" if r["side"] == "automoe" else "HF " + r["impl"].split()[1] for r in ok]
     colors = ["#76b900" if r["side"] == "automoe" else "#888888" for r in ok]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].bar(names, [r["tokens_per_s"] for r in ok], color=colors)
@@ -308,7 +310,9 @@ def orchestrate(args) -> dict:
     for side, impl, cmd in runs:
         try:
             records.append(run_json(cmd, args.timeout))
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
+        except subprocess.TimeoutExpired:
+            records.append(dict(side=side, impl=impl, error=f"timed out after {args.timeout:.0f} s"))
+        except RuntimeError as e:
             records.append(dict(side=side, impl=impl, error=str(e)))
         result = summarize(records, meta, flops_per_token, peak_tflops.get(args.dtype), datasheet)
         (out / "results.json").write_text(json.dumps(result, indent=2))
