@@ -300,7 +300,9 @@ def orchestrate(args) -> dict:
 
     # AutoMoE first, then each Transformers implementation; the results files are rewritten after
     # every side, so a run cut short (a time limit on a lent GPU) still leaves what it measured.
-    runs = [("automoe", "automoe", [exe, "bench", "--config", str(config_path), *common_flags(args)])]
+    runs = [("automoe", f"automoe (experts={b})",
+             [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
+            for b in args.automoe_experts.split(",")]
     for impl in args.impls.split(","):
         runs.append(("transformers", f"transformers {impl} (sdpa)",
                      [sys.executable, __file__, "--hf-side", "--config", str(config_path),
@@ -356,6 +358,7 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fake-balanced-gate", action="store_true")
     p.add_argument("--impls", default=",".join(HF_IMPLS), help="Transformers experts_implementation values")
+    p.add_argument("--automoe-experts", default="grouped", help="AutoMoE experts backends to run (grouped,eager)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")

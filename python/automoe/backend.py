@@ -13,7 +13,7 @@ from typing import Any
 @dataclass
 class BackendConfig:
     attn: str = "sdpa"  # "sdpa" | "eager"
-    experts: str = "eager"  # per-expert loop (Transformers' eager semantics)
+    experts: str = "grouped"  # permute -> per-expert GEMMs on contiguous rows -> unpermute; or "eager"
     rms_norm: str = "torch"
     rope: str = "torch"
     swiglu: str = "torch"

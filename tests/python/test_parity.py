@@ -17,11 +17,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-def run_both(path, attn="sdpa", **forward_kwargs):
+def run_both(path, attn="sdpa", experts="grouped", **forward_kwargs):
     from transformers import AutoModelForCausalLM as HFModel
 
     hf = HFModel.from_pretrained(path, attn_implementation="eager")
-    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
+                                                        backend={"experts": experts})
     ids, mask, labels = padded_batch(hf.config.vocab_size)
     kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, **forward_kwargs)
     ref = hf(**kwargs)
@@ -31,11 +32,12 @@ def run_both(path, attn="sdpa", **forward_kwargs):
     return hf, ours, ref, out, mask
 
 
+@pytest.mark.parametrize("experts", ["grouped", "eager"])
 @pytest.mark.parametrize("layout", ["per-expert", "fused"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_matches_transformers_logits_loss_aux_and_grads(checkpoint_factory, name, layout):
+def test_matches_transformers_logits_loss_aux_and_grads(checkpoint_factory, name, layout, experts):
     path = checkpoint_factory(name, layout)
-    hf, ours, ref, out, mask = run_both(path, output_router_logits=True)
+    hf, ours, ref, out, mask = run_both(path, experts=experts, output_router_logits=True)
     assert ours.layout == layout
 
     keep = mask.bool()

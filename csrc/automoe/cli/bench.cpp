@@ -44,6 +44,7 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --dtype NAME           parameter and compute dtype                    (default bfloat16)
   --device cpu|cuda      (default cpu)
   --attn sdpa|eager      attention backend                              (default sdpa)
+  --experts NAME         experts backend: grouped | eager               (default grouped)
   --fake-balanced-gate   round-robin routing (balanced experts)
   --seed N               weights and tokens                             (default 0)
   --json FILE            also write the result there
@@ -59,6 +60,7 @@ struct Options {
   c10::ScalarType dtype = c10::kBFloat16;
   std::string device = "cpu";
   std::string attn = "sdpa";
+  std::string experts = "grouped";
   bool fake_gate = false, print_config = false, peak = false;
   std::string json_out;
 };
@@ -84,20 +86,36 @@ Options parse(const Args& args) {
       AUTOMOE_CHECK(i + 1 < args.size(), a, " needs a value\n", kUsage);
       return args[++i];
     };
-    if (a == "--preset") o.preset = value();
-    else if (a == "--config") o.config_file = value();
-    else if (a == "--batch") o.batch = to_int(a, value(), 1);
-    else if (a == "--seq") o.seq = to_int(a, value(), 1);
-    else if (a == "--warmup") o.warmup = to_int(a, value(), 0);
-    else if (a == "--steps") o.steps = to_int(a, value(), 1);
-    else if (a == "--seed") o.seed = static_cast<uint64_t>(to_int(a, value(), 0));
-    else if (a == "--dtype") o.dtype = dtype_from_name(value(), "--dtype");
-    else if (a == "--device") o.device = value();
-    else if (a == "--attn") o.attn = value();
-    else if (a == "--json") o.json_out = value();
-    else if (a == "--fake-balanced-gate") o.fake_gate = true;
-    else if (a == "--print-config") o.print_config = true;
-    else if (a == "--peak") o.peak = true;
+    if (a == "--preset")
+      o.preset = value();
+    else if (a == "--config")
+      o.config_file = value();
+    else if (a == "--batch")
+      o.batch = to_int(a, value(), 1);
+    else if (a == "--seq")
+      o.seq = to_int(a, value(), 1);
+    else if (a == "--warmup")
+      o.warmup = to_int(a, value(), 0);
+    else if (a == "--steps")
+      o.steps = to_int(a, value(), 1);
+    else if (a == "--seed")
+      o.seed = static_cast<uint64_t>(to_int(a, value(), 0));
+    else if (a == "--dtype")
+      o.dtype = dtype_from_name(value(), "--dtype");
+    else if (a == "--device")
+      o.device = value();
+    else if (a == "--attn")
+      o.attn = value();
+    else if (a == "--experts")
+      o.experts = value();
+    else if (a == "--json")
+      o.json_out = value();
+    else if (a == "--fake-balanced-gate")
+      o.fake_gate = true;
+    else if (a == "--print-config")
+      o.print_config = true;
+    else if (a == "--peak")
+      o.peak = true;
     else if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       std::exit(0);
@@ -190,7 +208,9 @@ int bench(const Args& args) {
   const Options o = parse(args);
   const c10::Device dev(o.device == "cuda" ? c10::kCUDA : c10::kCPU);
   if (o.peak) {
-    emit({{"device", o.device}, {"threads", at::get_num_threads()}, {"matmul_peak", measure_peak(dev)}},
+    emit({{"device", o.device},
+          {"threads", at::get_num_threads()},
+          {"matmul_peak", measure_peak(dev)}},
          o.json_out);
     return 0;
   }
@@ -217,7 +237,8 @@ int bench(const Args& args) {
   }
 
   const int64_t rss_before = rss_now();
-  BackendConfig backend = BackendConfig::from_map({{"attn", o.attn}}, "--attn");
+  BackendConfig backend =
+      BackendConfig::from_map({{"attn", o.attn}, {"experts", o.experts}}, "automoe bench");
   backend.fake_balanced_gate = o.fake_gate;
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
   std::vector<at::Tensor> leaves;
@@ -230,7 +251,8 @@ int bench(const Args& args) {
   const Decoder model(spec, backend, std::move(params));
   torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
 #ifdef AUTOMOE_TORCH_CUDA
-  if (dev.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index() < 0 ? 0 : dev.index());
+  if (dev.is_cuda())
+    c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index() < 0 ? 0 : dev.index());
 #endif
 
   at::Generator gen = at::detail::createCPUGenerator(o.seed + 1);
@@ -239,7 +261,8 @@ int bench(const Args& args) {
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     sync(dev);
     auto t0 = Clock::now();
-    const ForwardResult r = model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true});
+    const ForwardResult r =
+        model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true});
     const at::Tensor loss = *r.loss;
     sync(dev);
     const double f = ms_since(t0);
@@ -264,7 +287,7 @@ int bench(const Args& args) {
   const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
   json j = {
       {"side", "automoe"},
-      {"impl", "automoe (experts=eager, attn=" + o.attn + ")"},
+      {"impl", "automoe (experts=" + o.experts + ", attn=" + o.attn + ")"},
       {"device", o.device},
       {"dtype", dtype_to_name(o.dtype)},
       {"batch", o.batch},
@@ -287,7 +310,8 @@ int bench(const Args& args) {
   };
   if (dev.is_cuda()) {
 #ifdef AUTOMOE_TORCH_CUDA
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
     j["peak_memory_bytes"] = stats.allocated_bytes[0].peak;
     j["peak_memory_kind"] = "cuda max_memory_allocated";
 #else

@@ -14,15 +14,20 @@ namespace {
 
 // "5000000", "500MB", "5GB", "2GiB" -> bytes (units as Transformers' max_shard_size).
 uint64_t parse_size(const std::string& v) {
-  static const std::regex kSize(R"(([0-9]+(\.[0-9]+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB))", std::regex::icase);
+  static const std::regex kSize(R"(([0-9]+(\.[0-9]+)?)\s*(|B|KB|MB|GB|KIB|MIB|GIB))",
+                                std::regex::icase);
   std::smatch m;
   AUTOMOE_CHECK(std::regex_match(v, m, kSize), "--max-shard-size: expected bytes or a size like ",
                 "500MB / 5GB / 2GiB, got \"", v, "\"");
   std::string unit = m[3].str();
   for (auto& c : unit) c = static_cast<char>(std::toupper(c));
-  const double mult = unit == "KB" ? 1e3 : unit == "MB" ? 1e6 : unit == "GB" ? 1e9
-                    : unit == "KIB" ? 1024.0 : unit == "MIB" ? 1048576.0
-                    : unit == "GIB" ? 1073741824.0 : 1.0;
+  const double mult = unit == "KB"    ? 1e3
+                      : unit == "MB"  ? 1e6
+                      : unit == "GB"  ? 1e9
+                      : unit == "KIB" ? 1024.0
+                      : unit == "MIB" ? 1048576.0
+                      : unit == "GIB" ? 1073741824.0
+                                      : 1.0;
   const double bytes = std::stod(m[1].str()) * mult;
   AUTOMOE_CHECK(bytes >= 1 && bytes < 1.8e19, "--max-shard-size: out of range: \"", v, "\"");
   return static_cast<uint64_t>(bytes);

@@ -10,10 +10,10 @@ namespace {
 // field -> the values this build implements (the first is the default).
 const std::map<std::string, std::vector<std::string>>& implemented() {
   static const std::map<std::string, std::vector<std::string>> fields = {
-      {"attn", {"sdpa", "eager"}}, {"experts", {"eager"}}, {"rms_norm", {"torch"}},
-      {"rope", {"torch"}},         {"swiglu", {"torch"}},  {"loss", {"torch"}},
-      {"dispatcher", {"local"}},
-      {"fake_balanced_gate", {"false", "true"}},
+      {"attn", {"sdpa", "eager"}}, {"experts", {"grouped", "eager"}},
+      {"rms_norm", {"torch"}},     {"rope", {"torch"}},
+      {"swiglu", {"torch"}},       {"loss", {"torch"}},
+      {"dispatcher", {"local"}},   {"fake_balanced_gate", {"false", "true"}},
   };
   return fields;
 }
@@ -43,6 +43,9 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
     }
     if (key == "attn") cfg.attn = value == "eager" ? AttnBackend::kEager : AttnBackend::kSdpa;
     if (key == "fake_balanced_gate") cfg.fake_balanced_gate = value == "true";
+    if (key == "experts") {
+      cfg.experts = value == "eager" ? ExpertsBackend::kEager : ExpertsBackend::kGrouped;
+    }
   }
   return cfg;
 }
@@ -51,7 +54,7 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   std::map<std::string, std::string> out;
   for (const auto& [k, v] : implemented()) out[k] = v.front();
   out["attn"] = attn == AttnBackend::kEager ? "eager" : "sdpa";
-  out["experts"] = "eager";
+  out["experts"] = experts == ExpertsBackend::kEager ? "eager" : "grouped";
   out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
   return out;
 }

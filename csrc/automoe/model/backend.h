@@ -8,11 +8,11 @@
 namespace automoe {
 
 enum class AttnBackend { kSdpa, kEager };
-enum class ExpertsBackend { kEager };
+enum class ExpertsBackend { kGrouped, kEager };
 
 struct BackendConfig {
   AttnBackend attn = AttnBackend::kSdpa;
-  ExpertsBackend experts = ExpertsBackend::kEager;
+  ExpertsBackend experts = ExpertsBackend::kGrouped;
   // Round-robin routing (token t -> experts (t*K + k) mod E, weights 1/K) for performance
   // measurements with perfectly balanced experts, as NeMo AutoModel's benchmarks do.
   bool fake_balanced_gate = false;

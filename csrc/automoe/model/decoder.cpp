@@ -273,10 +273,14 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
     at::Tensor y_TH;
     if (L.moe) {
-      const moe::Routing routing =
-          backend_.fake_balanced_gate ? moe::route_round_robin(x_TH, p(L.router), spec_.moe)
-                                      : moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
-      y_TH = moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up), p(L.down));
+      const moe::Routing routing = backend_.fake_balanced_gate
+                                       ? moe::route_round_robin(x_TH, p(L.router), spec_.moe)
+                                       : moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
+      y_TH = backend_.experts == ExpertsBackend::kEager
+                 ? moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
+                                      p(L.down))
+                 : moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
+                                        p(L.down));
       if (want_router) r.router_logits.push_back(routing.logits_TE);
     } else {
       y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),

@@ -25,8 +25,12 @@ py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
                  std::optional<at::Tensor> attention_mask, std::optional<at::Tensor> position_ids,
                  std::optional<at::Tensor> labels, std::optional<bool> output_router_logits,
                  std::optional<double> num_items_in_batch, bool split_packed_documents) {
-  ForwardArgs args{input_ids,         std::move(attention_mask), std::move(position_ids),
-                   std::move(labels), output_router_logits,      num_items_in_batch,
+  ForwardArgs args{input_ids,
+                   std::move(attention_mask),
+                   std::move(position_ids),
+                   std::move(labels),
+                   output_router_logits,
+                   num_items_in_batch,
                    split_packed_documents};
   ForwardResult r;
   {
