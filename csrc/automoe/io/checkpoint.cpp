@@ -3,8 +3,10 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
@@ -141,8 +143,11 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
         ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
       continue;
     }
-    fs::copy_file(entry.path(), fs::path(dir) / name, fs::copy_options::overwrite_existing, ec);
-    AUTOMOE_CHECK(!ec, "copying ", entry.path().string(), " to ", dir, ": ", ec.message());
+    std::ifstream in(entry.path(), std::ios::binary);
+    AUTOMOE_CHECK(in.good(), "copying ", entry.path().string(), " to ", dir, ": cannot read it");
+    std::ostringstream bytes;
+    bytes << in.rdbuf();
+    write_file_atomic((fs::path(dir) / name).string(), bytes.str());
   }
 }
 
