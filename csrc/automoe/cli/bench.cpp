@@ -25,6 +25,7 @@
 #include "automoe/io/hf_config.h"
 #include "automoe/model/init.h"
 #include "automoe/train/flops.h"
+#include "automoe/train/peak.h"
 
 #ifdef AUTOMOE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -167,37 +168,12 @@ double median(std::vector<double> v) {
   return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
 }
 
-// Matmul throughput of the device: square at::mm large enough to reach the BLAS's steady state,
-// best of the two operand layouts (on CPUs without native bf16, a*b and a*b^T differ by 10x and
-// more; the model's linear layers use the b^T layout).
 json measure_peak(const c10::Device& dev) {
   json out = json::object();
-  // CPU: without native bf16 matmul (no AVX512-BF16/AMX) bf16 at::mm is orders of magnitude
-  // slower than fp32; a smaller n keeps that measurement to seconds.
-  const int64_t n = dev.is_cuda() ? 8192 : 1024;
-  const int reps = dev.is_cuda() ? 20 : 2;
   for (auto dtype : {c10::kBFloat16, c10::kFloat}) {
-    const auto opts = at::TensorOptions().dtype(dtype).device(dev);
-    const at::Tensor a = at::randn({n, n}, opts), b = at::randn({n, n}, opts);
-    at::Tensor c = at::empty({n, n}, opts);
-    double best_ms = std::numeric_limits<double>::infinity();
-    std::string best_layout;
-    for (const std::string layout : {"a*b", "a*b^T"}) {
-      const at::Tensor rhs = layout == "a*b" ? b : b.t();
-      at::mm_out(c, a, rhs);  // warm-up
-      sync(dev);
-      for (int r = 0; r < reps; ++r) {
-        const auto t0 = Clock::now();
-        at::mm_out(c, a, rhs);
-        sync(dev);
-        const double ms = ms_since(t0);
-        if (ms < best_ms) best_ms = ms, best_layout = layout;
-      }
-    }
-    out[dtype_to_name(dtype)] = {{"n", n},
-                                 {"ms", best_ms},
-                                 {"layout", best_layout},
-                                 {"tflops", 2.0 * n * n * n / (best_ms * 1e-3) / 1e12}};
+    const MatmulPeak p = measure_matmul_peak(dev, dtype);
+    out[dtype_to_name(dtype)] = {
+        {"n", p.n}, {"ms", p.ms}, {"layout", p.layout}, {"tflops", p.tflops}};
   }
   return out;
 }

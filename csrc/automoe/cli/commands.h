@@ -12,5 +12,6 @@ using Args = std::vector<std::string>;
 int inspect(const Args& args);
 int convert(const Args& args);
 int bench(const Args& args);
+int train(const Args& args);
 
 }  // namespace automoe::cli

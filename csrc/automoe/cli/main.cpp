@@ -12,6 +12,10 @@ namespace {
 constexpr const char* kUsage = R"(usage: automoe <command> [args]
 
 commands:
+  train RECIPE.yaml [key=value ...]
+                              fine-tune a Hugging Face MoE checkpoint on JSONL data and export a
+                              Hugging Face checkpoint (see docs/recipes.md)
+  report RUN_DIR              loss curve and expert-load heat map of a training run (PNG files)
   inspect DIR                 architecture, parameter counts, experts layout and dtype of a
                               Hugging Face checkpoint directory
   convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
@@ -35,6 +39,7 @@ int main(int argc, char** argv) {
     if (cmd == "inspect") return automoe::cli::inspect(args);
     if (cmd == "convert") return automoe::cli::convert(args);
     if (cmd == "bench") return automoe::cli::bench(args);
+    if (cmd == "train") return automoe::cli::train(args);
     std::cerr << "automoe: unknown command \"" << cmd << "\"\n\n" << kUsage;
     return 2;
   } catch (const automoe::Error& e) {

@@ -143,6 +143,13 @@ void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
     AUTOMOE_CHECK(a.attention_mask->sizes() == ids.sizes(), "attention_mask: expected shape ",
                   ids.sizes(), " like input_ids, got ", a.attention_mask->sizes());
   }
+  if (a.document_ids) {
+    AUTOMOE_CHECK(!a.attention_mask, "document_ids and attention_mask: pass one or the other");
+    AUTOMOE_CHECK(a.document_ids->sizes() == ids.sizes(), "document_ids: expected shape ",
+                  ids.sizes(), " like input_ids, got ", a.document_ids->sizes());
+    AUTOMOE_CHECK(!at::isFloatingType(a.document_ids->scalar_type()),
+                  "document_ids: expected integer ids, got dtype ", a.document_ids->scalar_type());
+  }
   if (a.position_ids) {
     const auto& pos = *a.position_ids;
     AUTOMOE_CHECK(pos.dim() == 2 && (pos.size(0) == ids.size(0) || pos.size(0) == 1) &&
@@ -181,7 +188,11 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
     plain = false;
   }
   allowed = allowed.view({1, 1, S, S});
-  if (a.attention_mask) {
+  if (a.document_ids) {
+    const at::Tensor doc_BS = a.document_ids->to(at::kLong);
+    allowed = allowed.logical_and(doc_BS.view({-1, 1, S, 1}).eq(doc_BS.view({-1, 1, 1, S})));
+    plain = false;
+  } else if (a.attention_mask) {
     const at::Tensor keep_B11S = a.attention_mask->ne(0).view({-1, 1, 1, S});
     if (!keep_B11S.all().item<bool>()) plain = false;
     allowed = allowed.logical_and(keep_B11S);
@@ -264,6 +275,12 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   const bool eager_attn = backend_.attn == AttnBackend::kEager || fully_masked_rows;
   const auto [cos_BSD, sin_BSD] = ops::rope_cos_sin(pos_BS, inv_freq_, dtype);
 
+  // Real (non-padding) tokens, flattened: what the aux loss and the expert counts look at.
+  std::optional<at::Tensor> token_mask_BS = a.attention_mask;
+  if (a.document_ids) token_mask_BS = a.document_ids->ge(0);
+  std::optional<at::Tensor> token_mask_T;
+  if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
+
   ForwardResult r;
   for (const LayerIdx& L : layers_) {
     at::Tensor residual = h_BSH;
@@ -282,6 +299,12 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
                  : moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
                                         p(L.down));
       if (want_router) r.router_logits.push_back(routing.logits_TE);
+      if (a.output_expert_counts) {
+        at::Tensor idx = routing.idx_TK;
+        if (token_mask_T) idx = idx.index({*token_mask_T});
+        r.expert_counts.push_back(
+            at::bincount(idx.reshape({-1}), {}, spec_.moe.num_experts).to(at::kLong));
+      }
     } else {
       y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
                         p(L.mlp_down));
@@ -305,8 +328,11 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     r.aux_loss = r.router_logits.empty()
                      ? at::zeros({}, r.logits.options().dtype(at::kFloat))
                      : moe::load_balancing_loss(r.router_logits, spec_.moe.num_experts,
-                                                spec_.moe.top_k, a.attention_mask);
-    if (r.loss) r.loss = *r.loss + spec_.moe.router_aux_loss_coef * *r.aux_loss;
+                                                spec_.moe.top_k, token_mask_BS);
+    if (r.loss) {
+      const double coef = a.router_aux_loss_coef.value_or(spec_.moe.router_aux_loss_coef);
+      r.loss = *r.loss + coef * a.aux_loss_scale * *r.aux_loss;
+    }
   }
   return r;
 }

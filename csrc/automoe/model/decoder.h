@@ -35,6 +35,15 @@ struct ForwardArgs {
   // to each other. Transformers does this only when it runs without a KV cache (use_cache=False);
   // the drop-in passes that through, the trainer always splits.
   bool split_packed_documents = true;
+  // [B, S] integer document of each token (the trainer's packed and padded batches): a token
+  // attends only to earlier tokens of its own document; a negative id marks padding, which is
+  // excluded from the aux loss and the expert counts. Use instead of attention_mask.
+  std::optional<at::Tensor> document_ids;
+  // Multiplies router_aux_loss_coef: the trainer weights each micro-batch's aux loss by its share
+  // of the accumulation window's loss tokens.
+  double aux_loss_scale = 1.0;
+  std::optional<double> router_aux_loss_coef;  // overrides the config's (a recipe's setting)
+  bool output_expert_counts = false;  // fill ForwardResult::expert_counts
 };
 
 struct ForwardResult {
@@ -42,6 +51,8 @@ struct ForwardResult {
   std::optional<at::Tensor> loss;         // cross-entropy (+ coef * aux when router logits on)
   std::optional<at::Tensor> aux_loss;     // load-balancing loss, when router logits are on
   std::vector<at::Tensor> router_logits;  // per MoE layer [B*S, E] float32, when on
+  // Per MoE layer [E] int64: token-slots routed to each expert (padding excluded), when asked.
+  std::vector<at::Tensor> expert_counts;
 };
 
 class Decoder {

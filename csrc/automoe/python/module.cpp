@@ -10,6 +10,7 @@
 #include "automoe/core/error.h"
 #include "automoe/io/checkpoint.h"
 #include "automoe/model/arch/registry.h"
+#include "automoe/train/recipe.h"
 
 namespace py = pybind11;
 using namespace automoe;
@@ -79,6 +80,13 @@ PYBIND11_MODULE(_C, m) {
   py::register_exception<Error>(m, "AutoMoEError", PyExc_ValueError);
 
   m.def("supported_model_types", &supported_model_types);
+  m.def(
+      "resolve_recipe",
+      [](const std::string& json_text, const std::string& origin) {
+        return train::Recipe::parse(json_text, origin).to_json();
+      },
+      py::arg("json_text"), py::arg("origin"),
+      "Validates a training recipe (JSON text) and returns it with every default filled in.");
 
   py::class_<PretrainedModel>(m, "Model")
       .def_property_readonly("layout",

@@ -1,0 +1,325 @@
+#include "automoe/train/recipe.h"
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+#include <set>
+
+#include "automoe/core/error.h"
+#include "automoe/model/backend.h"
+
+namespace automoe::train {
+namespace {
+
+using nlohmann::json;
+
+const char* type_name(const json& v) {
+  if (v.is_null()) return "null";
+  if (v.is_boolean()) return "a boolean";
+  if (v.is_number()) return "a number";
+  if (v.is_string()) return "a string";
+  if (v.is_array()) return "a list";
+  return "a mapping";
+}
+
+// One section of the recipe: typed getters that remember which keys were read, so that finish()
+// can reject the rest by name.
+class Section {
+ public:
+  Section(const json& root, const std::string& name, const std::string& origin)
+      : name_(name), origin_(origin) {
+    if (root.contains(name)) {
+      obj_ = root.at(name);
+      AUTOMOE_CHECK(obj_.is_object() || obj_.is_null(), origin_, ": `", name_,
+                    "` must be a mapping, got ", type_name(obj_));
+      if (obj_.is_null()) obj_ = json::object();
+    } else {
+      obj_ = json::object();
+    }
+  }
+
+  bool has(const std::string& key) const { return obj_.contains(key) && !obj_.at(key).is_null(); }
+  std::string key(const std::string& k) const { return name_ + "." + k; }
+
+  const json* raw(const std::string& k) {
+    seen_.insert(k);
+    return has(k) ? &obj_.at(k) : nullptr;
+  }
+
+  std::string str(const std::string& k, std::string def, std::set<std::string> allowed = {}) {
+    if (const json* v = raw(k)) {
+      AUTOMOE_CHECK(v->is_string(), where(k), "expected a string, got ", type_name(*v));
+      def = v->get<std::string>();
+    }
+    if (!allowed.empty() && !allowed.count(def)) {
+      std::string list;
+      for (const auto& a : allowed) list += (list.empty() ? "" : ", ") + a;
+      fail(where(k), "\"", def, "\" is not one of: ", list);
+    }
+    return def;
+  }
+
+  int64_t integer(const std::string& k, int64_t def, int64_t min) {
+    if (const json* v = raw(k)) {
+      const bool integral = v->is_number_integer() ||
+                            (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>());
+      AUTOMOE_CHECK(v->is_number() && !v->is_boolean() && integral, where(k),
+                    "expected an integer, got ", v->dump());
+      def = v->is_number_float() ? static_cast<int64_t>(v->get<double>()) : v->get<int64_t>();
+    }
+    AUTOMOE_CHECK(def >= min, where(k), "expected >= ", min, ", got ", def);
+    return def;
+  }
+
+  double number(const std::string& k, double def, double min, double max, bool open_min = false) {
+    if (const json* v = raw(k)) {
+      AUTOMOE_CHECK(v->is_number() && !v->is_boolean(), where(k), "expected a number, got ",
+                    v->dump());
+      def = v->get<double>();
+    }
+    AUTOMOE_CHECK(std::isfinite(def) && (open_min ? def > min : def >= min) && def <= max, where(k),
+                  "expected a number in ", open_min ? "(" : "[", min, ", ", max, "], got ", def);
+    return def;
+  }
+
+  bool boolean(const std::string& k, bool def) {
+    if (const json* v = raw(k)) {
+      AUTOMOE_CHECK(v->is_boolean(), where(k), "expected true or false, got ", v->dump());
+      def = v->get<bool>();
+    }
+    return def;
+  }
+
+  std::vector<std::string> paths(const std::string& k) {
+    std::vector<std::string> out;
+    const json* v = raw(k);
+    if (!v) return out;
+    if (v->is_string()) return {v->get<std::string>()};
+    AUTOMOE_CHECK(v->is_array() && !v->empty(), where(k),
+                  "expected a file path or a non-empty list of paths, got ", type_name(*v));
+    for (const auto& e : *v) {
+      AUTOMOE_CHECK(e.is_string() && !e.get<std::string>().empty(), where(k),
+                    "expected file paths, got ", e.dump());
+      out.push_back(e.get<std::string>());
+    }
+    return out;
+  }
+
+  std::string where(const std::string& k) const { return origin_ + ": " + key(k) + ": "; }
+
+  void finish() const {
+    for (const auto& [k, v] : obj_.items()) {
+      if (seen_.count(k)) continue;
+      std::string known;
+      for (const auto& s : seen_) known += (known.empty() ? "" : ", ") + s;
+      fail(origin_, ": unknown key `", key(k), "` (", name_, " takes: ", known, ")");
+    }
+  }
+
+ private:
+  json obj_;
+  std::string name_, origin_;
+  std::set<std::string> seen_;
+};
+
+}  // namespace
+
+Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::exception& e) {
+    fail(origin, ": not a valid recipe document: ", e.what());
+  }
+  AUTOMOE_CHECK(root.is_object(), origin, ": a recipe is a mapping of sections, got ",
+                type_name(root));
+  const std::set<std::string> sections = {"model",    "data",       "train", "optimizer",
+                                          "schedule", "checkpoint", "log"};
+  for (const auto& [k, v] : root.items()) {
+    if (!sections.count(k)) {
+      fail(origin, ": unknown section `", k,
+           "` (a recipe has: model, data, train, optimizer, schedule, checkpoint, log)");
+    }
+  }
+  Recipe r;
+
+  Section m(root, "model", origin);
+  r.model.path = m.str("path", "");
+  AUTOMOE_CHECK(!r.model.path.empty(), m.where("path"),
+                "required: the Hugging Face checkpoint directory to fine-tune");
+  r.model.dtype = m.str("dtype", r.model.dtype, {"float32", "bfloat16"});
+  if (const json* b = m.raw("backend")) {
+    AUTOMOE_CHECK(b->is_object(), m.where("backend"), "expected a mapping, got ", type_name(*b));
+    for (const auto& [k, v] : b->items()) {
+      AUTOMOE_CHECK(v.is_string() || v.is_boolean(), m.where("backend"), k,
+                    ": expected a string, got ", v.dump());
+      r.model.backend[k] = v.is_string() ? v.get<std::string>() : (v.get<bool>() ? "true" : "false");
+    }
+    BackendConfig::from_map(r.model.backend, origin + ": model.backend");  // validates
+  }
+  if (m.has("router_aux_loss_coef")) {
+    r.model.router_aux_loss_coef = m.number("router_aux_loss_coef", 0, 0, 1e6);
+  } else {
+    m.raw("router_aux_loss_coef");
+  }
+  m.finish();
+
+  Section d(root, "data", origin);
+  r.data.train = d.paths("train");
+  AUTOMOE_CHECK(!r.data.train.empty(), d.where("train"), "required: the training JSONL file(s)");
+  r.data.validation = d.paths("validation");
+  r.data.format =
+      d.str("format", r.data.format, {"auto", "chat", "prompt_completion", "alpaca", "text"});
+  r.data.seq_len = d.integer("seq_len", r.data.seq_len, 2);
+  r.data.packing = d.boolean("packing", r.data.packing);
+  r.data.train_on = d.str("train_on", r.data.train_on, {"completion", "all"});
+  r.data.on_error = d.str("on_error", r.data.on_error, {"fail", "skip"});
+  r.data.shuffle = d.boolean("shuffle", r.data.shuffle);
+  r.data.cache_dir = d.str("cache_dir", "");
+  d.finish();
+
+  Section t(root, "train", origin);
+  r.train.micro_batch_size = t.integer("micro_batch_size", 1, 1);
+  const bool has_accum = t.has("grad_accumulation_steps");
+  r.train.grad_accumulation_steps = t.integer("grad_accumulation_steps", 1, 1);
+  r.train.global_batch_size = t.integer("global_batch_size", 0, 0);
+  if (r.train.global_batch_size > 0) {
+    const int64_t mb = r.train.micro_batch_size;
+    AUTOMOE_CHECK(r.train.global_batch_size % mb == 0, t.where("global_batch_size"),
+                  r.train.global_batch_size, " is not a multiple of train.micro_batch_size (", mb,
+                  ")");
+    const int64_t accum = r.train.global_batch_size / mb;
+    AUTOMOE_CHECK(!has_accum || accum == r.train.grad_accumulation_steps,
+                  t.where("global_batch_size"), r.train.global_batch_size,
+                  " disagrees with train.micro_batch_size x train.grad_accumulation_steps = ",
+                  mb * r.train.grad_accumulation_steps, "; give one or the other");
+    r.train.grad_accumulation_steps = accum;
+  }
+  r.train.global_batch_size = r.train.micro_batch_size * r.train.grad_accumulation_steps;
+  r.train.max_steps = t.integer("max_steps", 0, 0);
+  r.train.epochs = t.number("epochs", 1.0, 0.0, 1e6, /*open_min=*/true);
+  r.train.seed = static_cast<uint64_t>(t.integer("seed", 42, 0));
+  r.train.eval_every = t.integer("eval_every", 0, 0);
+  r.train.max_nonfinite_steps = t.integer("max_nonfinite_steps", 5, 1);
+  r.train.activation_checkpointing = t.boolean("activation_checkpointing", false);
+  r.train.device = t.str("device", "auto");
+  {
+    const std::string& dev = r.train.device;
+    const bool ok = dev == "auto" || dev == "cpu" || dev == "cuda" ||
+                    (dev.rfind("cuda:", 0) == 0 && dev.size() > 5 &&
+                     dev.find_first_not_of("0123456789", 5) == std::string::npos);
+    AUTOMOE_CHECK(ok, t.where("device"), "expected auto, cpu, cuda or cuda:N, got \"", dev, "\"");
+  }
+  r.train.threads = t.integer("threads", 0, 0);
+  t.finish();
+
+  Section o(root, "optimizer", origin);
+  r.optimizer.name = o.str("name", "adamw", {"adamw"});
+  r.optimizer.lr = o.number("lr", r.optimizer.lr, 0.0, 10.0, /*open_min=*/true);
+  if (const json* b = o.raw("betas")) {
+    AUTOMOE_CHECK(b->is_array() && b->size() == 2 && (*b)[0].is_number() && (*b)[1].is_number(),
+                  o.where("betas"), "expected [beta1, beta2], got ", b->dump());
+    r.optimizer.beta1 = (*b)[0].get<double>();
+    r.optimizer.beta2 = (*b)[1].get<double>();
+    for (double beta : {r.optimizer.beta1, r.optimizer.beta2}) {
+      AUTOMOE_CHECK(beta >= 0 && beta < 1, o.where("betas"), "each beta must be in [0, 1), got ",
+                    b->dump());
+    }
+  }
+  r.optimizer.eps = o.number("eps", r.optimizer.eps, 0.0, 1.0, /*open_min=*/true);
+  r.optimizer.weight_decay = o.number("weight_decay", 0.0, 0.0, 1.0);
+  r.optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
+  o.finish();
+
+  Section s(root, "schedule", origin);
+  r.schedule.type = s.str("type", "cosine", {"cosine", "linear", "constant"});
+  r.schedule.warmup_steps = s.integer("warmup_steps", 0, 0);
+  r.schedule.warmup_ratio = s.number("warmup_ratio", 0.0, 0.0, 1.0);
+  AUTOMOE_CHECK(r.schedule.warmup_steps == 0 || r.schedule.warmup_ratio == 0, s.where("warmup_ratio"),
+                "give schedule.warmup_steps or schedule.warmup_ratio, not both");
+  r.schedule.min_lr_ratio = s.number("min_lr_ratio", 0.0, 0.0, 1.0);
+  s.finish();
+
+  Section c(root, "checkpoint", origin);
+  r.checkpoint.dir = c.str("dir", "");
+  AUTOMOE_CHECK(!r.checkpoint.dir.empty(), c.where("dir"),
+                "required: the run directory (checkpoints, metrics and the exported model)");
+  r.checkpoint.every = c.integer("every", 0, 0);
+  r.checkpoint.keep_last = c.integer("keep_last", 2, 1);
+  r.checkpoint.resume = c.boolean("resume", true);
+  r.checkpoint.export_layout = c.str("export_layout", "source", {"source", "per-expert", "fused"});
+  r.checkpoint.export_dtype = c.str("export_dtype", "auto", {"auto", "float32", "bfloat16"});
+  c.finish();
+
+  Section l(root, "log", origin);
+  r.log.every = l.integer("every", 10, 1);
+  r.log.jsonl = l.str("jsonl", "");
+  r.log.tensorboard = l.str("tensorboard", "");
+  r.log.peak_tflops = l.number("peak_tflops", 0.0, 0.0, 1e9);
+  r.log.progress = l.str("progress", "auto", {"auto", "bar", "lines", "off"});
+  l.finish();
+  return r;
+}
+
+std::string Recipe::to_json() const {
+  json j;
+  j["model"] = {{"path", model.path}, {"dtype", model.dtype}, {"backend", model.backend},
+                {"router_aux_loss_coef", model.router_aux_loss_coef
+                                             ? json(*model.router_aux_loss_coef)
+                                             : json(nullptr)}};
+  j["data"] = {{"train", data.train},       {"validation", data.validation},
+               {"format", data.format},     {"seq_len", data.seq_len},
+               {"packing", data.packing},   {"train_on", data.train_on},
+               {"on_error", data.on_error}, {"shuffle", data.shuffle},
+               {"cache_dir", data.cache_dir}};
+  j["train"] = {{"micro_batch_size", train.micro_batch_size},
+                {"grad_accumulation_steps", train.grad_accumulation_steps},
+                {"global_batch_size", train.global_batch_size},
+                {"max_steps", train.max_steps},
+                {"epochs", train.epochs},
+                {"seed", train.seed},
+                {"eval_every", train.eval_every},
+                {"max_nonfinite_steps", train.max_nonfinite_steps},
+                {"activation_checkpointing", train.activation_checkpointing},
+                {"device", train.device},
+                {"threads", train.threads}};
+  j["optimizer"] = {{"name", optimizer.name},
+                    {"lr", optimizer.lr},
+                    {"betas", {optimizer.beta1, optimizer.beta2}},
+                    {"eps", optimizer.eps},
+                    {"weight_decay", optimizer.weight_decay},
+                    {"max_grad_norm", optimizer.max_grad_norm}};
+  j["schedule"] = {{"type", schedule.type},
+                   {"warmup_steps", schedule.warmup_steps},
+                   {"warmup_ratio", schedule.warmup_ratio},
+                   {"min_lr_ratio", schedule.min_lr_ratio}};
+  j["checkpoint"] = {{"dir", checkpoint.dir},
+                     {"every", checkpoint.every},
+                     {"keep_last", checkpoint.keep_last},
+                     {"resume", checkpoint.resume},
+                     {"export_layout", checkpoint.export_layout},
+                     {"export_dtype", checkpoint.export_dtype}};
+  j["log"] = {{"every", log.every},
+              {"jsonl", log.jsonl},
+              {"tensorboard", log.tensorboard},
+              {"peak_tflops", log.peak_tflops},
+              {"progress", log.progress}};
+  return j.dump(2);
+}
+
+double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int64_t step,
+                     int64_t total) {
+  const int64_t warmup =
+      sched.warmup_steps > 0 ? sched.warmup_steps
+                             : static_cast<int64_t>(std::ceil(sched.warmup_ratio * total));
+  // Linear warm-up reaches the full rate at step `warmup` (step 0 already trains, at lr/warmup).
+  if (step < warmup) return opt.lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (sched.type == "constant") return opt.lr;
+  const double span = static_cast<double>(std::max<int64_t>(total - warmup, 1));
+  const double progress = std::min(1.0, static_cast<double>(step - warmup) / span);
+  const double floor = sched.min_lr_ratio;
+  const double shape = sched.type == "cosine" ? 0.5 * (1.0 + std::cos(M_PI * progress))
+                                              : 1.0 - progress;
+  return opt.lr * (floor + (1.0 - floor) * shape);
+}
+
+}  // namespace automoe::train

@@ -1,0 +1,99 @@
+// The training recipe: what `automoe train RECIPE.yaml` runs. The Python front reads the YAML and
+// applies dotted overrides; this is the one place that knows every key, its type, its default and
+// its valid range. An unknown key or a bad value is an automoe::Error naming the dotted key.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace automoe::train {
+
+struct ModelSection {
+  std::string path;                            // Hugging Face checkpoint directory
+  std::string dtype = "bfloat16";              // compute dtype: float32 | bfloat16
+  std::map<std::string, std::string> backend;  // BackendConfig fields
+  std::optional<double> router_aux_loss_coef;  // default: the checkpoint's config
+};
+
+struct DataSection {
+  std::vector<std::string> train;       // JSONL files
+  std::vector<std::string> validation;  // optional JSONL files
+  std::string format = "auto";          // auto | chat | prompt_completion | alpaca | text
+  int64_t seq_len = 2048;
+  bool packing = true;
+  std::string train_on = "completion";  // completion (assistant / completion tokens) | all
+  std::string on_error = "fail";        // fail | skip
+  bool shuffle = true;
+  std::string cache_dir;                // "" = $AUTOMOE_CACHE/datasets or ~/.cache/automoe/datasets
+};
+
+struct TrainSection {
+  int64_t micro_batch_size = 1;  // rows of seq_len tokens per forward
+  int64_t grad_accumulation_steps = 1;
+  int64_t global_batch_size = 0;  // rows per optimizer step; 0 = micro * accumulation
+  int64_t max_steps = 0;          // 0 = run `epochs` epochs
+  double epochs = 1.0;
+  uint64_t seed = 42;
+  int64_t eval_every = 0;  // steps; 0 = at the end only (when there is validation data)
+  int64_t max_nonfinite_steps = 5;
+  bool activation_checkpointing = false;
+  std::string device = "auto";  // auto | cpu | cuda | cuda:N
+  int64_t threads = 0;          // CPU threads; 0 = LibTorch's default
+};
+
+struct OptimizerSection {
+  std::string name = "adamw";
+  double lr = 1e-5;
+  double beta1 = 0.9, beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // not applied to 1-D parameters (norms, biases)
+  double max_grad_norm = 1.0;  // 0 = no clipping
+};
+
+struct ScheduleSection {
+  std::string type = "cosine";  // cosine | linear | constant
+  int64_t warmup_steps = 0;
+  double warmup_ratio = 0.0;  // of the total steps, when warmup_steps is 0
+  double min_lr_ratio = 0.0;  // the decay ends at lr * min_lr_ratio
+};
+
+struct CheckpointSection {
+  std::string dir;            // the run directory: step-N/, latest, export/, metrics.jsonl
+  int64_t every = 0;          // steps; 0 = only at the end
+  int64_t keep_last = 2;
+  bool resume = true;         // continue from dir/latest when it exists
+  std::string export_layout = "source";  // source | per-expert | fused
+  std::string export_dtype = "auto";     // auto (the checkpoint's) | float32 | bfloat16
+};
+
+struct LogSection {
+  int64_t every = 10;
+  std::string jsonl;        // "" = <checkpoint.dir>/metrics.jsonl
+  std::string tensorboard;  // "" = off; else a directory for event files
+  double peak_tflops = 0;   // for MFU; 0 = measure the device's matmul peak at start
+  std::string progress = "auto";  // auto (a bar on a terminal) | bar | lines | off
+};
+
+struct Recipe {
+  ModelSection model;
+  DataSection data;
+  TrainSection train;
+  OptimizerSection optimizer;
+  ScheduleSection schedule;
+  CheckpointSection checkpoint;
+  LogSection log;
+
+  // From the recipe as JSON text (the YAML document converted). `origin` names it in errors.
+  static Recipe parse(const std::string& json_text, const std::string& origin);
+  // Every key, defaults filled in, as JSON text (what the run directory records).
+  std::string to_json() const;
+};
+
+// Learning rate at optimizer step `step` (0-based) of `total` steps.
+double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int64_t step,
+                     int64_t total);
+
+}  // namespace automoe::train

@@ -1,0 +1,652 @@
+#include "automoe/train/trainer.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <fcntl.h>
+#include <sys/resource.h>
+#include <torch/autograd.h>
+#include <torch/cuda.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "automoe/core/dtype.h"
+#include "automoe/core/error.h"
+#include "automoe/io/checkpoint.h"
+#include "automoe/io/safetensors.h"
+#include "automoe/train/dataset.h"
+#include "automoe/train/flops.h"
+#include "automoe/train/peak.h"
+
+namespace automoe::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  AUTOMOE_CHECK(in.good(), p.string(), ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void fsync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+c10::Device resolve_device(const std::string& name) {
+  if (name == "auto") return torch::cuda::is_available() ? c10::Device("cuda") : c10::Device("cpu");
+  const c10::Device dev(name);
+  AUTOMOE_CHECK(!dev.is_cuda() || torch::cuda::is_available(), "train.device: \"", name,
+                "\" but no CUDA device is visible to this torch");
+  return dev;
+}
+
+// ---- optimizer ---------------------------------------------------------------------------------
+
+// AdamW over float32 master weights: one fused ATen call (at::_fused_adamw_) per group, decay and
+// no-decay (1-D parameters: norms and biases), with a shared step count.
+struct AdamW {
+  std::vector<std::string> names;
+  std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
+  std::vector<bool> decay;
+
+  void init(const NamedTensors& masters) {
+    for (const auto& [n, t] : masters) {
+      names.push_back(n);
+      master.push_back(t);
+      grad.push_back(at::zeros_like(t));
+      exp_avg.push_back(at::zeros_like(t));
+      exp_avg_sq.push_back(at::zeros_like(t));
+      step.push_back(at::zeros({}, t.options()));
+      decay.push_back(t.dim() >= 2);
+    }
+  }
+
+  void update(const OptimizerSection& o, double lr) {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> g[2][5];
+    for (size_t i = 0; i < master.size(); ++i) {
+      auto& G = g[decay[i] ? 1 : 0];
+      G[0].push_back(master[i]);
+      G[1].push_back(grad[i]);
+      G[2].push_back(exp_avg[i]);
+      G[3].push_back(exp_avg_sq[i]);
+      G[4].push_back(step[i]);
+    }
+    at::_foreach_add_(step, 1.0);  // the fused kernel reads the step count, it does not advance it
+    for (int d = 0; d < 2; ++d) {
+      if (g[d][0].empty()) continue;
+      at::_fused_adamw_(g[d][0], g[d][1], g[d][2], g[d][3], {}, g[d][4], lr, o.beta1, o.beta2,
+                        d ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+    }
+  }
+
+  // Global L2 norm of the gradients (before clipping), as a host double.
+  double grad_norm() const {
+    const auto norms = at::_foreach_norm(grad, 2);
+    return at::stack(norms).to(at::kDouble).norm().item<double>();
+  }
+  void scale_grads(double s) { at::_foreach_mul_(grad, s); }
+  void zero_grads() { at::_foreach_zero_(grad); }
+};
+
+// ---- checkpoints ------------------------------------------------------------------------------
+
+std::optional<int64_t> step_of(const std::string& dirname) {
+  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5) return std::nullopt;
+  const std::string digits = dirname.substr(5);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoll(digits);
+}
+
+struct TrainerState {
+  int64_t step = 0;
+  DataPosition pos;
+  int64_t tokens_seen = 0, skipped_steps = 0, consecutive_nonfinite = 0;
+};
+
+// Writes step-N/ (master weights, optimizer state, trainer state) under a temporary name, fsyncs
+// it, renames it into place and only then points `latest` at it; then prunes old checkpoints.
+void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
+                     const json& extra, int64_t keep_last) {
+  const std::string name = "step-" + std::to_string(st.step);
+  const fs::path final_dir = run / name;
+  if (fs::exists(final_dir)) return;  // this exact state is already on disk (a resumed run)
+  const fs::path tmp = run / (".tmp-" + name + "-" + std::to_string(::getpid()));
+  fs::remove_all(tmp);
+  fs::create_directories(tmp);
+  NamedTensors weights, state;
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    weights.emplace_back(opt.names[i], opt.master[i]);
+    state.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
+    state.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+  }
+  if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
+  state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+  save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+  save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
+  json j = extra;
+  j["step"] = st.step;
+  j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
+  j["tokens_seen"] = st.tokens_seen;
+  j["skipped_steps"] = st.skipped_steps;
+  j["consecutive_nonfinite"] = st.consecutive_nonfinite;
+  write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
+  fsync_path(tmp);
+  fs::rename(tmp, final_dir);
+  fsync_path(run);
+  write_file_atomic((run / "latest").string(), name + "\n");
+
+  std::vector<std::pair<int64_t, fs::path>> steps;
+  for (const auto& e : fs::directory_iterator(run)) {
+    if (auto s = step_of(e.path().filename().string()); s && e.is_directory()) {
+      steps.emplace_back(*s, e.path());
+    }
+  }
+  std::sort(steps.begin(), steps.end());
+  for (size_t i = 0; i + keep_last < steps.size(); ++i) {
+    if (steps[i].first != st.step) fs::remove_all(steps[i].second);
+  }
+}
+
+// Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
+json load_checkpoint(const fs::path& run, AdamW& opt, TrainerState& st) {
+  std::string name = read_text(run / "latest");
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
+                name, "\"");
+  const fs::path dir = run / name;
+  AUTOMOE_CHECK(fs::is_directory(dir), (run / "latest").string(), " names ", name,
+                ", which does not exist");
+  const SafetensorsFile model((dir / "model.safetensors").string());
+  const SafetensorsFile state((dir / "optimizer.safetensors").string());
+  auto load_into = [](const SafetensorsFile& f, const std::string& key, at::Tensor& dst) {
+    AUTOMOE_CHECK(f.contains(key), f.path(), ": missing tensor ", key);
+    const at::Tensor src = f.get(key);
+    AUTOMOE_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type(), f.path(),
+                  ": tensor ", key, " is ", src.scalar_type(), src.sizes(), ", expected ",
+                  dst.scalar_type(), dst.sizes());
+    dst.copy_(src);
+  };
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    load_into(model, opt.names[i], opt.master[i]);
+    load_into(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
+    load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+    if (state.contains("step")) load_into(state, "step", opt.step[i]);
+  }
+  if (state.contains("rng.cpu")) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    gen.set_state(state.get("rng.cpu").clone());
+  }
+  json j;
+  try {
+    j = json::parse(read_text(dir / "trainer_state.json"));
+    st.step = j.at("step").get<int64_t>();
+    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
+    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
+    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
+    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
+    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
+  } catch (const json::exception& e) {
+    fail((dir / "trainer_state.json").string(), ": ", e.what());
+  }
+  return j;
+}
+
+// ---- metrics ----------------------------------------------------------------------------------
+
+int64_t cpu_peak_rss() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;
+}
+
+std::string human_count(double v) {
+  char buf[32];
+  if (v >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
+  else std::snprintf(buf, sizeof buf, "%.0f", v);
+  return buf;
+}
+
+std::string human_time(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const auto t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
+  return buf;
+}
+
+// What one log window (log.every steps) accumulates.
+struct Window {
+  double ce_sum = 0, aux_weighted = 0, loss_tokens = 0, tokens = 0, flops = 0, seconds = 0;
+  int64_t steps = 0, skipped = 0;
+  double grad_norm = 0;
+  std::vector<at::Tensor> expert_counts;  // per MoE layer, summed over the window
+};
+
+json expert_load(const std::vector<at::Tensor>& counts, const std::vector<int64_t>& moe_layers) {
+  json out = json::array();
+  for (size_t i = 0; i < counts.size(); ++i) {
+    const at::Tensor c = counts[i].to(at::kDouble).cpu();
+    const double mean = c.mean().item<double>();
+    const double sd = c.numel() > 1 ? c.std(/*unbiased=*/false).item<double>() : 0.0;
+    std::vector<int64_t> v(c.numel());
+    const at::Tensor ci = counts[i].cpu().to(at::kLong).contiguous();
+    std::copy(ci.data_ptr<int64_t>(), ci.data_ptr<int64_t>() + ci.numel(), v.begin());
+    out.push_back({{"layer", moe_layers[i]},
+                   {"min", c.min().item<double>()},
+                   {"max", c.max().item<double>()},
+                   {"cv", mean > 0 ? sd / mean : 0.0},
+                   {"empty", c.eq(0).sum().item<int64_t>()},
+                   {"counts", v}});
+  }
+  return out;
+}
+
+class Progress {
+ public:
+  Progress(const std::string& mode, int64_t total) : total_(total) {
+    const bool tty = ::isatty(STDERR_FILENO);
+    bar_ = mode == "bar" || (mode == "auto" && tty);
+    lines_ = mode == "lines" || (mode == "auto" && !tty);
+  }
+  void update(int64_t step, double loss, double tok_s, double eta_s) {
+    if (!bar_) return;
+    const int width = 24;
+    const int filled = total_ ? static_cast<int>(width * step / total_) : width;
+    std::string bar(filled, '#');
+    bar.resize(width, '.');
+    std::fprintf(stderr, "\r  step %ld/%ld [%s] loss %.4f | %s tok/s | ETA %s   ", step, total_,
+                 bar.c_str(), loss, human_count(tok_s).c_str(), human_time(eta_s).c_str());
+    std::fflush(stderr);
+    dirty_ = true;
+  }
+  void line(const std::string& text) {
+    if (!bar_ && !lines_) return;
+    if (dirty_) std::fputs("\n", stderr);
+    dirty_ = false;
+    std::fprintf(stderr, "%s\n", text.c_str());
+  }
+  void log(const json& rec) {
+    if (!lines_) return;
+    char buf[256];
+    std::snprintf(buf, sizeof buf,
+                  "step %ld/%ld  loss %.4f  aux %.4f  grad_norm %.3f  lr %.3g  %s tok/s  "
+                  "%.3g TFLOP/s",
+                  rec["step"].get<int64_t>(), total_, rec["loss"].get<double>(),
+                  rec["aux_loss"].get<double>(), rec["grad_norm"].get<double>(),
+                  rec["lr"].get<double>(), human_count(rec["tokens_per_s"].get<double>()).c_str(),
+                  rec["tflops"].get<double>());
+    line(buf);
+  }
+  void done() {
+    if (dirty_) std::fputs("\n", stderr);
+    dirty_ = false;
+  }
+
+ private:
+  int64_t total_;
+  bool bar_ = false, lines_ = false, dirty_ = false;
+};
+
+}  // namespace
+
+int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in) {
+  TrainerHooks hooks = hooks_in;
+  if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
+  AUTOMOE_CHECK(!rc.train.activation_checkpointing, "train.activation_checkpointing: not ",
+                "implemented in this version (set it to false)");
+  AUTOMOE_CHECK(rc.log.tensorboard.empty(), "log.tensorboard: TensorBoard event files are not ",
+                "written by this version; use metrics.jsonl (log.jsonl) and `automoe report`");
+  if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
+  const c10::Device dev = resolve_device(rc.train.device);
+  const c10::ScalarType compute = dtype_from_name(rc.model.dtype, "model.dtype");
+  const fs::path run(rc.checkpoint.dir);
+  fs::create_directories(run);
+  for (const auto& e : fs::directory_iterator(run)) {  // leftovers of a killed save
+    if (e.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
+  }
+  const bool has_latest = fs::exists(run / "latest");
+  AUTOMOE_CHECK(!has_latest || rc.checkpoint.resume, "checkpoint.dir ", run.string(),
+                " already holds a run (", (run / "latest").string(),
+                "); set checkpoint.resume=true to continue it, or choose another directory");
+
+  // Model: weights as stored, then float32 masters and (for bf16) the compute copies.
+  PretrainedModel pm = load_pretrained(rc.model.path, std::nullopt,
+                                       BackendConfig::from_map(rc.model.backend, "model.backend"));
+  const ModelSpec& spec = pm.decoder->spec();
+  const c10::ScalarType stored = pm.decoder->named_parameters().front().second.scalar_type();
+  AdamW opt;
+  {
+    NamedTensors masters;
+    for (const auto& [n, t] : pm.decoder->named_parameters()) {
+      masters.emplace_back(n, t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    }
+    opt.init(masters);
+  }
+  const bool mixed = compute != at::kFloat;
+  std::vector<at::Tensor> model_params;  // what the forward reads (requires grad)
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    at::Tensor p = mixed ? opt.master[i].to(compute) : opt.master[i];
+    p.set_requires_grad(true);
+    pm.decoder->set_parameter(opt.names[i], p);
+    model_params.push_back(p);
+  }
+  std::vector<int64_t> moe_layers;
+  for (int64_t l = 0; l < spec.num_layers; ++l) {
+    if (spec.layer_is_moe[l]) moe_layers.push_back(l);
+  }
+
+  // Data.
+  const TokenDataset train_set(data.train);
+  const int64_t max_tok = train_set.max_token();
+  AUTOMOE_CHECK(max_tok < spec.vocab_size, data.train, ": token id ", max_tok,
+                " is outside the model's vocabulary (", spec.vocab_size,
+                "): was the data tokenised with another tokenizer?");
+  const int64_t pad = spec.pad_token_id >= 0 ? spec.pad_token_id : 0;
+  const Batcher batcher(train_set, rc.train.micro_batch_size, rc.data.seq_len, rc.data.packing,
+                        rc.data.shuffle, rc.train.seed, pad);
+  std::unique_ptr<TokenDataset> val_set;
+  std::vector<MicroBatch> val_batches;
+  if (!data.validation.empty()) {
+    val_set = std::make_unique<TokenDataset>(data.validation);
+    AUTOMOE_CHECK(val_set->max_token() < spec.vocab_size, data.validation,
+                  ": token ids outside the model's vocabulary");
+    val_batches = Batcher(*val_set, rc.train.micro_batch_size, rc.data.seq_len, rc.data.packing,
+                          false, 0, pad)
+                      .all_in_order();
+  }
+  const int64_t accum = rc.train.grad_accumulation_steps;
+  const int64_t total_steps =
+      rc.train.max_steps > 0
+          ? rc.train.max_steps
+          : (batcher.count_until({}, rc.train.epochs) + accum - 1) / accum;
+
+  TrainerState st;
+  const json run_identity = {{"model_path", rc.model.path},
+                             {"train_data", data.train_key},
+                             {"train_documents", train_set.num_docs()},
+                             {"train_tokens", train_set.num_tokens()}};
+  if (has_latest) {
+    const json saved = load_checkpoint(run, opt, st);
+    for (const auto& key : {"train_data", "train_documents", "train_tokens"}) {
+      AUTOMOE_CHECK(!saved.contains(key) || saved.at(key) == run_identity.at(key), "cannot resume ",
+                    run.string(), ": its checkpoint was trained on other data (", key, " ",
+                    saved.value(key, json()).dump(), ", now ", run_identity.at(key).dump(),
+                    "); use another checkpoint.dir or set checkpoint.resume=false");
+    }
+    at::NoGradGuard no_grad;
+    if (mixed) {
+      for (size_t i = 0; i < opt.names.size(); ++i) model_params[i].copy_(opt.master[i]);
+    }
+  }
+  write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
+
+  // Metrics.
+  const fs::path jsonl_path = rc.log.jsonl.empty() ? run / "metrics.jsonl" : fs::path(rc.log.jsonl);
+  if (jsonl_path.has_parent_path()) fs::create_directories(jsonl_path.parent_path());
+  std::ofstream jsonl(jsonl_path, std::ios::app);
+  AUTOMOE_CHECK(jsonl.good(), "log.jsonl: cannot open ", jsonl_path.string(), " for appending");
+  auto emit = [&](const json& rec) {
+    jsonl << rec.dump() << "\n";
+    jsonl.flush();
+  };
+  const double peak_tflops =
+      rc.log.peak_tflops > 0 ? rc.log.peak_tflops : measure_matmul_peak(dev, compute).tflops;
+  Progress progress(rc.log.progress, total_steps);
+  progress.line("automoe train: " + std::to_string(total_steps) + " steps of " +
+                std::to_string(rc.train.global_batch_size) + " x " +
+                std::to_string(rc.data.seq_len) + " tokens, " + dtype_to_name(compute) + " on " +
+                dev.str() + (st.step > 0 ? ", resuming at step " + std::to_string(st.step) : "") +
+                " -> " + run.string());
+  if (st.step == 0) {
+    emit({{"type", "start"},
+          {"total_steps", total_steps},
+          {"train_documents", train_set.num_docs()},
+          {"train_tokens", train_set.num_tokens()},
+          {"peak_tflops", peak_tflops},
+          {"device", dev.str()},
+          {"dtype", dtype_to_name(compute)}});
+  }
+
+  const double aux_coef = rc.model.router_aux_loss_coef.value_or(spec.moe.router_aux_loss_coef);
+  auto to_dev = [&](const at::Tensor& t) { return t.to(dev, /*non_blocking=*/true); };
+  auto sync = [&] {
+    if (dev.is_cuda()) torch::cuda::synchronize();
+  };
+
+  auto evaluate = [&]() {
+    at::NoGradGuard no_grad;
+    double ce = 0, n = 0;
+    for (const MicroBatch& mb : val_batches) {
+      if (mb.loss_tokens == 0) continue;
+      ForwardArgs a;
+      a.input_ids = to_dev(mb.input_ids);
+      a.position_ids = to_dev(mb.position_ids);
+      a.document_ids = to_dev(mb.document_ids);
+      a.labels = to_dev(mb.labels);
+      a.output_router_logits = false;
+      a.num_items_in_batch = 1.0;  // the loss is then the token sum
+      ce += pm.decoder->forward(a).loss->item<double>();
+      n += static_cast<double>(mb.loss_tokens);
+    }
+    emit({{"type", "eval"}, {"step", st.step}, {"eval_loss", n > 0 ? ce / n : NAN},
+          {"eval_tokens", n}});
+    char buf[96];
+    std::snprintf(buf, sizeof buf, "eval at step %ld: loss %.4f over %.0f tokens", st.step,
+                  n > 0 ? ce / n : NAN, n);
+    progress.line(buf);
+  };
+
+  Window win;
+  const auto t_start = Clock::now();
+  const int64_t first_step = st.step;
+  if (hooks.reset_peak_memory) hooks.reset_peak_memory();
+  int exit_code = 0;
+  while (st.step < total_steps) {
+    const auto t0 = Clock::now();
+    std::vector<MicroBatch> mbs;
+    double window_loss_tokens = 0;
+    for (int64_t i = 0; i < accum; ++i) {
+      mbs.push_back(batcher.next(st.pos));
+      window_loss_tokens += static_cast<double>(mbs.back().loss_tokens);
+    }
+    const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
+    double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
+    bool finite = true;
+    for (const MicroBatch& mb : mbs) {
+      step_tokens += static_cast<double>(mb.real_tokens);
+      step_flops += static_cast<double>(mb.real_tokens) *
+                    training_flops_per_token(spec, mb.input_ids.size(1));
+      if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;
+      ForwardArgs a;
+      a.input_ids = to_dev(mb.input_ids);
+      a.position_ids = to_dev(mb.position_ids);
+      a.document_ids = to_dev(mb.document_ids);
+      a.labels = to_dev(mb.labels);
+      a.output_router_logits = true;
+      a.output_expert_counts = true;
+      a.num_items_in_batch = window_loss_tokens;
+      a.router_aux_loss_coef = aux_coef;
+      // Each micro-batch's aux loss counts with its share of the window's loss tokens, so the
+      // aux term's scale does not depend on how the window is split.
+      a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / window_loss_tokens;
+      const ForwardResult r = pm.decoder->forward(a);
+      r.loss->backward();
+      const double aux = r.aux_loss->item<double>();
+      const double total = r.loss->item<double>();
+      ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
+      aux_weighted += a.aux_loss_scale * aux;
+      finite = finite && std::isfinite(total);
+      if (win.expert_counts.empty()) {
+        for (const auto& c : r.expert_counts) win.expert_counts.push_back(at::zeros_like(c));
+      }
+      for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
+      if (mixed) {  // move the bf16 gradients into the fp32 accumulators at once
+        at::NoGradGuard no_grad;
+        for (size_t i = 0; i < model_params.size(); ++i) {
+          at::Tensor& g = model_params[i].mutable_grad();
+          if (g.defined()) {
+            opt.grad[i].add_(g);
+            g = at::Tensor();
+          }
+        }
+      }
+    }
+    if (!mixed) {
+      at::NoGradGuard no_grad;
+      for (size_t i = 0; i < model_params.size(); ++i) {
+        at::Tensor& g = model_params[i].mutable_grad();
+        if (g.defined()) {
+          opt.grad[i].copy_(g);
+          g = at::Tensor();
+        } else {
+          opt.grad[i].zero_();
+        }
+      }
+    }
+    const double norm = window_loss_tokens > 0 ? opt.grad_norm() : 0.0;
+    finite = finite && std::isfinite(norm);
+    st.step += 1;
+    st.tokens_seen += static_cast<int64_t>(step_tokens);
+    if (!finite) {
+      st.skipped_steps += 1;
+      st.consecutive_nonfinite += 1;
+      opt.zero_grads();
+      emit({{"type", "skip"},
+            {"step", st.step},
+            {"reason", std::isfinite(ce_sum) ? "non-finite gradient norm" : "non-finite loss"},
+            {"consecutive", st.consecutive_nonfinite}});
+      progress.line("step " + std::to_string(st.step) + ": non-finite " +
+                    (std::isfinite(ce_sum) ? "gradient norm" : "loss") +
+                    ", update skipped (" + std::to_string(st.consecutive_nonfinite) +
+                    " in a row)");
+      win.skipped += 1;
+      if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
+        save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+        progress.line("automoe train: stopping after " +
+                      std::to_string(st.consecutive_nonfinite) +
+                      " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint " +
+                      (run / ("step-" + std::to_string(st.step))).string() +
+                      " holds the last state. Lower optimizer.lr or check the data and model.");
+        exit_code = 3;
+        break;
+      }
+    } else {
+      st.consecutive_nonfinite = 0;
+      if (window_loss_tokens > 0) {
+        if (rc.optimizer.max_grad_norm > 0 && norm > rc.optimizer.max_grad_norm) {
+          opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
+        }
+        opt.update(rc.optimizer, lr);
+        opt.zero_grads();
+        if (mixed) {
+          at::NoGradGuard no_grad;
+          for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(opt.master[i]);
+        }
+      }
+      win.ce_sum += ce_sum;
+      win.aux_weighted += aux_weighted;
+      win.loss_tokens += window_loss_tokens;
+      win.grad_norm = norm;
+    }
+    sync();
+    const double dt = seconds_since(t0);
+    win.steps += 1;
+    win.tokens += step_tokens;
+    win.flops += step_flops;
+    win.seconds += dt;
+
+    const double elapsed = seconds_since(t_start);
+    const double rate = elapsed / static_cast<double>(st.step - first_step);
+    const double shown_loss = win.loss_tokens > 0 ? win.ce_sum / win.loss_tokens : NAN;
+    progress.update(st.step, shown_loss, win.tokens / std::max(win.seconds, 1e-9),
+                    rate * static_cast<double>(total_steps - st.step));
+    if (st.step % rc.log.every == 0 || st.step == total_steps) {
+      const double tflops = win.flops / std::max(win.seconds, 1e-9) / 1e12;
+      json rec = {{"type", "train"},
+                  {"step", st.step},
+                  {"total_steps", total_steps},
+                  {"epoch", static_cast<double>(st.pos.epoch) +
+                                static_cast<double>(st.pos.cursor) /
+                                    static_cast<double>(train_set.num_docs())},
+                  {"loss", shown_loss},
+                  {"aux_loss", win.loss_tokens > 0 ? win.aux_weighted / (win.steps - win.skipped)
+                                                   : NAN},
+                  {"grad_norm", win.grad_norm},
+                  {"lr", lr},
+                  {"tokens", st.tokens_seen},
+                  {"tokens_per_s", win.tokens / std::max(win.seconds, 1e-9)},
+                  {"tflops", tflops},
+                  {"mfu", peak_tflops > 0 ? tflops / peak_tflops : 0.0},
+                  {"peak_memory_gib", static_cast<double>(hooks.peak_memory_bytes()) / (1 << 30)},
+                  {"skipped_steps", st.skipped_steps},
+                  {"step_time_s", win.seconds / static_cast<double>(win.steps)},
+                  {"elapsed_s", elapsed},
+                  {"expert_load", expert_load(win.expert_counts, moe_layers)}};
+      emit(rec);
+      progress.log(rec);
+      win = Window{};
+    }
+    if (!val_batches.empty() && rc.train.eval_every > 0 && st.step % rc.train.eval_every == 0 &&
+        st.step != total_steps) {
+      evaluate();
+    }
+    if (rc.checkpoint.every > 0 && st.step % rc.checkpoint.every == 0 && st.step != total_steps) {
+      save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+    }
+  }
+  progress.done();
+  if (exit_code != 0) return exit_code;
+
+  if (!val_batches.empty()) evaluate();
+  save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+
+  // Export: a Hugging Face directory in the checkpoint's dtype (or the one asked for).
+  const c10::ScalarType export_dtype =
+      rc.checkpoint.export_dtype == "auto" ? stored
+                                           : dtype_from_name(rc.checkpoint.export_dtype,
+                                                             "checkpoint.export_dtype");
+  NamedTensors exported;
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    exported.emplace_back(opt.names[i], opt.master[i].detach().to(at::kCPU, export_dtype));
+  }
+  PretrainedModel out{pm.config, pm.layout, pm.source_dir,
+                      std::make_unique<Decoder>(spec, pm.decoder->backend(), std::move(exported))};
+  std::optional<ExpertsLayout> layout;
+  if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
+  if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
+  save_pretrained(out, (run / "export").string(), layout);
+  emit({{"type", "end"},
+        {"step", st.step},
+        {"export", (run / "export").string()},
+        {"elapsed_s", seconds_since(t_start)}});
+  progress.line("automoe train: done at step " + std::to_string(st.step) + "; Hugging Face model in " +
+                (run / "export").string());
+  return 0;
+}
+
+}  // namespace automoe::train

@@ -1,0 +1,318 @@
+"""Tokenise JSONL training data once, into a cached, memory-mapped dataset the C++ trainer reads.
+
+Formats (one JSON object per line; `format: auto` picks one per line from its keys):
+
+- chat:              {"messages": [{"role": "user", "content": "..."}, ...]}, rendered with the
+                     tokenizer's own chat template; loss on the assistant turns (their content and
+                     the template's end-of-turn tokens).
+- prompt_completion: {"prompt": "...", "completion": "..."}; loss on the completion and EOS.
+- alpaca:            {"instruction": "...", "input": "...", "output": "..."}, in the Alpaca prompt;
+                     loss on the output and EOS.
+- text:              {"text": "..."}; loss on every token, then EOS.
+
+`train_on: all` puts loss on every token of every format. Rendering and tokenisation go through
+Hugging Face `transformers`/`tokenizers`, so the tokens are exactly what Transformers produces.
+
+The cache file is keyed by the inputs' bytes, the tokenizer files, the settings and the library
+versions; the layout is documented in csrc/automoe/train/dataset.h.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CACHE_FORMAT = "AMDS0001"
+ENCODER_VERSION = 1  # bump when the rendering or masking rules change
+FORMATS = ("chat", "prompt_completion", "alpaca", "text")
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+    "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+)
+
+ALPACA_PROMPT = (
+    "Below is an instruction that describes a task{ctx}. "
+    "Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
+)
+
+
+class DataError(ValueError):
+    """A malformed line or an unusable file; the message names the file and line."""
+
+
+@dataclass
+class Dataset:
+    path: Path        # the .amds file
+    key: str          # cache key
+    stats: dict       # documents, tokens, loss_tokens, skipped lines, reused
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("AUTOMOE_CACHE")
+    return Path(base) / "datasets" if base else Path.home() / ".cache" / "automoe" / "datasets"
+
+
+def load_tokenizer(model_path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    path = Path(model_path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise DataError(f"model.path {path}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
+                        "the data is tokenised with the model's own tokenizer")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def detect_format(rec: dict) -> str:
+    if "messages" in rec:
+        return "chat"
+    if "prompt" in rec and "completion" in rec:
+        return "prompt_completion"
+    if "instruction" in rec and "output" in rec:
+        return "alpaca"
+    if "text" in rec:
+        return "text"
+    raise ValueError("cannot tell the format from the keys " + ", ".join(sorted(rec)) +
+                     " (expected messages | prompt+completion | instruction+output | text)")
+
+
+def _string(rec: dict, key: str, allow_empty: bool = False) -> str:
+    if key not in rec:
+        raise ValueError(f"missing key \"{key}\"")
+    v = rec[key]
+    if not isinstance(v, str):
+        raise ValueError(f"\"{key}\" must be a string, got {type(v).__name__}")
+    if not v and not allow_empty:
+        raise ValueError(f"\"{key}\" is empty")
+    return v
+
+
+class Encoder:
+    """Turns one record into token ids and a per-token loss flag."""
+
+    def __init__(self, tokenizer, fmt: str, train_on: str):
+        self.tok = tokenizer
+        self.fmt = fmt
+        self.train_on = train_on
+        self.eos = tokenizer.eos_token_id
+
+    def __call__(self, rec) -> tuple[list[int], list[int]]:
+        if not isinstance(rec, dict):
+            raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
+        fmt = detect_format(rec) if self.fmt == "auto" else self.fmt
+        if fmt == "chat":
+            ids, mask = self._chat(rec)
+        elif fmt == "prompt_completion":
+            ids, mask = self._pair(_string(rec, "prompt"), _string(rec, "completion"))
+        elif fmt == "alpaca":
+            inp = rec.get("input", "")
+            if not isinstance(inp, str):
+                raise ValueError(f"\"input\" must be a string, got {type(inp).__name__}")
+            prompt = ALPACA_PROMPT.format(
+                ctx=", paired with an input that provides further context" if inp else "",
+                instruction=_string(rec, "instruction"),
+                input_block=f"### Input:\n{inp}\n\n" if inp else "")
+            ids, mask = self._pair(prompt, _string(rec, "output"))
+        else:
+            ids = self.tok(_string(rec, "text"), add_special_tokens=True)["input_ids"]
+            if self.eos is not None:
+                ids = ids + [self.eos]
+            mask = [1] * len(ids)
+        if self.train_on == "all":
+            mask = [1] * len(ids)
+        return ids, mask
+
+    def _pair(self, prompt: str, completion: str):
+        p = self.tok(prompt, add_special_tokens=True)["input_ids"]
+        c = self.tok(completion, add_special_tokens=False)["input_ids"]
+        if self.eos is not None:
+            c = c + [self.eos]
+        return p + c, [0] * len(p) + [1] * len(c)
+
+    def _chat(self, rec):
+        msgs = rec["messages"] if "messages" in rec else None
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError("\"messages\" must be a non-empty list")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}] must be {{\"role\": str, \"content\": str}}")
+        if not any(m["role"] == "assistant" for m in msgs) and self.train_on != "all":
+            raise ValueError("no assistant message: nothing to train on")
+        if getattr(self.tok, "chat_template", None) is None:
+            raise DataError("chat data needs a tokenizer with a chat template; the model's tokenizer has none "
+                            "(use format prompt_completion, or add a chat_template)")
+        render = self.tok.apply_chat_template
+        text = render(msgs, tokenize=False)
+        spans, cursor = [], 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            before = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+            through = render(msgs[: i + 1], tokenize=False)
+            if text.startswith(through) and through.startswith(before):
+                spans.append((len(before), len(through)))
+                cursor = len(through)
+            else:  # templates that rewrite earlier turns: fall back to the content itself
+                at = text.find(m["content"], cursor)
+                if at < 0:
+                    raise ValueError(f"messages[{i}]: the chat template does not reproduce the assistant text")
+                spans.append((at, at + len(m["content"])))
+                cursor = at + len(m["content"])
+        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = enc["input_ids"]
+        mask = [0] * len(ids)
+        for t, (s, e) in enumerate(enc["offset_mapping"]):
+            if e > s and any(a <= s < b for a, b in spans):
+                mask[t] = 1
+        return ids, mask
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(files: list[Path], model_path: str, fmt: str, train_on: str) -> str:
+    import tokenizers
+    import transformers
+
+    h = hashlib.sha256()
+    h.update(json.dumps({"encoder": ENCODER_VERSION, "format": fmt, "train_on": train_on,
+                         "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__}).encode())
+    for f in files:
+        h.update(b"data\0" + _file_digest(f).encode())
+    for name in TOKENIZER_FILES:
+        p = Path(model_path) / name
+        if p.exists():
+            h.update(name.encode() + b"\0" + _file_digest(p).encode())
+    return h.hexdigest()[:32]
+
+
+def _write(path: Path, docs_ids: list[np.ndarray], docs_mask: list[np.ndarray], meta: dict) -> None:
+    offsets = np.zeros(len(docs_ids) + 1, dtype=np.int64)
+    np.cumsum([len(d) for d in docs_ids], out=offsets[1:])
+    tokens = np.concatenate(docs_ids).astype(np.int32) if docs_ids else np.zeros(0, np.int32)
+    mask = np.concatenate(docs_mask).astype(np.uint8) if docs_mask else np.zeros(0, np.uint8)
+
+    def align(n: int) -> int:
+        return (n + 63) // 64 * 64
+
+    header = dict(meta, n_docs=len(docs_ids), n_tokens=int(tokens.size))
+    # Section offsets depend on the header's length, which depends on them: fix the point.
+    offs = {"offsets_at": 0, "tokens_at": 0, "mask_at": 0}
+    for _ in range(4):
+        text = json.dumps(dict(header, **offs)).encode()
+        start = align(16 + len(text) + 16)
+        new = {"offsets_at": start, "tokens_at": align(start + offsets.nbytes)}
+        new["mask_at"] = align(new["tokens_at"] + tokens.nbytes)
+        if new == offs:
+            break
+        offs = new
+    text = json.dumps(dict(header, **offs)).encode()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(CACHE_FORMAT.encode() + len(text).to_bytes(8, "little") + text)
+        for at, arr in ((offs["offsets_at"], offsets), (offs["tokens_at"], tokens), (offs["mask_at"], mask)):
+            f.write(b"\0" * (at - f.tell()))
+            f.write(arr.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
+          on_error: str = "fail", cache_dir: str | os.PathLike | None = None,
+          what: str = "data.train", log=sys.stderr) -> Dataset:
+    """Tokenises `files` (or reuses the cached result) and returns the dataset file."""
+    paths = []
+    for f in files:
+        p = Path(f)
+        if not p.is_file():
+            raise DataError(f"{what}: {f}: no such file")
+        paths.append(p)
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = cache_key(paths, model_path, fmt, train_on)
+    out = cache / f"{key}.amds"
+    stats_path = cache / f"{key}.json"
+    if out.exists() and stats_path.exists():
+        stats = json.loads(stats_path.read_text())
+        stats["reused"] = True
+        return Dataset(out, key, stats)
+
+    enc = Encoder(tokenizer, fmt, train_on)
+    ids_list, mask_list, skipped, short = [], [], [], 0
+    for p in paths:
+        with open(p, encoding="utf-8", errors="strict") as fh:
+            lineno = 0
+            while True:
+                try:
+                    line = fh.readline()
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{p}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
+                if not line:
+                    break
+                lineno += 1
+                if not line.strip():
+                    continue
+                try:
+                    ids, mask = enc(json.loads(line))
+                except DataError:
+                    raise
+                except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+                    msg = f"{p}:{lineno}: {e}"
+                    if on_error == "fail":
+                        raise DataError(msg + " (data.on_error: skip would skip such lines)") from None
+                    skipped.append(msg)
+                    continue
+                if len(ids) < 2:
+                    short += 1
+                    continue
+                ids_list.append(np.asarray(ids, dtype=np.int64))
+                mask_list.append(np.asarray(mask, dtype=np.uint8))
+    for msg in skipped[:10]:
+        print(f"automoe train: skipped {msg}", file=log)
+    if len(skipped) > 10:
+        print(f"automoe train: ... and {len(skipped) - 10} more malformed lines skipped", file=log)
+    if not ids_list:
+        raise DataError(f"{what}: no usable documents in {', '.join(map(str, paths))}")
+    stats = {
+        "files": [str(p) for p in paths],
+        "documents": len(ids_list),
+        "tokens": int(sum(len(d) for d in ids_list)),
+        "loss_tokens": int(sum(int(m.sum()) for m in mask_list)),
+        "skipped_lines": len(skipped),
+        "too_short": short,
+        "max_token": int(max(int(d.max()) for d in ids_list)),
+    }
+    _write(out, ids_list, mask_list, {"key": key, "format": fmt, "train_on": train_on, **{
+        k: stats[k] for k in ("documents", "tokens", "loss_tokens")}})
+    tmp = stats_path.with_name(f".{stats_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(stats, indent=2) + "\n")
+    os.replace(tmp, stats_path)
+    stats["reused"] = False
+    return Dataset(out, key, stats)
+
+
+def read(path: str | os.PathLike) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The documents of a .amds file (token ids, loss flags): for tests and inspection."""
+    raw = Path(path).read_bytes()
+    if raw[:8] != CACHE_FORMAT.encode():
+        raise DataError(f"{path}: not an AutoMoE dataset")
+    n = int.from_bytes(raw[8:16], "little")
+    h = json.loads(raw[16:16 + n])
+    offsets = np.frombuffer(raw, np.int64, h["n_docs"] + 1, h["offsets_at"])
+    tokens = np.frombuffer(raw, np.int32, h["n_tokens"], h["tokens_at"])
+    mask = np.frombuffer(raw, np.uint8, h["n_tokens"], h["mask_at"])
+    return ([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
+            [mask[a:b] for a, b in zip(offsets[:-1], offsets[1:])])

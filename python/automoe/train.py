@@ -1,0 +1,120 @@
+"""`automoe train RECIPE.yaml [section.key=value ...]`: the Python half of the command.
+
+It reads the YAML, applies the dotted overrides, has the engine validate the result (the C++
+Recipe parser is the one place that knows every key), tokenises the data into the cache
+(automoe.data), and then hands over to the C++ trainer (`bin/automoe train --recipe-json ...`),
+which runs the loop, writes checkpoints and metrics and exports the Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...]
+
+Fine-tunes model.path on data.train and exports a Hugging Face checkpoint to
+<checkpoint.dir>/export; re-running on the same checkpoint.dir resumes. Overrides use YAML
+values: train.max_steps=100 optimizer.lr=2e-5 data.packing=false. See docs/recipes.md.
+"""
+
+
+class RecipeError(ValueError):
+    pass
+
+
+def load_recipe(path: str, overrides: list[str]) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise RecipeError(f"{path}: no such recipe file")
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML: {e}") from None
+    if doc is None:
+        doc = {}
+    if not isinstance(doc, dict):
+        raise RecipeError(f"{path}: a recipe is a mapping of sections (model, data, train, ...)")
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise RecipeError(f"override \"{ov}\": expected section.key=value")
+        try:
+            parsed = yaml.safe_load(value) if value else ""
+        except yaml.YAMLError as e:
+            raise RecipeError(f"override \"{ov}\": bad value: {e}") from None
+        node = doc
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not isinstance(node.get(part), dict):
+                if part in node and node[part] is not None:
+                    raise RecipeError(f"override \"{ov}\": {part} is not a mapping")
+                node[part] = {}
+            node = node[part]
+        node[parts[-1]] = parsed
+    return doc
+
+
+def resolve(doc: dict, origin: str) -> dict:
+    from automoe import _C
+
+    return json.loads(_C.resolve_recipe(json.dumps(doc, default=str), origin))
+
+
+def prepare(recipe: dict, log=sys.stderr) -> list[str]:
+    """Tokenises the data (or finds it cached); returns the engine's data arguments."""
+    from automoe import data
+
+    d = recipe["data"]
+    model_path = recipe["model"]["path"]
+    if not (Path(model_path) / "config.json").exists():
+        raise RecipeError(f"model.path: {model_path} is not a Hugging Face checkpoint directory (no config.json)")
+    tok = data.load_tokenizer(model_path)
+    kw = dict(tokenizer=tok, model_path=model_path, fmt=d["format"], train_on=d["train_on"],
+              on_error=d["on_error"], cache_dir=d["cache_dir"] or None, log=log)
+    train = data.build(d["train"], what="data.train", **kw)
+    _report(train, "train", log)
+    args = ["--train-data", str(train.path), "--train-key", train.key]
+    if d["validation"]:
+        val = data.build(d["validation"], what="data.validation", **kw)
+        _report(val, "validation", log)
+        args += ["--validation-data", str(val.path)]
+    return args
+
+
+def _report(ds, name: str, log) -> None:
+    s = ds.stats
+    how = "cached" if s.get("reused") else "tokenised"
+    extra = f", {s['skipped_lines']} malformed lines skipped" if s.get("skipped_lines") else ""
+    print(f"automoe train: {name} data {how}: {s['documents']:,} documents, {s['tokens']:,} tokens "
+          f"({s['loss_tokens']:,} with loss){extra}", file=log)
+
+
+def main(argv: list[str]) -> None:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stdout if argv else sys.stderr, end="")
+        raise SystemExit(0 if argv else 2)
+    from automoe import cli, data
+
+    try:
+        doc = load_recipe(argv[0], argv[1:])
+        recipe = resolve(doc, argv[0])
+        engine_args = prepare(recipe)
+    except (RecipeError, data.DataError, ValueError, OSError) as e:
+        print(f"automoe train: error: {e}", file=sys.stderr)
+        raise SystemExit(1)
+    run = Path(recipe["checkpoint"]["dir"])
+    run.mkdir(parents=True, exist_ok=True)
+    resolved = run / "recipe.input.json"
+    tmp = resolved.with_name(f".{resolved.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(recipe, indent=2) + "\n")
+    os.replace(tmp, resolved)
+    sys.stderr.flush()
+    cli.exec_engine(["train", "--recipe-json", str(resolved), *engine_args])
