@@ -120,10 +120,6 @@ const std::vector<int64_t>& Batcher::order(int64_t epoch) const {
 void Batcher::advance(DataPosition& pos, std::vector<std::vector<int64_t>>* rows_docs) const {
   int64_t rows = 0, used = seq_len_;  // rows started, tokens in the current row
   while (true) {
-    if (pos.cursor >= data_.num_docs()) {
-      pos.epoch += 1;
-      pos.cursor = 0;
-    }
     const int64_t doc = order(pos.epoch)[pos.cursor];
     const int64_t len = std::min(data_.doc_length(doc), seq_len_);
     const bool new_row = !packing_ || used + len > seq_len_;
@@ -135,7 +131,10 @@ void Batcher::advance(DataPosition& pos, std::vector<std::vector<int64_t>>* rows
     }
     if (rows_docs) rows_docs->back().push_back(doc);
     used += len;
-    pos.cursor += 1;
+    if (++pos.cursor == data_.num_docs()) {  // an epoch ends: the position is the next one's start
+      pos.epoch += 1;
+      pos.cursor = 0;
+    }
   }
 }
 

@@ -94,8 +94,8 @@ class Section {
     const json* v = raw(k);
     if (!v) return out;
     if (v->is_string()) return {v->get<std::string>()};
-    AUTOMOE_CHECK(v->is_array() && !v->empty(), where(k),
-                  "expected a file path or a non-empty list of paths, got ", type_name(*v));
+    AUTOMOE_CHECK(v->is_array(), where(k), "expected a file path or a list of paths, got ",
+                  type_name(*v));
     for (const auto& e : *v) {
       AUTOMOE_CHECK(e.is_string() && !e.get<std::string>().empty(), where(k),
                     "expected file paths, got ", e.dump());

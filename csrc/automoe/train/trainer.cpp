@@ -398,6 +398,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     saved.value(key, json()).dump(), ", now ", run_identity.at(key).dump(),
                     "); use another checkpoint.dir or set checkpoint.resume=false");
     }
+    AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_set.num_docs(),
+                  (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
+                  st.pos.cursor, ") is outside the training data's ", train_set.num_docs(),
+                  " documents");
     at::NoGradGuard no_grad;
     if (mixed) {
       for (size_t i = 0; i < opt.names.size(); ++i) model_params[i].copy_(opt.master[i]);
@@ -547,11 +551,11 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       win.skipped += 1;
       if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
         save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
-        progress.line("automoe train: stopping after " +
-                      std::to_string(st.consecutive_nonfinite) +
-                      " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint " +
-                      (run / ("step-" + std::to_string(st.step))).string() +
-                      " holds the last state. Lower optimizer.lr or check the data and model.");
+        progress.done();
+        std::cerr << "automoe train: stopping after " << st.consecutive_nonfinite
+                  << " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint "
+                  << (run / ("step-" + std::to_string(st.step))).string()
+                  << " holds the last state. Lower optimizer.lr or check the data and model.\n";
         exit_code = 3;
         break;
       }

@@ -1,0 +1,310 @@
+// The trainer's building blocks: recipe validation, the learning-rate schedule, the dataset file
+// reader, packing/padding into micro-batches, and the decoder's document_ids (packed documents do
+// not see each other).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "automoe/core/error.h"
+#include "automoe/model/decoder.h"
+#include "automoe/train/dataset.h"
+#include "automoe/train/recipe.h"
+
+namespace automoe::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+const char* kMinimal = R"({"model": {"path": "m"}, "data": {"train": "t.jsonl"},
+                           "checkpoint": {"dir": "run"}})";
+
+json minimal() { return json::parse(kMinimal); }
+
+std::string error_of(const json& j) {
+  try {
+    Recipe::parse(j.dump(), "r.yaml");
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Recipe, DefaultsAreFilledIn) {
+  const Recipe r = Recipe::parse(kMinimal, "r.yaml");
+  EXPECT_EQ(r.model.dtype, "bfloat16");
+  EXPECT_EQ(r.data.train, std::vector<std::string>{"t.jsonl"});
+  EXPECT_EQ(r.data.seq_len, 2048);
+  EXPECT_TRUE(r.data.packing);
+  EXPECT_EQ(r.data.train_on, "completion");
+  EXPECT_EQ(r.train.global_batch_size, 1);
+  EXPECT_EQ(r.optimizer.lr, 1e-5);
+  EXPECT_EQ(r.schedule.type, "cosine");
+  EXPECT_EQ(r.checkpoint.keep_last, 2);
+  EXPECT_TRUE(r.checkpoint.resume);
+  // The resolved JSON parses back to the same recipe.
+  const Recipe again = Recipe::parse(r.to_json(), "resolved");
+  EXPECT_EQ(again.to_json(), r.to_json());
+}
+
+TEST(Recipe, UnknownKeysAndSectionsAreNamed) {
+  json j = minimal();
+  j["optimizer"]["learning_rate"] = 1e-4;
+  EXPECT_NE(error_of(j).find("unknown key `optimizer.learning_rate`"), std::string::npos)
+      << error_of(j);
+  j = minimal();
+  j["trainer"] = json::object();
+  EXPECT_NE(error_of(j).find("unknown section `trainer`"), std::string::npos) << error_of(j);
+}
+
+TEST(Recipe, BadValuesNameTheKey) {
+  auto expect = [](json j, const std::string& needle) {
+    const std::string e = error_of(j);
+    EXPECT_NE(e.find(needle), std::string::npos) << "expected \"" << needle << "\" in: " << e;
+  };
+  json j = minimal();
+  j["train"]["micro_batch_size"] = 0;
+  expect(j, "train.micro_batch_size: expected >= 1, got 0");
+  j = minimal();
+  j["train"]["max_steps"] = "ten";
+  expect(j, "train.max_steps: expected an integer");
+  j = minimal();
+  j["data"]["format"] = "sharegpt";
+  expect(j, "data.format: \"sharegpt\" is not one of");
+  j = minimal();
+  j["optimizer"]["betas"] = {0.9, 1.5};
+  expect(j, "optimizer.betas");
+  j = minimal();
+  j["model"]["backend"] = {{"experts", "magic"}};
+  expect(j, "experts");
+  j = minimal();
+  j["data"].erase("train");
+  expect(j, "data.train: required");
+  j = minimal();
+  j["train"]["device"] = "tpu";
+  expect(j, "train.device");
+  j = minimal();
+  j["train"]["micro_batch_size"] = 3;
+  j["train"]["global_batch_size"] = 8;
+  expect(j, "not a multiple of train.micro_batch_size");
+  j = minimal();
+  j["train"]["micro_batch_size"] = 2;
+  j["train"]["global_batch_size"] = 8;
+  j["train"]["grad_accumulation_steps"] = 2;
+  expect(j, "disagrees");
+}
+
+TEST(Recipe, GlobalBatchSizeSetsAccumulation) {
+  json j = minimal();
+  j["train"]["micro_batch_size"] = 2;
+  j["train"]["global_batch_size"] = 8;
+  const Recipe r = Recipe::parse(j.dump(), "r");
+  EXPECT_EQ(r.train.grad_accumulation_steps, 4);
+}
+
+TEST(Schedule, WarmupThenCosineLinearConstant) {
+  OptimizerSection o;
+  o.lr = 1.0;
+  ScheduleSection s;
+  s.warmup_steps = 4;
+  s.min_lr_ratio = 0.1;
+  s.type = "cosine";
+  EXPECT_DOUBLE_EQ(learning_rate(o, s, 0, 14), 0.25);
+  EXPECT_DOUBLE_EQ(learning_rate(o, s, 3, 14), 1.0);
+  EXPECT_DOUBLE_EQ(learning_rate(o, s, 4, 14), 1.0);                         // decay starts
+  EXPECT_NEAR(learning_rate(o, s, 9, 14), 0.1 + 0.9 * 0.5, 1e-12);           // half way
+  EXPECT_NEAR(learning_rate(o, s, 14, 14), 0.1, 1e-12);                      // floor
+  s.type = "linear";
+  EXPECT_NEAR(learning_rate(o, s, 9, 14), 0.1 + 0.9 * 0.5, 1e-12);
+  EXPECT_NEAR(learning_rate(o, s, 6, 14), 0.1 + 0.9 * 0.8, 1e-12);
+  s.type = "constant";
+  EXPECT_DOUBLE_EQ(learning_rate(o, s, 13, 14), 1.0);
+  s.warmup_steps = 0;
+  s.warmup_ratio = 0.5;  // of 14 steps -> 7
+  EXPECT_DOUBLE_EQ(learning_rate(o, s, 0, 14), 1.0 / 7);
+}
+
+// Writes a dataset file in the documented layout (what automoe.data writes).
+std::string write_amds(const std::vector<std::vector<int32_t>>& docs,
+                       const std::vector<std::vector<uint8_t>>& masks) {
+  static int n = 0;
+  const fs::path path = fs::temp_directory_path() /
+                        ("automoe_test_" + std::to_string(::getpid()) + "_" + std::to_string(n++) +
+                         ".amds");
+  std::vector<int64_t> offsets{0};
+  std::vector<int32_t> tokens;
+  std::vector<uint8_t> mask;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    tokens.insert(tokens.end(), docs[d].begin(), docs[d].end());
+    mask.insert(mask.end(), masks[d].begin(), masks[d].end());
+    offsets.push_back(static_cast<int64_t>(tokens.size()));
+  }
+  const uint64_t off_at = 1024, tok_at = off_at + 8 * offsets.size();
+  const uint64_t mask_at = tok_at + 4 * tokens.size();
+  const std::string header = json{{"n_docs", docs.size()},
+                                  {"n_tokens", tokens.size()},
+                                  {"offsets_at", off_at},
+                                  {"tokens_at", tok_at},
+                                  {"mask_at", mask_at}}
+                                 .dump();
+  std::string bytes(mask_at + mask.size(), '\0');
+  std::memcpy(bytes.data(), "AMDS0001", 8);
+  const uint64_t hlen = header.size();
+  std::memcpy(bytes.data() + 8, &hlen, 8);
+  std::memcpy(bytes.data() + 16, header.data(), hlen);
+  std::memcpy(bytes.data() + off_at, offsets.data(), 8 * offsets.size());
+  std::memcpy(bytes.data() + tok_at, tokens.data(), 4 * tokens.size());
+  std::memcpy(bytes.data() + mask_at, mask.data(), mask.size());
+  std::ofstream(path, std::ios::binary) << bytes;
+  return path.string();
+}
+
+TEST(TokenDataset, RejectsCorruptFilesWithTheirName) {
+  const std::string good = write_amds({{1, 2, 3}}, {{0, 1, 1}});
+  EXPECT_EQ(TokenDataset(good).num_tokens(), 3);
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::string bad = good + ".bad";
+  std::ofstream(bad, std::ios::binary) << bytes.substr(0, bytes.size() - 2);  // truncated
+  try {
+    TokenDataset d(bad);
+    FAIL() << "a truncated dataset was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+  }
+  std::ofstream(bad, std::ios::binary) << "AMDS9999" + bytes.substr(8);
+  EXPECT_THROW(TokenDataset{bad}, Error);
+  fs::remove(good);
+  fs::remove(bad);
+}
+
+TEST(Batcher, PacksWholeDocumentsWithRestartingPositionsAndNoLossOnFirstTokens) {
+  // Documents of 3, 4, 2 and 6 tokens; rows of 8.
+  const std::string path = write_amds({{10, 11, 12}, {20, 21, 22, 23}, {30, 31}, {1, 2, 3, 4, 5, 6}},
+                                      {{1, 1, 1}, {0, 0, 1, 1}, {1, 1}, {1, 1, 1, 1, 1, 1}});
+  const TokenDataset data(path);
+  const Batcher b(data, /*rows=*/2, /*seq_len=*/8, /*packing=*/true, /*shuffle=*/false, 0, 0);
+  DataPosition pos;
+  const MicroBatch mb = b.next(pos);
+  // Row 0: docs 0 and 1 (7 tokens; doc 2 would overflow); row 1: doc 2 and doc 3 (8 tokens).
+  ASSERT_EQ(mb.input_ids.sizes(), (at::IntArrayRef{2, 8}));
+  EXPECT_TRUE(mb.input_ids[0].equal(at::tensor({10, 11, 12, 20, 21, 22, 23, 0}, at::kLong)));
+  EXPECT_TRUE(mb.position_ids[0].equal(at::tensor({0, 1, 2, 0, 1, 2, 3, 0}, at::kLong)));
+  EXPECT_TRUE(mb.document_ids[0].equal(at::tensor({0, 0, 0, 1, 1, 1, 1, -1}, at::kLong)));
+  EXPECT_TRUE(mb.labels[0].equal(at::tensor({-100, 11, 12, -100, -100, 22, 23, -100}, at::kLong)));
+  EXPECT_TRUE(mb.input_ids[1].equal(at::tensor({30, 31, 1, 2, 3, 4, 5, 6}, at::kLong)));
+  EXPECT_TRUE(mb.document_ids[1].equal(at::tensor({0, 0, 1, 1, 1, 1, 1, 1}, at::kLong)));
+  EXPECT_EQ(mb.loss_tokens, 4 + 1 + 5);
+  EXPECT_EQ(mb.real_tokens, 15);
+  EXPECT_EQ(mb.documents, 4);
+  EXPECT_EQ(pos, (DataPosition{1, 0}));  // the epoch is used up: the next one starts
+  b.next(pos);
+  EXPECT_EQ(pos, (DataPosition{2, 0}));
+  fs::remove(path);
+}
+
+TEST(Batcher, PadsOneDocumentPerRowAndTruncatesAtSeqLen) {
+  const std::string path = write_amds({{1, 2, 3, 4, 5, 6, 7}, {8, 9}}, {{1, 1, 1, 1, 1, 1, 1}, {1, 1}});
+  const TokenDataset data(path);
+  const Batcher b(data, 2, /*seq_len=*/5, /*packing=*/false, false, 0, /*pad=*/99);
+  DataPosition pos;
+  const MicroBatch mb = b.next(pos);
+  ASSERT_EQ(mb.input_ids.sizes(), (at::IntArrayRef{2, 5}));
+  EXPECT_TRUE(mb.input_ids[0].equal(at::tensor({1, 2, 3, 4, 5}, at::kLong)));
+  EXPECT_TRUE(mb.input_ids[1].equal(at::tensor({8, 9, 99, 99, 99}, at::kLong)));
+  EXPECT_TRUE(mb.labels[1].equal(at::tensor({-100, 9, -100, -100, -100}, at::kLong)));
+  EXPECT_TRUE(mb.document_ids[1].equal(at::tensor({0, 0, -1, -1, -1}, at::kLong)));
+  EXPECT_EQ(mb.truncated, 1);
+  fs::remove(path);
+}
+
+TEST(Batcher, OrderIsFixedBySeedAndEpochAndCountsMatchTheStream) {
+  std::vector<std::vector<int32_t>> docs;
+  std::vector<std::vector<uint8_t>> masks;
+  for (int d = 0; d < 37; ++d) {
+    docs.push_back(std::vector<int32_t>(1 + (d * 7) % 11, d));
+    masks.push_back(std::vector<uint8_t>(docs.back().size(), 1));
+  }
+  const std::string path = write_amds(docs, masks);
+  const TokenDataset data(path);
+  const Batcher a(data, 3, 16, true, /*shuffle=*/true, /*seed=*/5, 0);
+  const Batcher b(data, 3, 16, true, true, 5, 0);
+  const Batcher c(data, 3, 16, true, true, 6, 0);
+  DataPosition pa, pb, pc;
+  bool differs = false;
+  for (int i = 0; i < 10; ++i) {
+    const MicroBatch x = a.next(pa), y = b.next(pb), z = c.next(pc);
+    EXPECT_TRUE(x.input_ids.equal(y.input_ids));
+    differs = differs || !x.input_ids.sizes().equals(z.input_ids.sizes()) ||
+              !x.input_ids.equal(z.input_ids);
+  }
+  EXPECT_TRUE(differs) << "another seed gave the same order";
+  // Resuming from a saved position gives the batch the uninterrupted stream gives.
+  DataPosition saved = pa;
+  const MicroBatch next_a = a.next(pa);
+  EXPECT_TRUE(Batcher(data, 3, 16, true, true, 5, 0).next(saved).input_ids.equal(next_a.input_ids));
+  // count_until agrees with stepping the stream.
+  DataPosition p;
+  int64_t n = 0;
+  while (static_cast<double>(p.epoch) + static_cast<double>(p.cursor) / 37 < 2.0) {
+    a.next(p);
+    ++n;
+  }
+  EXPECT_EQ(a.count_until({}, 2.0), n);
+  fs::remove(path);
+}
+
+ModelSpec tiny_spec() {
+  ModelSpec s;
+  s.model_type = "qwen3_moe";
+  s.vocab_size = 31;
+  s.hidden_size = 16;
+  s.num_layers = 2;
+  s.num_heads = 4;
+  s.num_kv_heads = 2;
+  s.head_dim = 6;
+  s.intermediate_size = 20;
+  s.moe = MoESpec{5, 2, 8, RouterScore::kSoftmax, true, 0.01, true};
+  s.layer_is_moe = {true, true};
+  return s;
+}
+
+TEST(DocumentIds, PackedDocumentsGiveTheLogitsOfSeparateForwards) {
+  const ModelSpec s = tiny_spec();
+  at::manual_seed(0);
+  NamedTensors params;
+  for (const auto& d : parameter_layout(s)) params.emplace_back(d.name, at::randn(d.shape) * 0.3);
+  const Decoder model(s, {}, std::move(params));
+  const at::Tensor a = at::randint(1, s.vocab_size, {1, 5}, at::kLong);
+  const at::Tensor b = at::randint(1, s.vocab_size, {1, 4}, at::kLong);
+  ForwardArgs packed;
+  packed.input_ids = at::cat({a, b, at::zeros({1, 2}, at::kLong)}, 1);
+  packed.position_ids = at::tensor({0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1}, at::kLong).view({1, 11});
+  packed.document_ids = at::tensor({0, 0, 0, 0, 0, 1, 1, 1, 1, -1, -1}, at::kLong).view({1, 11});
+  packed.output_expert_counts = true;
+  const ForwardResult rp = model.forward(packed);
+  ForwardArgs fa;
+  fa.input_ids = a;
+  const at::Tensor la = model.forward(fa).logits;
+  ForwardArgs fb;
+  fb.input_ids = b;
+  const at::Tensor lb = model.forward(fb).logits;
+  EXPECT_TRUE(at::allclose(rp.logits.narrow(1, 0, 5), la, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(rp.logits.narrow(1, 5, 4), lb, 1e-5, 1e-6));
+  // Expert counts see the 9 real tokens x top-2, not the padding.
+  ASSERT_EQ(rp.expert_counts.size(), 2u);
+  for (const auto& c : rp.expert_counts) EXPECT_EQ(c.sum().item<int64_t>(), 9 * 2);
+  packed.attention_mask = at::ones({1, 11}, at::kLong);
+  EXPECT_THROW(model.forward(packed), Error);
+}
+
+}  // namespace
+}  // namespace automoe::train

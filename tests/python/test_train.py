@@ -1,0 +1,373 @@
+"""`automoe train` end to end: data formats and the cache, recipe errors, train -> export ->
+Transformers, resume after SIGKILL, gradient accumulation, packing, non-finite steps, report."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import REPO
+
+EXAMPLES = REPO / "examples" / "data"
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from automoe.demo import build_tokenizer
+
+    return build_tokenizer(EXAMPLES / "corpus.txt", vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory, tokenizer):
+    from automoe.demo import build_checkpoint
+
+    return build_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", tokenizer, seed=0,
+                            hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=2, mlp_only_layers=[], num_experts=4, head_dim=8,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def run_train(recipe: dict, tmp: Path, *overrides: str, check: bool = True, timeout: int = 300):
+    import yaml
+
+    path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run([sys.executable, "-m", "automoe.cli", "train", str(path), *overrides],
+                          capture_output=True, text=True, env=env, timeout=timeout, cwd=tmp)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"automoe train failed ({proc.returncode}):\n{proc.stderr}")
+    return proc
+
+
+def base_recipe(model_dir: Path, tmp: Path, run: str, train_file: Path | None = None, **sections) -> dict:
+    r = {
+        "model": {"path": str(model_dir), "dtype": "float32"},
+        "data": {"train": str(train_file or EXAMPLES / "chat_train.jsonl"), "seq_len": 128,
+                 "cache_dir": str(tmp / "cache")},
+        "train": {"micro_batch_size": 2, "max_steps": 4, "seed": 0, "threads": 2},
+        "optimizer": {"lr": 1e-3},
+        "schedule": {"warmup_steps": 1},
+        "checkpoint": {"dir": str(tmp / run)},
+        "log": {"every": 1, "progress": "off"},
+    }
+    for sec, vals in sections.items():
+        r.setdefault(sec, {}).update(vals)
+    return r
+
+
+def metrics(run: Path, kind: str = "train") -> dict[int, dict]:
+    """The last record of each step (a resumed run logs the steps after its checkpoint again)."""
+    out = {}
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec["type"] == kind:
+            out[rec["step"]] = rec
+    return out
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+# ---- data --------------------------------------------------------------------------------------
+
+def test_chat_loss_covers_exactly_the_assistant_turns(tokenizer, model_dir, tmp_path):
+    from automoe import data
+
+    conv = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": "What is two plus two?"},
+                         {"role": "assistant", "content": "Two plus two is four."},
+                         {"role": "user", "content": "What colour is snow?"},
+                         {"role": "assistant", "content": "Snow is white."}]}
+    ids, mask = data.Encoder(tokenizer, "auto", "completion")(conv)
+    assert ids == tokenizer(tokenizer.apply_chat_template(conv["messages"], tokenize=False),
+                            add_special_tokens=False)["input_ids"]
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert trained == "Two plus two is four.<|im_end|>\nSnow is white.<|im_end|>\n"
+    ids_all, mask_all = data.Encoder(tokenizer, "chat", "all")(conv)
+    assert ids_all == ids and all(mask_all)
+
+
+@pytest.mark.parametrize("fmt,line,target", [
+    ("prompt_completion", {"prompt": "Question: What is one plus one?\nAnswer: ", "completion": "Two."}, "Two."),
+    ("alpaca", {"instruction": "Name a colour.", "input": "", "output": "Blue."}, "Blue."),
+    ("alpaca", {"instruction": "Answer.", "input": "What colour is coal?", "output": "Black."}, "Black."),
+])
+def test_prompt_formats_put_loss_on_the_completion_and_eos(tokenizer, fmt, line, target):
+    from automoe import data
+
+    for f in (fmt, "auto"):
+        ids, mask = data.Encoder(tokenizer, f, "completion")(line)
+        assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == target + tokenizer.eos_token
+        assert mask[0] == 0 and ids[-1] == tokenizer.eos_token_id
+    if fmt == "alpaca":
+        text = tokenizer.decode(ids)
+        assert "### Instruction:" in text and ("### Input:" in text) == bool(line["input"])
+
+
+def test_text_format_trains_on_every_token(tokenizer):
+    from automoe import data
+
+    ids, mask = data.Encoder(tokenizer, "auto", "completion")({"text": "Snow is white."})
+    assert all(mask) and ids[-1] == tokenizer.eos_token_id
+
+
+def test_each_shipped_example_file_tokenises(tokenizer, model_dir, tmp_path):
+    from automoe import data
+
+    for name, fmt in [("chat_train.jsonl", "chat"), ("prompt_completion.jsonl", "prompt_completion"),
+                      ("alpaca.jsonl", "alpaca"), ("text.jsonl", "text")]:
+        ds = data.build([str(EXAMPLES / name)], tokenizer, str(model_dir), fmt=fmt, cache_dir=tmp_path)
+        docs, masks = data.read(ds.path)
+        n_lines = sum(1 for l in open(EXAMPLES / name) if l.strip())
+        assert len(docs) == n_lines == ds.stats["documents"]
+        assert sum(int(m.sum()) for m in masks) == ds.stats["loss_tokens"] > 0
+        assert all(int(d.max()) < len(tokenizer) for d in docs)
+
+
+def test_malformed_lines_name_file_and_line_and_skip_when_asked(tokenizer, model_dir, tmp_path):
+    from automoe import data
+
+    f = write_jsonl(tmp_path / "bad.jsonl", [
+        {"text": "A fine line."},
+        '{"text": "unterminated',
+        {"prompt": "no completion"},
+        {"messages": [{"role": "user", "content": "hi"}]},  # no assistant turn
+        {"text": "Another fine line."},
+    ])
+    with pytest.raises(data.DataError, match=r"bad\.jsonl:2: "):
+        data.build([str(f)], tokenizer, str(model_dir), cache_dir=tmp_path / "c1")
+    ds = data.build([str(f)], tokenizer, str(model_dir), on_error="skip", cache_dir=tmp_path / "c2",
+                    log=open(os.devnull, "w"))
+    assert ds.stats["documents"] == 2 and ds.stats["skipped_lines"] == 3
+    with pytest.raises(data.DataError, match="no such file"):
+        data.build([str(tmp_path / "missing.jsonl")], tokenizer, str(model_dir), cache_dir=tmp_path)
+
+
+def test_the_cache_is_reused_and_keyed_by_content_and_settings(tokenizer, model_dir, tmp_path):
+    from automoe import data
+
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": "One two three."}, {"text": "Four five."}])
+    a = data.build([str(f)], tokenizer, str(model_dir), cache_dir=tmp_path)
+    b = data.build([str(f)], tokenizer, str(model_dir), cache_dir=tmp_path)
+    assert not a.stats["reused"] and b.stats["reused"] and a.path == b.path
+    c = data.build([str(f)], tokenizer, str(model_dir), train_on="all", cache_dir=tmp_path)
+    assert c.key != a.key
+    write_jsonl(f, [{"text": "One two three."}, {"text": "Four five six."}])
+    d = data.build([str(f)], tokenizer, str(model_dir), cache_dir=tmp_path)
+    assert d.key != a.key and not d.stats["reused"]
+
+
+# ---- recipe errors -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,message", [
+    ("train.micro_batchsize=2", "unknown key `train.micro_batchsize`"),
+    ("optimizer.lr=-1", "optimizer.lr: expected a number in (0, 10], got -1"),
+    ("data.packing=maybe", "data.packing: expected true or false"),
+    ("data.train=/nonexistent.jsonl", "data.train: /nonexistent.jsonl: no such file"),
+    ("model.path=/nonexistent", "model.path: /nonexistent is not a Hugging Face checkpoint"),
+    ("bogus", "expected section.key=value"),
+])
+def test_recipe_errors_name_the_key(model_dir, tmp_path, override, message):
+    proc = run_train(base_recipe(model_dir, tmp_path, "run"), tmp_path, override, check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert message in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+# ---- training ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("e2e")
+    recipe = base_recipe(model_dir, tmp, "run",
+                         data={"validation": str(EXAMPLES / "chat_valid.jsonl")},
+                         train={"max_steps": 6, "eval_every": 3},
+                         checkpoint={"every": 2, "keep_last": 2})
+    proc = run_train(recipe, tmp)
+    return tmp / "run", proc
+
+
+def test_export_loads_in_transformers_with_the_same_logits(trained, model_dir):
+    from transformers import AutoModelForCausalLM
+
+    import automoe
+
+    run, _ = trained
+    export = run / "export"
+    assert (export / "tokenizer.json").exists() and (export / "config.json").exists()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 300, (2, 24), generator=g)
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(export)(input_ids=ids).logits
+        ours = automoe.AutoModelForCausalLM.from_pretrained(export)(ids).logits
+        base = AutoModelForCausalLM.from_pretrained(model_dir)(input_ids=ids).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(base, ref), "the export equals the untrained model"
+    # The export holds the final master weights (the checkpoint's dtype: float32 here).
+    final = load_tensors(run / "step-6" / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(export).state_dict()
+    torch.testing.assert_close(hf["model.embed_tokens.weight"], final["model.embed_tokens.weight"], rtol=0, atol=0)
+
+
+def test_run_directory_has_checkpoints_metrics_and_eval(trained):
+    run, proc = trained
+    assert (run / "latest").read_text().strip() == "step-6"
+    assert sorted(p.name for p in run.glob("step-*")) == ["step-4", "step-6"]  # keep_last 2
+    steps = metrics(run)
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6]
+    rec = steps[6]
+    for key in ("loss", "aux_loss", "grad_norm", "lr", "tokens_per_s", "tflops", "mfu", "peak_memory_gib"):
+        assert np.isfinite(rec[key]) and rec[key] >= 0, key
+    assert rec["expert_load"] and {"layer", "min", "max", "cv", "empty", "counts"} <= set(rec["expert_load"][0])
+    assert len(rec["expert_load"][0]["counts"]) == 4
+    evals = metrics(run, "eval")
+    assert sorted(evals) == [3, 6] and all(np.isfinite(e["eval_loss"]) for e in evals.values())
+    state = json.loads((run / "step-6" / "trainer_state.json").read_text())
+    assert state["step"] == 6 and state["data_position"]["cursor"] > 0
+
+
+def test_report_draws_loss_and_expert_load(trained):
+    run, _ = trained
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run([sys.executable, "-m", "automoe.cli", "report", str(run)], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    for name in ("loss.png", "expert_load.png"):
+        assert (run / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_after_sigkill_continues_with_the_same_losses(model_dir, tmp_path):
+    recipe = base_recipe(model_dir, tmp_path, "straight", train={"max_steps": 40},
+                         checkpoint={"every": 3, "keep_last": 3})
+    run_train(recipe, tmp_path)
+    ref = metrics(tmp_path / "straight")
+
+    recipe["checkpoint"]["dir"] = str(tmp_path / "killed")
+    import yaml
+
+    path = tmp_path / "killed.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.Popen([sys.executable, "-m", "automoe.cli", "train", str(path)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = tmp_path / "killed" / "latest"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        if latest.exists() and latest.read_text().strip() not in ("", "step-3"):
+            break
+        time.sleep(0.005)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    killed_at = int(latest.read_text().strip().split("-")[1])
+    assert 3 < killed_at < 40
+
+    run_train(recipe, tmp_path)  # resumes by default
+    got = metrics(tmp_path / "killed")
+    assert sorted(got) == sorted(ref) == list(range(1, 41))
+    for step in ref:
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6, abs=0), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-5), step
+    a = load_tensors(tmp_path / "straight" / "step-40" / "model.safetensors")
+    b = load_tensors(tmp_path / "killed" / "step-40" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=1e-7)
+
+
+def test_existing_run_is_not_overwritten_without_resume(model_dir, tmp_path):
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
+    run_train(recipe, tmp_path)
+    proc = run_train(recipe, tmp_path, "checkpoint.resume=false", check=False)
+    assert proc.returncode == 1 and "already holds a run" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_gradient_accumulation_matches_one_larger_batch(model_dir, tmp_path, packing):
+    runs = {}
+    for micro, accum in [(4, 1), (2, 2), (1, 4)]:
+        name = f"m{micro}a{accum}"
+        recipe = base_recipe(model_dir, tmp_path, name, data={"packing": packing, "seq_len": 96},
+                             train={"micro_batch_size": micro, "grad_accumulation_steps": accum, "max_steps": 3},
+                             model={"router_aux_loss_coef": 0.0}, optimizer={"max_grad_norm": 0.0})
+        run_train(recipe, tmp_path)
+        runs[name] = tmp_path / name
+    ref = metrics(runs["m4a1"])
+    for name, run in runs.items():
+        got = metrics(run)
+        for step in (1, 2, 3):
+            assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-5), (name, step)
+            assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-4), (name, step)
+            assert got[step]["tokens"] == ref[step]["tokens"]
+        a = load_tensors(runs["m4a1"] / "step-3" / "model.safetensors")
+        b = load_tensors(run / "step-3" / "model.safetensors")
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+
+
+def test_packed_documents_train_like_unpacked_ones(model_dir, tmp_path):
+    # Six short chats: packed into one row of 512 tokens, or one per row, padded. The first step
+    # sees the same six documents either way; with no attention across documents and positions
+    # restarting, loss, aux loss and gradients agree.
+    lines = [l for l in open(EXAMPLES / "chat_valid.jsonl")][:6]
+    f = tmp_path / "six.jsonl"
+    f.write_text("".join(lines))
+    out = {}
+    for packing, micro in [(True, 1), (False, 6)]:
+        name = f"packing-{packing}"
+        recipe = base_recipe(model_dir, tmp_path, name, f, train={"micro_batch_size": micro, "max_steps": 1},
+                             model={"router_aux_loss_coef": 0.05})
+        recipe["data"].update(packing=packing, seq_len=512, shuffle=False)
+        run_train(recipe, tmp_path)
+        out[packing] = metrics(tmp_path / name)[1]
+    assert out[True]["tokens"] == out[False]["tokens"]
+    for key in ("loss", "aux_loss", "grad_norm"):
+        assert out[True][key] == pytest.approx(out[False][key], rel=1e-5), key
+    assert [l["counts"] for l in out[True]["expert_load"]] == [l["counts"] for l in out[False]["expert_load"]]
+
+
+def test_bfloat16_compute_keeps_float32_masters_and_exports_the_checkpoint_dtype(model_dir, tmp_path):
+    recipe = base_recipe(model_dir, tmp_path, "bf16", model={"dtype": "bfloat16"}, train={"max_steps": 2})
+    run_train(recipe, tmp_path)
+    run = tmp_path / "bf16"
+    assert all(t.dtype == torch.float32 for t in load_tensors(run / "step-2" / "model.safetensors").values())
+    assert json.loads((run / "export" / "config.json").read_text())["dtype"] == "float32"
+    assert all(np.isfinite(r["loss"]) for r in metrics(run).values())
+
+
+def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(model_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(model_dir, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    recipe = base_recipe(broken, tmp_path, "nan", train={"max_steps": 10, "max_nonfinite_steps": 3})
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "3 consecutive non-finite steps" in proc.stderr
+    run = tmp_path / "nan"
+    assert (run / "latest").read_text().strip() == "step-3"
+    assert len(metrics(run, "skip")) == 3
+    assert not (run / "export").exists()
