@@ -167,6 +167,16 @@ class MoEForCausalLM(nn.Module):
     def set_backend(self, backend: BackendConfig | dict) -> None:
         self._engine.set_backend(BackendConfig.coerce(backend).to_dict())
 
+    # Transformers' switch: each decoder layer keeps only its input and is recomputed in the
+    # backward pass (in training mode), reusing the forward's routing decisions.
+    is_gradient_checkpointing = False
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        self.is_gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.is_gradient_checkpointing = False
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -202,6 +212,7 @@ class MoEForCausalLM(nn.Module):
             # Transformers splits packed documents (position_ids restarting, no attention_mask)
             # only when it runs without a KV cache.
             split_packed_documents=not use_cache,
+            activation_checkpointing=self.is_gradient_checkpointing and self.training,
         )
         result = MoeCausalLMOutputWithPast(
             loss=out["loss"],

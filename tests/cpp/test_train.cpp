@@ -3,6 +3,7 @@
 // not see each other).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/autograd.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -304,6 +305,51 @@ TEST(DocumentIds, PackedDocumentsGiveTheLogitsOfSeparateForwards) {
   for (const auto& c : rp.expert_counts) EXPECT_EQ(c.sum().item<int64_t>(), 9 * 2);
   packed.attention_mask = at::ones({1, 11}, at::kLong);
   EXPECT_THROW(model.forward(packed), Error);
+}
+
+}  // namespace
+}  // namespace automoe::train
+
+namespace automoe::train {
+namespace {
+
+TEST(ActivationCheckpointing, GivesTheSameLossAndGradients) {
+  ModelSpec s = tiny_spec();
+  s.layer_is_moe = {true, false};  // an MoE layer and a dense one
+  for (const ExpertsBackend experts : {ExpertsBackend::kGrouped, ExpertsBackend::kEager}) {
+    BackendConfig backend;
+    backend.experts = experts;
+    at::manual_seed(1);
+    NamedTensors params;
+    for (const auto& d : parameter_layout(s)) {
+      params.emplace_back(d.name, (at::randn(d.shape, at::kDouble) * 0.3).requires_grad_(true));
+    }
+    const Decoder model(s, backend, params);
+    ForwardArgs a;
+    a.input_ids = at::randint(1, s.vocab_size, {2, 9}, at::kLong);
+    a.labels = a.input_ids.clone();
+    a.document_ids = at::tensor({0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, -1, -1},
+                                at::kLong).view({2, 9});
+    a.position_ids = at::tensor({0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 0, 1},
+                                at::kLong).view({2, 9});
+    a.output_router_logits = true;
+    a.output_expert_counts = true;
+    auto grads = [&](bool ckpt) {
+      a.activation_checkpointing = ckpt;
+      const ForwardResult r = model.forward(a);
+      std::vector<at::Tensor> g;
+      for (const auto& [n, t] : params) g.push_back(t);
+      auto out = torch::autograd::grad({*r.loss}, g);
+      out.push_back(r.loss->detach());
+      out.push_back(r.expert_counts[0]);
+      return out;
+    };
+    const auto plain = grads(false), ckpt = grads(true);
+    ASSERT_EQ(plain.size(), ckpt.size());
+    for (size_t i = 0; i < plain.size(); ++i) {
+      EXPECT_TRUE(at::allclose(plain[i], ckpt[i], 1e-12, 1e-12)) << "tensor " << i;
+    }
+  }
 }
 
 }  // namespace

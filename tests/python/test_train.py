@@ -371,3 +371,35 @@ def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(model
     assert (run / "latest").read_text().strip() == "step-3"
     assert len(metrics(run, "skip")) == 3
     assert not (run / "export").exists()
+
+
+def test_activation_checkpointing_trains_identically(model_dir, tmp_path):
+    out = {}
+    for ckpt in (False, True):
+        name = f"ckpt-{ckpt}"
+        recipe = base_recipe(model_dir, tmp_path, name, train={"max_steps": 3, "activation_checkpointing": ckpt})
+        run_train(recipe, tmp_path)
+        out[ckpt] = metrics(tmp_path / name)
+    for step in (1, 2, 3):
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert out[True][step][key] == pytest.approx(out[False][step][key], rel=1e-5), (step, key)
+
+
+def test_drop_in_gradient_checkpointing_matches_the_plain_backward(model_dir):
+    import automoe
+
+    model = automoe.AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = torch.randint(3, 300, (2, 20), generator=torch.Generator().manual_seed(0))
+
+    def grads():
+        model.zero_grad()
+        model(ids, labels=ids, output_router_logits=True).loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model.train()
+    plain = grads()
+    model.gradient_checkpointing_enable()
+    assert model.is_gradient_checkpointing
+    ckpt = grads()
+    for n in plain:
+        torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7)

@@ -1,7 +1,10 @@
 #include "automoe/model/decoder.h"
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
 
+#include <functional>
 #include <limits>
 #include <map>
 
@@ -254,7 +257,7 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
   check_inputs(a, spec_);
-  const int64_t B = a.input_ids.size(0), S = a.input_ids.size(1), H = spec_.hidden_size;
+  const int64_t B = a.input_ids.size(0), S = a.input_ids.size(1);
   const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
   const auto dev = a.input_ids.device();
 
@@ -282,34 +285,24 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
 
   ForwardResult r;
+  const LayerContext ctx{cos_BSD, sin_BSD, mask, eager_attn};
+  // Activation checkpointing applies only when something needs gradients.
+  bool needs_grad = false;
+  if (a.activation_checkpointing && at::GradMode::is_enabled()) {
+    for (const auto& [n, t] : params_) needs_grad = needs_grad || t.requires_grad();
+  }
   for (const LayerIdx& L : layers_) {
-    at::Tensor residual = h_BSH;
-    h_BSH =
-        residual + attention(L, rms_norm(h_BSH, L.input_norm), cos_BSD, sin_BSD, mask, eager_attn);
-    residual = h_BSH;
-    const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
-    at::Tensor y_TH;
-    if (L.moe) {
-      const moe::Routing routing = backend_.fake_balanced_gate
-                                       ? moe::route_round_robin(x_TH, p(L.router), spec_.moe)
-                                       : moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
-      y_TH = backend_.experts == ExpertsBackend::kEager
-                 ? moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
-                                      p(L.down))
-                 : moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
-                                        p(L.down));
-      if (want_router) r.router_logits.push_back(routing.logits_TE);
-      if (a.output_expert_counts) {
-        at::Tensor idx = routing.idx_TK;
-        if (token_mask_T) idx = idx.index({*token_mask_T});
-        r.expert_counts.push_back(
-            at::bincount(idx.reshape({-1}), {}, spec_.moe.num_experts).to(at::kLong));
-      }
-    } else {
-      y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
-                        p(L.mlp_down));
+    const LayerOutput out = needs_grad ? checkpointed_layer(L, h_BSH, ctx)
+                                       : layer(L, h_BSH, ctx, nullptr);
+    h_BSH = out.h;
+    if (!L.moe) continue;
+    if (want_router) r.router_logits.push_back(out.router_logits);
+    if (a.output_expert_counts) {
+      at::Tensor idx = out.idx;
+      if (token_mask_T) idx = idx.index({*token_mask_T});
+      r.expert_counts.push_back(
+          at::bincount(idx.reshape({-1}), {}, spec_.moe.num_experts).to(at::kLong));
     }
-    h_BSH = residual + y_TH.view({B, S, H});
   }
   h_BSH = rms_norm(h_BSH, final_norm_);
   r.logits = at::linear(h_BSH, p(lm_head_));
@@ -335,6 +328,127 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     }
   }
   return r;
+}
+
+Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
+                                    const LayerContext& c, const at::Tensor* fixed_idx) const {
+  const int64_t B = h_in.size(0), S = h_in.size(1), H = spec_.hidden_size;
+  LayerOutput out;
+  at::Tensor h_BSH =
+      h_in + attention(L, rms_norm(h_in, L.input_norm), c.cos_BSD, c.sin_BSD, c.mask, c.eager);
+  const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
+  at::Tensor y_TH;
+  if (L.moe) {
+    moe::Routing routing;
+    if (backend_.fake_balanced_gate) {
+      routing = moe::route_round_robin(x_TH, p(L.router), spec_.moe);
+    } else if (fixed_idx) {
+      routing = moe::route_softmax_given(x_TH, p(L.router), spec_.moe, *fixed_idx);
+    } else {
+      routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
+    }
+    y_TH = backend_.experts == ExpertsBackend::kEager
+               ? moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
+                                    p(L.down))
+               : moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
+                                      p(L.down));
+    out.router_logits = routing.logits_TE;
+    out.idx = routing.idx_TK;
+  } else {
+    y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
+                      p(L.mlp_down));
+  }
+  out.h = h_BSH + y_TH.view({B, S, H});
+  return out;
+}
+
+namespace {
+
+// What a checkpointed layer needs to run again in the backward pass.
+struct LayerRecompute : torch::CustomClassHolder {
+  std::function<Decoder::LayerOutput(const at::Tensor&, const at::Tensor*)> run;
+  std::vector<at::Tensor> params;  // the layer's parameters (what gradients are asked for)
+};
+
+// Runs a decoder layer without keeping its activations; the backward recomputes it from the saved
+// input with the routing decisions of the forward (never re-routed, so the recomputed experts are
+// exactly the ones the forward used) and back-propagates through the recomputation.
+struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                const at::Tensor& h, at::TensorList params,
+                                                c10::intrusive_ptr<LayerRecompute> rec) {
+    Decoder::LayerOutput out;
+    {
+      at::NoGradGuard no_grad;
+      out = rec->run(h, nullptr);
+    }
+    ctx->save_for_backward({h});
+    ctx->saved_data["recompute"] = c10::IValue::make_capsule(rec);
+    ctx->saved_data["params"] = static_cast<int64_t>(params.size());
+    if (out.idx.defined()) {
+      ctx->saved_data["idx"] = out.idx;
+      ctx->mark_non_differentiable({out.idx});
+      return {out.h, out.router_logits, out.idx};
+    }
+    return {out.h};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    auto rec = c10::static_intrusive_pointer_cast<LayerRecompute>(
+        ctx->saved_data["recompute"].toCapsule());
+    const bool moe = ctx->saved_data.count("idx") > 0;
+    const at::Tensor idx = moe ? ctx->saved_data["idx"].toTensor() : at::Tensor();
+    Decoder::LayerOutput out;
+    {
+      at::AutoGradMode enable(true);
+      out = rec->run(h, moe ? &idx : nullptr);
+    }
+    std::vector<at::Tensor> outputs{out.h}, grad_outputs{grads[0]};
+    if (moe && grads[1].defined()) {
+      outputs.push_back(out.router_logits);
+      grad_outputs.push_back(grads[1]);
+    }
+    std::vector<at::Tensor> inputs{h};
+    std::vector<size_t> wanted;  // positions (in params) of parameters that need gradients
+    for (size_t i = 0; i < rec->params.size(); ++i) {
+      if (rec->params[i].requires_grad()) {
+        inputs.push_back(rec->params[i]);
+        wanted.push_back(i);
+      }
+    }
+    const auto g = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
+                                         /*create_graph=*/false, /*allow_unused=*/true);
+    torch::autograd::variable_list result(1 + rec->params.size() + 1);
+    result[0] = g[0];
+    for (size_t j = 0; j < wanted.size(); ++j) result[1 + wanted[j]] = g[1 + j];
+    return result;  // the last slot is the (non-tensor) recompute closure
+  }
+};
+
+}  // namespace
+
+Decoder::LayerOutput Decoder::checkpointed_layer(const LayerIdx& L, const at::Tensor& h_in,
+                                                 const LayerContext& c) const {
+  auto rec = c10::make_intrusive<LayerRecompute>();
+  for (int64_t i : {L.input_norm, L.post_norm, L.q, L.k, L.v, L.o, L.q_bias, L.k_bias, L.v_bias,
+                    L.o_bias, L.q_norm, L.k_norm, L.router, L.gate_up, L.down, L.mlp_gate,
+                    L.mlp_up, L.mlp_down}) {
+    if (i >= 0) rec->params.push_back(p(i));
+  }
+  rec->run = [this, L, c](const at::Tensor& h, const at::Tensor* idx) {
+    return layer(L, h, c, idx);
+  };
+  const std::vector<at::Tensor> params = rec->params;
+  const auto outs = CheckpointedLayerFn::apply(h_in, at::TensorList(params), rec);
+  LayerOutput out;
+  out.h = outs[0];
+  if (outs.size() > 1) {
+    out.router_logits = outs[1];
+    out.idx = outs[2];
+  }
+  return out;
 }
 
 }  // namespace automoe

@@ -44,6 +44,9 @@ struct ForwardArgs {
   double aux_loss_scale = 1.0;
   std::optional<double> router_aux_loss_coef;  // overrides the config's (a recipe's setting)
   bool output_expert_counts = false;  // fill ForwardResult::expert_counts
+  // Keep only each layer's input; recompute the layer in the backward pass (with the routing
+  // decisions of the forward). Applies when gradients are being recorded.
+  bool activation_checkpointing = false;
 };
 
 struct ForwardResult {
@@ -70,6 +73,13 @@ class Decoder {
 
   ForwardResult forward(const ForwardArgs& args) const;
 
+  // One decoder layer's results (used by the activation-checkpointing machinery).
+  struct LayerOutput {
+    at::Tensor h;              // [B, S, H] the layer's output hidden states
+    at::Tensor router_logits;  // MoE layers: [B*S, E] float32
+    at::Tensor idx;            // MoE layers: [B*S, K] chosen experts
+  };
+
  private:
   struct LayerIdx {
     int64_t input_norm, post_norm;
@@ -78,7 +88,17 @@ class Decoder {
     int64_t router = -1, gate_up = -1, down = -1;       // MoE
     int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense
   };
+  struct LayerContext {
+    at::Tensor cos_BSD, sin_BSD;
+    std::optional<at::Tensor> mask;
+    bool eager;
+  };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }
+  // `fixed_idx`: route to these experts instead of choosing (a checkpointed layer's recompute).
+  LayerOutput layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
+                    const at::Tensor* fixed_idx) const;
+  LayerOutput checkpointed_layer(const LayerIdx& L, const at::Tensor& h_BSH,
+                                 const LayerContext& c) const;
   at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
                        const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
                        bool eager) const;

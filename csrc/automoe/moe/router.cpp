@@ -13,6 +13,15 @@ Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH
   return {logits_TE, top_TK.to(x_TH.scalar_type()), idx_TK};
 }
 
+Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                            const MoESpec& moe, const at::Tensor& idx_TK) {
+  at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
+  at::Tensor top_TK = probs_TE.gather(1, idx_TK);
+  if (moe.norm_topk_prob) top_TK = top_TK / top_TK.sum(-1, /*keepdim=*/true);
+  return {logits_TE, top_TK.to(x_TH.scalar_type()), idx_TK};
+}
+
 Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                           const MoESpec& moe) {
   const int64_t T = x_TH.size(0), K = moe.top_k, E = moe.num_experts;

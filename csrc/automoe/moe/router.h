@@ -17,6 +17,11 @@ struct Routing {
 Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                            const MoESpec& moe);
 
+// The same scores and combine weights for experts already chosen (idx_TK from an earlier call):
+// what a checkpointed layer's recompute uses, so that the backward never re-routes.
+Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                            const MoESpec& moe, const at::Tensor& idx_TK);
+
 // Round-robin routing for benchmarks: idx[t, k] = (t*K + k) mod E, weights 1/K; the router logits
 // are still computed (and differentiable) so that the router's cost and gradient stay in the step.
 Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH, const MoESpec& moe);

@@ -25,7 +25,8 @@ std::optional<c10::ScalarType> parse_dtype(const std::optional<std::string>& nam
 py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
                  std::optional<at::Tensor> attention_mask, std::optional<at::Tensor> position_ids,
                  std::optional<at::Tensor> labels, std::optional<bool> output_router_logits,
-                 std::optional<double> num_items_in_batch, bool split_packed_documents) {
+                 std::optional<double> num_items_in_batch, bool split_packed_documents,
+                 bool activation_checkpointing) {
   ForwardArgs args{input_ids,
                    std::move(attention_mask),
                    std::move(position_ids),
@@ -33,6 +34,7 @@ py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
                    output_router_logits,
                    num_items_in_batch,
                    split_packed_documents};
+  args.activation_checkpointing = activation_checkpointing;
   ForwardResult r;
   {
     py::gil_scoped_release no_gil;
@@ -109,7 +111,7 @@ PYBIND11_MODULE(_C, m) {
       .def("forward", &forward, py::arg("input_ids"), py::arg("attention_mask") = py::none(),
            py::arg("position_ids") = py::none(), py::arg("labels") = py::none(),
            py::arg("output_router_logits") = py::none(), py::arg("num_items_in_batch") = py::none(),
-           py::arg("split_packed_documents") = true)
+           py::arg("split_packed_documents") = true, py::arg("activation_checkpointing") = false)
       .def(
           "save_pretrained",
           [](const PretrainedModel& self, const std::string& dir,

@@ -317,8 +317,6 @@ class Progress {
 int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in) {
   TrainerHooks hooks = hooks_in;
   if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
-  AUTOMOE_CHECK(!rc.train.activation_checkpointing, "train.activation_checkpointing: not ",
-                "implemented in this version (set it to false)");
   AUTOMOE_CHECK(rc.log.tensorboard.empty(), "log.tensorboard: TensorBoard event files are not ",
                 "written by this version; use metrics.jsonl (log.jsonl) and `automoe report`");
   if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
@@ -493,6 +491,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       a.labels = to_dev(mb.labels);
       a.output_router_logits = true;
       a.output_expert_counts = true;
+      a.activation_checkpointing = rc.train.activation_checkpointing;
       a.num_items_in_batch = window_loss_tokens;
       a.router_aux_loss_coef = aux_coef;
       // Each micro-batch's aux loss counts with its share of the window's loss tokens, so the
