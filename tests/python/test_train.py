@@ -201,7 +201,7 @@ def trained(model_dir, tmp_path_factory):
     recipe = base_recipe(model_dir, tmp, "run",
                          data={"validation": str(EXAMPLES / "chat_valid.jsonl")},
                          train={"max_steps": 6, "eval_every": 3},
-                         checkpoint={"every": 2, "keep_last": 2})
+                         checkpoint={"every": 2, "keep_last": 2}, log={"tensorboard": str(tmp / "tb")})
     proc = run_train(recipe, tmp)
     return tmp / "run", proc
 
@@ -403,3 +403,81 @@ def test_drop_in_gradient_checkpointing_matches_the_plain_backward(model_dir):
     ckpt = grads()
     for n in plain:
         torch.testing.assert_close(ckpt[n], plain[n], rtol=1e-5, atol=1e-7)
+
+
+def _crc32c(data: bytes) -> int:
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked(data: bytes) -> int:
+    c = _crc32c(data)
+    return (((c >> 15) | (c << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _fields(buf: bytes):
+    """(field number, wire type, value) of a protobuf message."""
+    import struct
+
+    i = 0
+    while i < len(buf):
+        key, i = _varint(buf, i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            v, i = _varint(buf, i)
+        elif wire == 1:
+            v, i = struct.unpack_from("<d", buf, i)[0], i + 8
+        elif wire == 5:
+            v, i = struct.unpack_from("<f", buf, i)[0], i + 4
+        elif wire == 2:
+            n, i = _varint(buf, i)
+            v, i = buf[i:i + n], i + n
+        else:
+            raise AssertionError(f"unexpected wire type {wire}")
+        yield field, wire, v
+
+
+def _varint(buf: bytes, i: int):
+    shift = result = 0
+    while True:
+        b = buf[i]
+        i += 1
+        result |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return result, i
+
+
+def test_tensorboard_event_file_holds_the_logged_scalars(trained):
+    import struct
+
+    run, _ = trained
+    files = list((run.parent / "tb").glob("events.out.tfevents.*"))
+    assert len(files) == 1
+    raw = files[0].read_bytes()
+    i, events = 0, []
+    while i < len(raw):
+        (n,) = struct.unpack_from("<Q", raw, i)
+        assert struct.unpack_from("<I", raw, i + 8)[0] == _masked(raw[i:i + 8])
+        payload = raw[i + 12:i + 12 + n]
+        assert struct.unpack_from("<I", raw, i + 12 + n)[0] == _masked(payload)
+        events.append(payload)
+        i += 12 + n + 4
+    first = dict((f, v) for f, _, v in _fields(events[0]))
+    assert first[3] == b"brain.Event:2"
+    scalars = {}
+    for ev in events[1:]:
+        f = {field: v for field, _, v in _fields(ev)}
+        for _, _, value in _fields(f[5]):
+            val = {field: v for field, _, v in _fields(value)}
+            scalars[(val[1].decode(), f[2])] = val[2]
+    for step, rec in metrics(run).items():
+        assert scalars[("train/loss", step)] == pytest.approx(rec["loss"], rel=1e-6)
+        assert scalars[("train/lr", step)] == pytest.approx(rec["lr"], rel=1e-6)
+    for step, rec in metrics(run, "eval").items():
+        assert scalars[("eval/loss", step)] == pytest.approx(rec["eval_loss"], rel=1e-6)
+    assert ("moe/layer0/load_cv", 6) in scalars

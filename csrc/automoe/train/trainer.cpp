@@ -25,6 +25,7 @@
 #include "automoe/train/dataset.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
+#include "automoe/train/tensorboard.h"
 
 namespace automoe::train {
 namespace {
@@ -317,8 +318,6 @@ class Progress {
 int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in) {
   TrainerHooks hooks = hooks_in;
   if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
-  AUTOMOE_CHECK(rc.log.tensorboard.empty(), "log.tensorboard: TensorBoard event files are not ",
-                "written by this version; use metrics.jsonl (log.jsonl) and `automoe report`");
   if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
   const c10::Device dev = resolve_device(rc.train.device);
   const c10::ScalarType compute = dtype_from_name(rc.model.dtype, "model.dtype");
@@ -412,9 +411,35 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   if (jsonl_path.has_parent_path()) fs::create_directories(jsonl_path.parent_path());
   std::ofstream jsonl(jsonl_path, std::ios::app);
   AUTOMOE_CHECK(jsonl.good(), "log.jsonl: cannot open ", jsonl_path.string(), " for appending");
+  std::unique_ptr<TensorBoardWriter> tb;
+  if (!rc.log.tensorboard.empty()) tb = std::make_unique<TensorBoardWriter>(rc.log.tensorboard);
   auto emit = [&](const json& rec) {
     jsonl << rec.dump() << "\n";
     jsonl.flush();
+    if (!tb) return;
+    const std::string type = rec.value("type", "");
+    const int64_t step = rec.value("step", int64_t{0});
+    auto put = [&](const std::string& tag, const char* key) {
+      if (rec.contains(key) && rec[key].is_number()) tb->scalar(tag, step, rec[key].get<double>());
+    };
+    if (type == "train") {
+      put("train/loss", "loss");
+      put("train/aux_loss", "aux_loss");
+      put("train/grad_norm", "grad_norm");
+      put("train/lr", "lr");
+      put("perf/tokens_per_s", "tokens_per_s");
+      put("perf/tflops", "tflops");
+      put("perf/mfu", "mfu");
+      put("perf/peak_memory_gib", "peak_memory_gib");
+      for (const auto& layer : rec["expert_load"]) {
+        const std::string l = std::to_string(layer["layer"].get<int64_t>());
+        tb->scalar("moe/layer" + l + "/load_cv", step, layer["cv"].get<double>());
+        tb->scalar("moe/layer" + l + "/empty_experts", step, layer["empty"].get<double>());
+      }
+    } else if (type == "eval") {
+      put("eval/loss", "eval_loss");
+    }
+    tb->flush();
   };
   const double peak_tflops =
       rc.log.peak_tflops > 0 ? rc.log.peak_tflops : measure_matmul_peak(dev, compute).tflops;
