@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libyaml-cpp-dev libgtest-dev python3-venv python3-dev)
+debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -27,4 +27,13 @@ if ! cmp -s requirements.txt "$stamp"; then
   echo "setup: installing Python requirements into .venv (first time: a few minutes)"
   .venv/bin/pip install --quiet --disable-pip-version-check -r requirements.txt
   cp requirements.txt "$stamp"
+fi
+
+# `.venv/bin/automoe` runs this checkout's package, as the console script of `pip install .` would.
+wrapper="#!/bin/sh
+# Written by scripts/setup.sh: the automoe command of the checkout at $PWD.
+PYTHONPATH=\"$PWD/python\${PYTHONPATH:+:\$PYTHONPATH}\" exec \"$PWD/.venv/bin/python\" -m automoe.cli \"\$@\""
+if [ "$(cat .venv/bin/automoe 2>/dev/null)" != "$wrapper" ]; then
+  printf '%s\n' "$wrapper" > .venv/bin/automoe
+  chmod +x .venv/bin/automoe
 fi

@@ -36,7 +36,7 @@ def exec_engine(args: list[str]) -> None:
 
 def main() -> None:
     args = sys.argv[1:]
-    if args and args[0] == "train" and "--recipe-json" not in args:
+    if args and args[0] == "train" and not any(a.startswith("--recipe-") for a in args):
         from automoe import train
 
         train.main(args[1:])

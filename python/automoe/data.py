@@ -181,12 +181,12 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def cache_key(files: list[Path], model_path: str, fmt: str, train_on: str) -> str:
+def cache_key(files: list[Path], model_path: str, fmt: str, train_on: str, on_error: str) -> str:
     import tokenizers
     import transformers
 
     h = hashlib.sha256()
-    h.update(json.dumps({"encoder": ENCODER_VERSION, "format": fmt, "train_on": train_on,
+    h.update(json.dumps({"encoder": ENCODER_VERSION, "format": fmt, "train_on": train_on, "on_error": on_error,
                          "transformers": transformers.__version__,
                          "tokenizers": tokenizers.__version__}).encode())
     for f in files:
@@ -242,7 +242,7 @@ def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train
         paths.append(p)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
-    key = cache_key(paths, model_path, fmt, train_on)
+    key = cache_key(paths, model_path, fmt, train_on, on_error)
     out = cache / f"{key}.amds"
     stats_path = cache / f"{key}.json"
     if out.exists() and stats_path.exists():

@@ -54,8 +54,9 @@ def draw(run: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     records = read_metrics(run)
-    train = [r for r in records if r.get("type") == "train"]
-    evals = [r for r in records if r.get("type") == "eval"]
+    # A resumed run logs again the steps after its last checkpoint: the later record of a step wins.
+    train = sorted({r["step"]: r for r in records if r.get("type") == "train"}.values(), key=lambda r: r["step"])
+    evals = sorted({r["step"]: r for r in records if r.get("type") == "eval"}.values(), key=lambda r: r["step"])
     if not train:
         raise SystemExit(f"automoe report: {run}: no training steps logged yet")
     written = []
@@ -77,12 +78,12 @@ def draw(run: Path) -> list[Path]:
 
     share, layers = expert_share(train)
     if share is not None:
-        fig, ax = plt.subplots(figsize=(max(5, 0.25 * share.shape[1] + 2), max(2.5, 0.35 * len(layers) + 1.5)))
+        fig, ax = plt.subplots(figsize=(max(6.5, 0.25 * share.shape[1] + 2), max(2.5, 0.35 * len(layers) + 1.5)))
         im = ax.imshow(share, aspect="auto", cmap="viridis", interpolation="nearest")
         ax.set_yticks(range(len(layers)), [str(l) for l in layers])
         ax.set_xlabel("expert")
         ax.set_ylabel("layer")
-        ax.set_title("tokens per expert / uniform share (1 = balanced), whole run")
+        ax.set_title("expert load: tokens / uniform share (1 = balanced)")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
         out = run / "expert_load.png"

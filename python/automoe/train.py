@@ -28,6 +28,34 @@ class RecipeError(ValueError):
     pass
 
 
+def _yaml_loader():
+    """PyYAML's safe loader with YAML 1.2 scalars: `2e-5` is a number (1.1 wants `2.0e-5`) and
+    only true/false are booleans (1.1 also reads yes/no/on/off, so `progress: off` would be one)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.yaml_implicit_resolvers = {
+        ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:bool"]
+        for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+    Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                 list("tTfF"))
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
+    return Loader
+
+
+def yaml_load(text: str):
+    import yaml
+
+    return yaml.load(text, Loader=_yaml_loader())  # noqa: S506 (a SafeLoader subclass)
+
+
 def load_recipe(path: str, overrides: list[str]) -> dict:
     import yaml
 
@@ -35,7 +63,7 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
     if not p.is_file():
         raise RecipeError(f"{path}: no such recipe file")
     try:
-        doc = yaml.safe_load(p.read_text(encoding="utf-8"))
+        doc = yaml_load(p.read_text(encoding="utf-8"))
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if doc is None:
@@ -47,7 +75,7 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
         if not sep or not key or any(not part for part in key.split(".")):
             raise RecipeError(f"override \"{ov}\": expected section.key=value")
         try:
-            parsed = yaml.safe_load(value) if value else ""
+            parsed = yaml_load(value) if value else ""
         except yaml.YAMLError as e:
             raise RecipeError(f"override \"{ov}\": bad value: {e}") from None
         node = doc
@@ -110,11 +138,6 @@ def main(argv: list[str]) -> None:
     except (RecipeError, data.DataError, ValueError, OSError) as e:
         print(f"automoe train: error: {e}", file=sys.stderr)
         raise SystemExit(1)
-    run = Path(recipe["checkpoint"]["dir"])
-    run.mkdir(parents=True, exist_ok=True)
-    resolved = run / "recipe.input.json"
-    tmp = resolved.with_name(f".{resolved.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(recipe, indent=2) + "\n")
-    os.replace(tmp, resolved)
     sys.stderr.flush()
-    cli.exec_engine(["train", "--recipe-json", str(resolved), *engine_args])
+    # The engine validates the recipe again and records it as <checkpoint.dir>/recipe.json.
+    cli.exec_engine(["train", "--recipe-text", json.dumps(recipe), "--origin", argv[0], *engine_args])

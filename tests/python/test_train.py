@@ -64,7 +64,7 @@ def base_recipe(model_dir: Path, tmp: Path, run: str, train_file: Path | None = 
         "optimizer": {"lr": 1e-3},
         "schedule": {"warmup_steps": 1},
         "checkpoint": {"dir": str(tmp / run)},
-        "log": {"every": 1, "progress": "off"},
+        "log": {"every": 1, "progress": "off", "peak_tflops": 1.0},  # no peak measurement per run
     }
     for sec, vals in sections.items():
         r.setdefault(sec, {}).update(vals)
@@ -481,3 +481,36 @@ def test_tensorboard_event_file_holds_the_logged_scalars(trained):
     for step, rec in metrics(run, "eval").items():
         assert scalars[("eval/loss", step)] == pytest.approx(rec["eval_loss"], rel=1e-6)
     assert ("moe/layer0/load_cv", 6) in scalars
+
+
+def test_recipe_yaml_reads_numbers_and_booleans_as_yaml_1_2(tmp_path, model_dir):
+    from automoe import train
+
+    f = tmp_path / "r.yaml"
+    f.write_text("model: {path: m}\ndata: {train: t.jsonl}\ncheckpoint: {dir: run}\n"
+                 "optimizer: {lr: 3e-4}\nlog: {progress: off}\n")
+    doc = train.load_recipe(str(f), ["optimizer.eps=1e-6", "data.packing=false", "train.seed=7",
+                                     "model.backend.experts=eager"])
+    r = train.resolve(doc, str(f))
+    assert r["optimizer"]["lr"] == 3e-4 and r["optimizer"]["eps"] == 1e-6
+    assert r["log"]["progress"] == "off" and r["data"]["packing"] is False
+    assert r["train"]["seed"] == 7 and r["model"]["backend"] == {"experts": "eager"}
+    assert r["train"]["global_batch_size"] == 1 and r["schedule"]["type"] == "cosine"
+
+
+def test_a_checkpoint_renamed_into_place_before_latest_moved_is_replaced(model_dir, tmp_path):
+    # A kill between renaming step-N into place and updating `latest` leaves step-N on disk with
+    # `latest` still on an older step: the resumed run redoes the steps and replaces step-N.
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 4}, checkpoint={"every": 2, "keep_last": 3})
+    run_train(recipe, tmp_path)
+    run = tmp_path / "run"
+    ref = metrics(run)
+    (run / "latest").write_text("step-2\n")
+    (run / "step-4" / "marker").write_text("stale")
+    run_train(recipe, tmp_path)
+    assert (run / "latest").read_text().strip() == "step-4"
+    assert not (run / "step-4" / "marker").exists()
+    got = metrics(run)
+    for step in (3, 4):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
+    assert any(json.loads(l)["type"] == "resume" for l in (run / "metrics.jsonl").read_text().splitlines())

@@ -16,6 +16,8 @@ commands:
                               fine-tune a Hugging Face MoE checkpoint on JSONL data and export a
                               Hugging Face checkpoint (see docs/recipes.md)
   report RUN_DIR              loss curve and expert-load heat map of a training run (PNG files)
+  (train and report start in the Python `automoe` command: `pip install .`, or .venv/bin/automoe
+   after `make setup`)
   inspect DIR                 architecture, parameter counts, experts layout and dtype of a
                               Hugging Face checkpoint directory
   convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
@@ -40,6 +42,11 @@ int main(int argc, char** argv) {
     if (cmd == "convert") return automoe::cli::convert(args);
     if (cmd == "bench") return automoe::cli::bench(args);
     if (cmd == "train") return automoe::cli::train(args);
+    if (cmd == "report") {
+      std::cerr << "automoe report: run it through the Python `automoe` command (it draws with "
+                   "matplotlib)\n";
+      return 2;
+    }
     std::cerr << "automoe: unknown command \"" << cmd << "\"\n\n" << kUsage;
     return 2;
   } catch (const automoe::Error& e) {

@@ -23,13 +23,13 @@ constexpr const char* kUsage = R"(usage: automoe train RECIPE.yaml [section.key=
 
 Fine-tunes the recipe's Hugging Face checkpoint on its JSONL data; see docs/recipes.md.
 (The `automoe` command tokenises the data, then runs the engine as:
-  automoe train --recipe-json FILE --train-data FILE.amds [--validation-data FILE.amds]
-                [--train-key KEY])
+  automoe train (--recipe-json FILE | --recipe-text JSON [--origin NAME])
+                --train-data FILE.amds [--validation-data FILE.amds] [--train-key KEY])
 )";
 }  // namespace
 
 int train(const Args& args) {
-  std::string recipe_file, train_data, val_data, train_key;
+  std::string recipe_file, recipe_text, origin, train_data, val_data, train_key;
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& a = args[i];
     auto value = [&]() -> const std::string& {
@@ -41,6 +41,10 @@ int train(const Args& args) {
       return 0;
     } else if (a == "--recipe-json") {
       recipe_file = value();
+    } else if (a == "--recipe-text") {
+      recipe_text = value();
+    } else if (a == "--origin") {
+      origin = value();
     } else if (a == "--train-data") {
       train_data = value();
     } else if (a == "--validation-data") {
@@ -54,25 +58,32 @@ int train(const Args& args) {
       return 2;
     }
   }
-  if (recipe_file.empty() || train_data.empty()) {
+  if ((recipe_file.empty() == recipe_text.empty()) || train_data.empty()) {
     std::cerr << kUsage;
     return 2;
   }
-  std::ifstream in(recipe_file);
-  AUTOMOE_CHECK(in.good(), recipe_file, ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  const train::Recipe recipe = train::Recipe::parse(ss.str(), recipe_file);
+  if (!recipe_file.empty()) {
+    std::ifstream in(recipe_file);
+    AUTOMOE_CHECK(in.good(), recipe_file, ": cannot open");
+    std::stringstream ss;
+    ss << in.rdbuf();
+    recipe_text = ss.str();
+    if (origin.empty()) origin = recipe_file;
+  }
+  const train::Recipe recipe =
+      train::Recipe::parse(recipe_text, origin.empty() ? "recipe" : origin);
   train::TrainerHooks hooks;
 #ifdef AUTOMOE_TORCH_CUDA
   if (recipe.train.device != "cpu" && c10::cuda::device_count() > 0) {
-    hooks.peak_memory_bytes = [] {
-      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+    const c10::DeviceIndex index =
+        recipe.train.device.rfind("cuda:", 0) == 0
+            ? static_cast<c10::DeviceIndex>(std::stoi(recipe.train.device.substr(5)))
+            : c10::cuda::current_device();
+    hooks.peak_memory_bytes = [index] {
+      const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
       return static_cast<int64_t>(stats.allocated_bytes[0].peak);
     };
-    hooks.reset_peak_memory = [] {
-      c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
-    };
+    hooks.reset_peak_memory = [index] { c10::cuda::CUDACachingAllocator::resetPeakStats(index); };
   }
 #endif
   return train::run_training(recipe, {train_data, val_data, train_key}, hooks);

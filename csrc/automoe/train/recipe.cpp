@@ -311,7 +311,9 @@ double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, 
   const int64_t warmup =
       sched.warmup_steps > 0 ? sched.warmup_steps
                              : static_cast<int64_t>(std::ceil(sched.warmup_ratio * total));
-  // Linear warm-up reaches the full rate at step `warmup` (step 0 already trains, at lr/warmup).
+  // Linear warm-up: step i < warmup trains at lr * (i + 1) / warmup, so step warmup - 1 is the
+  // first at the full rate. The decay then runs over the remaining steps; like Transformers'
+  // schedules, its last step is one step short of the floor (lr * min_lr_ratio).
   if (step < warmup) return opt.lr * static_cast<double>(step + 1) / static_cast<double>(warmup);
   if (sched.type == "constant") return opt.lr;
   const double span = static_cast<double>(std::max<int64_t>(total - warmup, 1));

@@ -132,7 +132,13 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
                      const json& extra, int64_t keep_last) {
   const std::string name = "step-" + std::to_string(st.step);
   const fs::path final_dir = run / name;
-  if (fs::exists(final_dir)) return;  // this exact state is already on disk (a resumed run)
+  if (fs::exists(final_dir)) {
+    std::string latest;
+    if (fs::exists(run / "latest")) latest = read_text(run / "latest");
+    if (latest.rfind(name + "\n", 0) == 0 || latest == name) return;  // this state is what latest holds
+    // A killed run renamed this step into place but never pointed `latest` at it: replace it.
+    fs::remove_all(final_dir);
+  }
   const fs::path tmp = run / (".tmp-" + name + "-" + std::to_string(::getpid()));
   fs::remove_all(tmp);
   fs::create_directories(tmp);
@@ -382,6 +388,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           ? rc.train.max_steps
           : (batcher.count_until({}, rc.train.epochs) + accum - 1) / accum;
 
+  // Measured before a resume restores the RNG state (the measurement draws random matrices).
+  const double peak_tflops =
+      rc.log.peak_tflops > 0 ? rc.log.peak_tflops
+                             : measure_matmul_peak(dev, compute, dev.is_cuda() ? 0 : 512).tflops;
   TrainerState st;
   const json run_identity = {{"model_path", rc.model.path},
                              {"train_data", data.train_key},
@@ -389,11 +399,16 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                              {"train_tokens", train_set.num_tokens()}};
   if (has_latest) {
     const json saved = load_checkpoint(run, opt, st);
+    if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
+      std::cerr << "automoe train: note: resuming a run that started from "
+                << saved["model_path"].get<std::string>() << "; its weights come from the "
+                << "checkpoint, config and tokenizer from " << rc.model.path << "\n";
+    }
     for (const auto& key : {"train_data", "train_documents", "train_tokens"}) {
       AUTOMOE_CHECK(!saved.contains(key) || saved.at(key) == run_identity.at(key), "cannot resume ",
                     run.string(), ": its checkpoint was trained on other data (", key, " ",
                     saved.value(key, json()).dump(), ", now ", run_identity.at(key).dump(),
-                    "); use another checkpoint.dir or set checkpoint.resume=false");
+                    "); use another checkpoint.dir (or remove this one to start over)");
     }
     AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_set.num_docs(),
                   (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
@@ -441,15 +456,15 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     tb->flush();
   };
-  const double peak_tflops =
-      rc.log.peak_tflops > 0 ? rc.log.peak_tflops : measure_matmul_peak(dev, compute).tflops;
   Progress progress(rc.log.progress, total_steps);
   progress.line("automoe train: " + std::to_string(total_steps) + " steps of " +
                 std::to_string(rc.train.global_batch_size) + " x " +
                 std::to_string(rc.data.seq_len) + " tokens, " + dtype_to_name(compute) + " on " +
                 dev.str() + (st.step > 0 ? ", resuming at step " + std::to_string(st.step) : "") +
                 " -> " + run.string());
-  if (st.step == 0) {
+  if (st.step > 0) {
+    emit({{"type", "resume"}, {"step", st.step}});  // steps after it may be logged a second time
+  } else {
     emit({{"type", "start"},
           {"total_steps", total_steps},
           {"train_documents", train_set.num_docs()},
@@ -505,10 +520,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
     for (const MicroBatch& mb : mbs) {
+      if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;  // nothing to learn: not run
       step_tokens += static_cast<double>(mb.real_tokens);
       step_flops += static_cast<double>(mb.real_tokens) *
                     training_flops_per_token(spec, mb.input_ids.size(1));
-      if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;
       ForwardArgs a;
       a.input_ids = to_dev(mb.input_ids);
       a.position_ids = to_dev(mb.position_ids);
