@@ -71,11 +71,13 @@ struct AdamW {
   std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
   std::vector<bool> decay;
 
-  void init(const NamedTensors& masters) {
+  // own_grads: float32 accumulators of our own (bf16 compute); otherwise `grad` is pointed at
+  // the parameters' .grad before each step.
+  void init(const NamedTensors& masters, bool own_grads) {
     for (const auto& [n, t] : masters) {
       names.push_back(n);
       master.push_back(t);
-      grad.push_back(at::zeros_like(t));
+      grad.push_back(own_grads ? at::zeros_like(t) : at::Tensor());
       exp_avg.push_back(at::zeros_like(t));
       exp_avg_sq.push_back(at::zeros_like(t));
       step.push_back(at::zeros({}, t.options()));
@@ -348,7 +350,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     for (const auto& [n, t] : pm.decoder->named_parameters()) {
       masters.emplace_back(n, t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
     }
-    opt.init(masters);
+    opt.init(masters, /*own_grads=*/compute != at::kFloat);
   }
   const bool mixed = compute != at::kFloat;
   std::vector<at::Tensor> model_params;  // what the forward reads (requires grad)
@@ -559,18 +561,21 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         }
       }
     }
-    if (!mixed) {
-      at::NoGradGuard no_grad;
+    if (!mixed) {  // float32: the optimizer reads the gradients autograd accumulated, no copy
       for (size_t i = 0; i < model_params.size(); ++i) {
         at::Tensor& g = model_params[i].mutable_grad();
-        if (g.defined()) {
-          opt.grad[i].copy_(g);
-          g = at::Tensor();
-        } else {
-          opt.grad[i].zero_();
-        }
+        if (!g.defined()) g = at::zeros_like(opt.master[i]);
+        opt.grad[i] = g;
       }
     }
+    // Gradients are released after the step (set to none), as torch.optim's zero_grad does.
+    auto release_grads = [&] {
+      if (mixed) {
+        opt.zero_grads();
+      } else {
+        for (auto& p : model_params) p.mutable_grad() = at::Tensor();
+      }
+    };
     const double norm = window_loss_tokens > 0 ? opt.grad_norm() : 0.0;
     finite = finite && std::isfinite(norm);
     st.step += 1;
@@ -578,7 +583,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     if (!finite) {
       st.skipped_steps += 1;
       st.consecutive_nonfinite += 1;
-      opt.zero_grads();
+      release_grads();
       emit({{"type", "skip"},
             {"step", st.step},
             {"reason", std::isfinite(ce_sum) ? "non-finite gradient norm" : "non-finite loss"},
@@ -605,12 +610,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
         }
         opt.update(rc.optimizer, lr);
-        opt.zero_grads();
         if (mixed) {
           at::NoGradGuard no_grad;
           for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(opt.master[i]);
         }
       }
+      release_grads();
       win.ce_sum += ce_sum;
       win.aux_weighted += aux_weighted;
       win.loss_tokens += window_loss_tokens;
