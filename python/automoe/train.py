@@ -2,8 +2,9 @@
 
 It reads the YAML, applies the dotted overrides, has the engine validate the result (the C++
 Recipe parser is the one place that knows every key), tokenises the data into the cache
-(automoe.data), and then hands over to the C++ trainer (`bin/automoe train --recipe-json ...`),
+(automoe.data), and then hands over to the C++ trainer (`bin/automoe train --recipe-text ...`),
 which runs the loop, writes checkpoints and metrics and exports the Hugging Face checkpoint.
+The engine is started by exec, with the resolved recipe inline (`--recipe-text`).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class RecipeError(ValueError):
 
 
 def _yaml_loader():
-    """PyYAML's safe loader with YAML 1.2 scalars: `2e-5` is a number (1.1 wants `2.0e-5`) and
-    only true/false are booleans (1.1 also reads yes/no/on/off, so `progress: off` would be one)."""
+    """PyYAML's safe loader with YAML 1.2 core-schema scalars. PyYAML follows YAML 1.1, where
+    `2e-5` is a string (1.1 wants `2.0e-5`), yes/no/on/off are booleans (`progress: off`),
+    `017` is octal and `1:30` is 90; here only true/false are booleans and numbers are decimal."""
     import re
 
     import yaml
@@ -38,15 +40,20 @@ def _yaml_loader():
     class Loader(yaml.SafeLoader):
         pass
 
+    replaced = {"tag:yaml.org,2002:bool", "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"}
     Loader.yaml_implicit_resolvers = {
-        ch: [(tag, rx) for tag, rx in rs if tag != "tag:yaml.org,2002:bool"]
+        ch: [(tag, rx) for tag, rx in rs if tag not in replaced]
         for ch, rs in yaml.SafeLoader.yaml_implicit_resolvers.items()
     }
     Loader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
                                  list("tTfF"))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?[0-9]+$"), list("-+0123456789"))
     Loader.add_implicit_resolver(
         "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(?:[0-9][0-9_]*)?(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789."))
+        re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                   r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+        list("-+0123456789."))
+    Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node), 10))
     return Loader
 
 

@@ -489,12 +489,12 @@ def test_recipe_yaml_reads_numbers_and_booleans_as_yaml_1_2(tmp_path, model_dir)
     f = tmp_path / "r.yaml"
     f.write_text("model: {path: m}\ndata: {train: t.jsonl}\ncheckpoint: {dir: run}\n"
                  "optimizer: {lr: 3e-4}\nlog: {progress: off}\n")
-    doc = train.load_recipe(str(f), ["optimizer.eps=1e-6", "data.packing=false", "train.seed=7",
+    doc = train.load_recipe(str(f), ["optimizer.eps=1e-6", "data.packing=false", "train.seed=017",
                                      "model.backend.experts=eager"])
     r = train.resolve(doc, str(f))
     assert r["optimizer"]["lr"] == 3e-4 and r["optimizer"]["eps"] == 1e-6
     assert r["log"]["progress"] == "off" and r["data"]["packing"] is False
-    assert r["train"]["seed"] == 7 and r["model"]["backend"] == {"experts": "eager"}
+    assert r["train"]["seed"] == 17 and r["model"]["backend"] == {"experts": "eager"}
     assert r["train"]["global_batch_size"] == 1 and r["schedule"]["type"] == "cosine"
 
 
