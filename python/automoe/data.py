@@ -128,6 +128,14 @@ class Encoder:
             mask = [1] * len(ids)
         return ids, mask
 
+    def _prompt_only(self) -> str:
+        """What the template renders before a first assistant turn (a default system prompt, the
+        generation prompt); empty when the template refuses an empty conversation."""
+        try:
+            return self.tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
+        except Exception:
+            return ""
+
     def _pair(self, prompt: str, completion: str):
         p = self.tok(prompt, add_special_tokens=True)["input_ids"]
         c = self.tok(completion, add_special_tokens=False)["input_ids"]
@@ -147,14 +155,23 @@ class Encoder:
         if getattr(self.tok, "chat_template", None) is None:
             raise DataError("chat data needs a tokenizer with a chat template; the model's tokenizer has none "
                             "(use format prompt_completion, or add a chat_template)")
-        render = self.tok.apply_chat_template
-        text = render(msgs, tokenize=False)
+        if not getattr(self.tok, "is_fast", False):
+            raise DataError("chat data needs a fast tokenizer (tokenizer.json) to map the assistant "
+                            "turns onto tokens; the model's tokenizer is a slow one")
+
+        def render(m, **kw):
+            try:
+                return self.tok.apply_chat_template(m, tokenize=False, **kw)
+            except Exception as e:  # jinja's TemplateError (e.g. "roles must alternate") and co.
+                raise ValueError(f"the chat template refused this conversation: {e}") from None
+
+        text = render(msgs)
         spans, cursor = [], 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            before = render(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
-            through = render(msgs[: i + 1], tokenize=False)
+            before = render(msgs[:i], add_generation_prompt=True) if i else self._prompt_only()
+            through = render(msgs[: i + 1])
             if text.startswith(through) and through.startswith(before):
                 spans.append((len(before), len(through)))
                 cursor = len(through)

@@ -97,10 +97,27 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
     return doc
 
 
+def _non_finite(node, path=""):
+    """The dotted key of the first inf/nan number in `node`, or None."""
+    import math
+
+    if isinstance(node, float) and not math.isfinite(node):
+        return path
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for k, v in items:
+        found = _non_finite(v, f"{path}.{k}" if path else str(k))
+        if found:
+            return found
+    return None
+
+
 def resolve(doc: dict, origin: str) -> dict:
     from automoe import _C
 
-    return json.loads(_C.resolve_recipe(json.dumps(doc, default=str), origin))
+    bad = _non_finite(doc)
+    if bad:
+        raise RecipeError(f"{origin}: {bad}: expected a finite number")
+    return json.loads(_C.resolve_recipe(json.dumps(doc, default=str, allow_nan=False), origin))
 
 
 def prepare(recipe: dict, log=sys.stderr) -> list[str]:

@@ -87,6 +87,15 @@ TEST(Recipe, BadValuesNameTheKey) {
   j["data"].erase("train");
   expect(j, "data.train: required");
   j = minimal();
+  j["train"]["max_steps"] = 1e30;
+  expect(j, "train.max_steps: expected an integer up to 2^63");
+  j = minimal();
+  j["train"]["seed"] = 18446744073709551615ull;
+  expect(j, "train.seed: expected an integer up to 2^63");
+  j = minimal();
+  j["data"]["validation"] = "";
+  expect(j, "data.validation: expected a file path");
+  j = minimal();
   j["train"]["device"] = "tpu";
   expect(j, "train.device");
   j = minimal();
@@ -183,6 +192,22 @@ TEST(TokenDataset, RejectsCorruptFilesWithTheirName) {
   }
   std::ofstream(bad, std::ios::binary) << "AMDS9999" + bytes.substr(8);
   EXPECT_THROW(TokenDataset{bad}, Error);
+  // A header whose counts would overflow a byte-size computation is refused, not trusted.
+  {
+    const std::string header = json{{"n_docs", (1ll << 61) - 1},
+                                    {"n_tokens", 3},
+                                    {"offsets_at", 1024},
+                                    {"tokens_at", 1024},
+                                    {"mask_at", 1024}}
+                                   .dump();
+    std::string crafted(2048, '\0');
+    std::memcpy(crafted.data(), "AMDS0001", 8);
+    const uint64_t hlen = header.size();
+    std::memcpy(crafted.data() + 8, &hlen, 8);
+    std::memcpy(crafted.data() + 16, header.data(), hlen);
+    std::ofstream(bad, std::ios::binary) << crafted;
+    EXPECT_THROW(TokenDataset{bad}, Error);
+  }
   fs::remove(good);
   fs::remove(bad);
 }

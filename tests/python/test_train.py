@@ -514,3 +514,47 @@ def test_a_checkpoint_renamed_into_place_before_latest_moved_is_replaced(model_d
     for step in (3, 4):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6)
     assert any(json.loads(l)["type"] == "resume" for l in (run / "metrics.jsonl").read_text().splitlines())
+
+
+def test_a_template_that_refuses_a_conversation_is_a_data_error_with_its_line(tokenizer, model_dir, tmp_path):
+    import copy
+
+    from automoe import data
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}"
+                            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    f = write_jsonl(tmp_path / "sys.jsonl", [
+        {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]},
+        {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                      {"role": "assistant", "content": "Hello."}]},
+    ])
+    with pytest.raises(data.DataError, match=r"sys\.jsonl:2: the chat template refused .*System role"):
+        data.build([str(f)], strict, str(model_dir), cache_dir=tmp_path / "a")
+    ds = data.build([str(f)], strict, str(model_dir), on_error="skip", cache_dir=tmp_path / "b",
+                    log=open(os.devnull, "w"))
+    assert ds.stats["documents"] == 1 and ds.stats["skipped_lines"] == 1
+
+
+def test_non_finite_recipe_values_name_the_key(model_dir, tmp_path):
+    proc = run_train(base_recipe(model_dir, tmp_path, "run"), tmp_path, "optimizer.max_grad_norm=.inf", check=False)
+    assert proc.returncode == 1 and "optimizer.max_grad_norm: expected a finite number" in proc.stderr, proc.stderr
+
+
+def test_checkpointed_backward_survives_the_model_object(model_dir):
+    import gc
+
+    import automoe
+
+    ids = torch.randint(3, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    m = automoe.AutoModelForCausalLM.from_pretrained(model_dir)
+    params = dict(m.named_parameters())
+    m.gradient_checkpointing_enable()
+    m.train()
+    loss = m(ids, labels=ids, output_router_logits=True).loss
+    del m
+    gc.collect()
+    loss.backward()
+    assert all(p.grad is not None for p in params.values())

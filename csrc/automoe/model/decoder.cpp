@@ -5,6 +5,7 @@
 #include <torch/custom_class.h>
 
 #include <functional>
+#include <memory>
 #include <limits>
 #include <map>
 
@@ -97,6 +98,10 @@ Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
     L.mlp_gate = at_name(pre + "mlp.gate_proj.weight");
     L.mlp_up = at_name(pre + "mlp.up_proj.weight");
     L.mlp_down = at_name(pre + "mlp.down_proj.weight");
+    // Every parameter of this layer, by name: what a checkpointed layer asks gradients for.
+    for (size_t i = 0; i < layout.size(); ++i) {
+      if (layout[i].name.rfind(pre, 0) == 0) L.all_params.push_back(static_cast<int64_t>(i));
+    }
     layers_.push_back(L);
   }
   inv_freq_ = ops::rope_inv_freq(spec_.head_dim, spec_.rope.theta,
@@ -291,8 +296,12 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   if (a.activation_checkpointing && at::GradMode::is_enabled()) {
     for (const auto& [n, t] : params_) needs_grad = needs_grad || t.requires_grad();
   }
+  // The backward of a checkpointed layer runs on a snapshot of this decoder (parameter handles,
+  // spec, backend), not on `this`, which may be gone or re-bound by then.
+  const std::shared_ptr<const Decoder> snapshot =
+      needs_grad ? std::make_shared<const Decoder>(*this) : nullptr;
   for (const LayerIdx& L : layers_) {
-    const LayerOutput out = needs_grad ? checkpointed_layer(L, h_BSH, ctx)
+    const LayerOutput out = needs_grad ? checkpointed_layer(L, h_BSH, ctx, snapshot)
                                        : layer(L, h_BSH, ctx, nullptr);
     h_BSH = out.h;
     if (!L.moe) continue;
@@ -364,7 +373,9 @@ Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
 
 namespace {
 
-// What a checkpointed layer needs to run again in the backward pass.
+// What a checkpointed layer needs to run again in the backward pass. It owns a snapshot of the
+// decoder (spec, backend and parameter handles as they were in the forward), so the backward
+// works even after the model object is gone or its parameters were re-bound.
 struct LayerRecompute : torch::CustomClassHolder {
   std::function<Decoder::LayerOutput(const at::Tensor&, const at::Tensor*)> run;
   std::vector<at::Tensor> params;  // the layer's parameters (what gradients are asked for)
@@ -382,9 +393,13 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
       at::NoGradGuard no_grad;
       out = rec->run(h, nullptr);
     }
-    ctx->save_for_backward({h});
+    // The parameters are saved only for autograd's version check: modifying one in place between
+    // this forward and the backward is an error, as it is without checkpointing.
+    std::vector<at::Tensor> saved{h};
+    saved.insert(saved.end(), params.begin(), params.end());
+    ctx->save_for_backward(saved);
     ctx->saved_data["recompute"] = c10::IValue::make_capsule(rec);
-    ctx->saved_data["params"] = static_cast<int64_t>(params.size());
+    ctx->set_materialize_grads(false);
     if (out.idx.defined()) {
       ctx->saved_data["idx"] = out.idx;
       ctx->mark_non_differentiable({out.idx});
@@ -395,21 +410,29 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const at::Tensor h = ctx->get_saved_variables()[0].detach().requires_grad_(true);
+    const auto saved = ctx->get_saved_variables();  // throws if a parameter changed in place
     auto rec = c10::static_intrusive_pointer_cast<LayerRecompute>(
         ctx->saved_data["recompute"].toCapsule());
+    torch::autograd::variable_list result(1 + rec->params.size() + 1);  // h, params, closure
     const bool moe = ctx->saved_data.count("idx") > 0;
+    std::vector<at::Tensor> grad_outputs;
+    const at::Tensor h = saved[0].detach().requires_grad_(true);
     const at::Tensor idx = moe ? ctx->saved_data["idx"].toTensor() : at::Tensor();
     Decoder::LayerOutput out;
     {
       at::AutoGradMode enable(true);
       out = rec->run(h, moe ? &idx : nullptr);
     }
-    std::vector<at::Tensor> outputs{out.h}, grad_outputs{grads[0]};
-    if (moe && grads[1].defined()) {
+    std::vector<at::Tensor> outputs;
+    if (grads[0].defined()) {
+      outputs.push_back(out.h);
+      grad_outputs.push_back(grads[0]);
+    }
+    if (moe && grads.size() > 1 && grads[1].defined()) {  // the router logits fed the aux loss
       outputs.push_back(out.router_logits);
       grad_outputs.push_back(grads[1]);
     }
+    if (outputs.empty()) return result;
     std::vector<at::Tensor> inputs{h};
     std::vector<size_t> wanted;  // positions (in params) of parameters that need gradients
     for (size_t i = 0; i < rec->params.size(); ++i) {
@@ -420,25 +443,21 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
     }
     const auto g = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
                                          /*create_graph=*/false, /*allow_unused=*/true);
-    torch::autograd::variable_list result(1 + rec->params.size() + 1);
     result[0] = g[0];
     for (size_t j = 0; j < wanted.size(); ++j) result[1 + wanted[j]] = g[1 + j];
-    return result;  // the last slot is the (non-tensor) recompute closure
+    return result;
   }
 };
 
 }  // namespace
 
 Decoder::LayerOutput Decoder::checkpointed_layer(const LayerIdx& L, const at::Tensor& h_in,
-                                                 const LayerContext& c) const {
+                                                 const LayerContext& c,
+                                                 const std::shared_ptr<const Decoder>& self) const {
   auto rec = c10::make_intrusive<LayerRecompute>();
-  for (int64_t i : {L.input_norm, L.post_norm, L.q, L.k, L.v, L.o, L.q_bias, L.k_bias, L.v_bias,
-                    L.o_bias, L.q_norm, L.k_norm, L.router, L.gate_up, L.down, L.mlp_gate,
-                    L.mlp_up, L.mlp_down}) {
-    if (i >= 0) rec->params.push_back(p(i));
-  }
-  rec->run = [this, L, c](const at::Tensor& h, const at::Tensor* idx) {
-    return layer(L, h, c, idx);
+  for (int64_t i : L.all_params) rec->params.push_back(p(i));
+  rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
+    return self->layer(L, h, c, idx);
   };
   const std::vector<at::Tensor> params = rec->params;
   const auto outs = CheckpointedLayerFn::apply(h_in, at::TensorList(params), rec);

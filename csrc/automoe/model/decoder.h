@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -87,6 +88,7 @@ class Decoder {
     bool moe;
     int64_t router = -1, gate_up = -1, down = -1;       // MoE
     int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense
+    std::vector<int64_t> all_params;                      // every parameter of the layer
   };
   struct LayerContext {
     at::Tensor cos_BSD, sin_BSD;
@@ -98,7 +100,8 @@ class Decoder {
   LayerOutput layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
                     const at::Tensor* fixed_idx) const;
   LayerOutput checkpointed_layer(const LayerIdx& L, const at::Tensor& h_BSH,
-                                 const LayerContext& c) const;
+                                 const LayerContext& c,
+                                 const std::shared_ptr<const Decoder>& self) const;
   at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
                        const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
                        bool eager) const;

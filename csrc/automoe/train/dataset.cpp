@@ -47,11 +47,14 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
     const auto tok_at = h.at("tokens_at").get<uint64_t>();
     const auto mask_at = h.at("mask_at").get<uint64_t>();
     AUTOMOE_CHECK(n_docs_ >= 0 && n_tokens_ >= 0, path, ": negative sizes in header");
-    auto fits = [&](uint64_t at, uint64_t bytes, uint64_t align) {
-      return at % align == 0 && at >= 16 + hlen && at <= map_size_ && bytes <= map_size_ - at;
+    // Counts, not byte products, are compared: a crafted header cannot overflow the check.
+    auto fits = [&](uint64_t at, uint64_t count, uint64_t elem) {
+      return at % elem == 0 && at >= 16 + hlen && at <= map_size_ &&
+             count <= (map_size_ - at) / elem;
     };
-    AUTOMOE_CHECK(fits(off_at, 8ull * (n_docs_ + 1), 8) && fits(tok_at, 4ull * n_tokens_, 4) &&
-                      fits(mask_at, 1ull * n_tokens_, 1),
+    AUTOMOE_CHECK(fits(off_at, static_cast<uint64_t>(n_docs_) + 1, 8) &&
+                      fits(tok_at, static_cast<uint64_t>(n_tokens_), 4) &&
+                      fits(mask_at, static_cast<uint64_t>(n_tokens_), 1),
                   path, ": truncated or inconsistent dataset (delete it to re-tokenise)");
     offsets_ = reinterpret_cast<const int64_t*>(base + off_at);
     tokens_ = reinterpret_cast<const int32_t*>(base + tok_at);

@@ -1,5 +1,6 @@
 #include "automoe/train/recipe.h"
 
+#include <climits>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -64,6 +65,11 @@ class Section {
                             (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>());
       AUTOMOE_CHECK(v->is_number() && !v->is_boolean() && integral, where(k),
                     "expected an integer, got ", v->dump());
+      const bool in_range =
+          v->is_number_float()     ? std::fabs(v->get<double>()) < 9.2e18
+          : v->is_number_unsigned() ? v->get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
+                                    : true;
+      AUTOMOE_CHECK(in_range, where(k), "expected an integer up to 2^63, got ", v->dump());
       def = v->is_number_float() ? static_cast<int64_t>(v->get<double>()) : v->get<int64_t>();
     }
     AUTOMOE_CHECK(def >= min, where(k), "expected >= ", min, ", got ", def);
@@ -93,7 +99,10 @@ class Section {
     std::vector<std::string> out;
     const json* v = raw(k);
     if (!v) return out;
-    if (v->is_string()) return {v->get<std::string>()};
+    if (v->is_string()) {
+      AUTOMOE_CHECK(!v->get<std::string>().empty(), where(k), "expected a file path, got \"\"");
+      return {v->get<std::string>()};
+    }
     AUTOMOE_CHECK(v->is_array(), where(k), "expected a file path or a list of paths, got ",
                   type_name(*v));
     for (const auto& e : *v) {

@@ -3,7 +3,9 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <c10/core/DeviceGuard.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <torch/autograd.h>
 #include <torch/cuda.h>
@@ -59,6 +61,9 @@ c10::Device resolve_device(const std::string& name) {
   const c10::Device dev(name);
   AUTOMOE_CHECK(!dev.is_cuda() || torch::cuda::is_available(), "train.device: \"", name,
                 "\" but no CUDA device is visible to this torch");
+  AUTOMOE_CHECK(!dev.is_cuda() || dev.index() < static_cast<int>(torch::cuda::device_count()),
+                "train.device: \"", name, "\" but this machine has ", torch::cuda::device_count(),
+                " CUDA device(s)");
   return dev;
 }
 
@@ -116,7 +121,9 @@ struct AdamW {
 // ---- checkpoints ------------------------------------------------------------------------------
 
 std::optional<int64_t> step_of(const std::string& dirname) {
-  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5) return std::nullopt;
+  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5 || dirname.size() > 5 + 18) {
+    return std::nullopt;
+  }
   const std::string digits = dirname.substr(5);
   if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
   return std::stoll(digits);
@@ -251,7 +258,7 @@ std::string human_time(double s) {
 // What one log window (log.every steps) accumulates.
 struct Window {
   double ce_sum = 0, aux_weighted = 0, loss_tokens = 0, tokens = 0, flops = 0, seconds = 0;
-  int64_t steps = 0, skipped = 0;
+  int64_t steps = 0, skipped = 0, aux_steps = 0, truncated = 0;
   double grad_norm = 0;
   std::vector<at::Tensor> expert_counts;  // per MoE layer, summed over the window
 };
@@ -328,9 +335,15 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
   if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
   const c10::Device dev = resolve_device(rc.train.device);
+  c10::OptionalDeviceGuard device_guard;  // cuda:N: N is the current device for the whole run
+  if (dev.is_cuda()) device_guard.reset_device(dev);
   const c10::ScalarType compute = dtype_from_name(rc.model.dtype, "model.dtype");
   const fs::path run(rc.checkpoint.dir);
   fs::create_directories(run);
+  // One trainer per run directory at a time (the lock goes with the process, however it ends).
+  const int lock_fd = ::open((run / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  AUTOMOE_CHECK(lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, "checkpoint.dir ",
+                run.string(), " is in use by another automoe train process");
   for (const auto& e : fs::directory_iterator(run)) {  // leftovers of a killed save
     if (e.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
   }
@@ -411,6 +424,11 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     run.string(), ": its checkpoint was trained on other data (", key, " ",
                     saved.value(key, json()).dump(), ", now ", run_identity.at(key).dump(),
                     "); use another checkpoint.dir (or remove this one to start over)");
+    }
+    // Checkpoints past the one `latest` names are leftovers of a killed run (renamed into place,
+    // `latest` never moved): this run recreates them, and they must not count for keep_last.
+    for (const auto& e : fs::directory_iterator(run)) {
+      if (auto s = step_of(e.path().filename().string()); s && *s > st.step) fs::remove_all(e.path());
     }
     AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_set.num_docs(),
                   (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
@@ -517,6 +535,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     for (int64_t i = 0; i < accum; ++i) {
       mbs.push_back(batcher.next(st.pos));
       window_loss_tokens += static_cast<double>(mbs.back().loss_tokens);
+      win.truncated += mbs.back().truncated;
     }
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
@@ -574,6 +593,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         opt.zero_grads();
       } else {
         for (auto& p : model_params) p.mutable_grad() = at::Tensor();
+        for (auto& g : opt.grad) g = at::Tensor();
       }
     };
     const double norm = window_loss_tokens > 0 ? opt.grad_norm() : 0.0;
@@ -618,6 +638,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       release_grads();
       win.ce_sum += ce_sum;
       win.aux_weighted += aux_weighted;
+      win.aux_steps += window_loss_tokens > 0;
       win.loss_tokens += window_loss_tokens;
       win.grad_norm = norm;
     }
@@ -642,8 +663,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                                 static_cast<double>(st.pos.cursor) /
                                     static_cast<double>(train_set.num_docs())},
                   {"loss", shown_loss},
-                  {"aux_loss", win.loss_tokens > 0 ? win.aux_weighted / (win.steps - win.skipped)
-                                                   : NAN},
+                  {"aux_loss", win.aux_steps > 0 ? win.aux_weighted / win.aux_steps : NAN},
                   {"grad_norm", win.grad_norm},
                   {"lr", lr},
                   {"tokens", st.tokens_seen},
@@ -652,6 +672,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"mfu", peak_tflops > 0 ? tflops / peak_tflops : 0.0},
                   {"peak_memory_gib", static_cast<double>(hooks.peak_memory_bytes()) / (1 << 30)},
                   {"skipped_steps", st.skipped_steps},
+                  {"truncated_documents", win.truncated},
                   {"step_time_s", win.seconds / static_cast<double>(win.steps)},
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
