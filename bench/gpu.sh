@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One script for a machine with an NVIDIA GPU and a preinstalled torch + transformers (no venv,
 # no network): builds AutoMoE against that torch (CUDA on when nvcc matches), runs the tests, then
-# the side-by-side comparison for Qwen3-30B-A3B's layer geometry, writing everything under
-# ${OUT:-bench/results/gpu}. Budget: 8 minutes in all.
+# the side-by-side comparison for Qwen3-30B-A3B's layer geometry and a short `automoe train` run,
+# writing everything under ${OUT:-bench/results/gpu}. Budget: about 9 minutes in all.
 #   bash bench/gpu.sh                 # preset qwen3-30b-a3b-L4
 #   PRESET=qwen3-30b-a3b-L2 bash bench/gpu.sh
 #   DEVICE=cpu PRESET=cpu-small SEQ=128 bash bench/gpu.sh     # dry run of the script without a GPU
@@ -53,4 +53,17 @@ timeout 420 $PY bench/compare_hf.py --preset "$PRESET" --device "$DEVICE" --dtyp
   --batch "$BATCH" --seq "$SEQ" --warmup 1 --steps 3 --fake-balanced-gate \
   --automoe "$PKG/automoe/bin/automoe" --timeout 90 --out "$OUT/$PRESET" \
   || echo "compare_hf failed or ran out of time (see above)"
+step "trainer: examples/chat.yaml on $DEVICE, bf16 compute + fp32 masters, 60 steps"
+# The demo's tiny model and tokenizer, then a short packed chat fine-tune with metrics and export.
+$PY - "$OUT/train-model" <<'PYEOF' || echo "trainer model build failed"
+import sys
+from pathlib import Path
+from automoe.demo import build_checkpoint, build_tokenizer
+build_checkpoint(Path(sys.argv[1]), build_tokenizer(Path("examples/data/corpus.txt")))
+PYEOF
+timeout 240 $PY -m automoe.cli train examples/chat.yaml model.path="$OUT/train-model" \
+  checkpoint.dir="$OUT/train-run" data.cache_dir="$OUT/train-cache" train.device="$DEVICE" \
+  model.dtype=bfloat16 train.max_steps=60 train.micro_batch_size=16 log.every=10 log.progress=lines \
+  || echo "automoe train failed or ran out of time (see above)"
+$PY -m automoe.cli report "$OUT/train-run" || true
 step "done; results under $OUT"

@@ -558,3 +558,23 @@ def test_checkpointed_backward_survives_the_model_object(model_dir):
     gc.collect()
     loss.backward()
     assert all(p.grad is not None for p in params.values())
+
+
+def test_epochs_set_the_length_and_the_export_takes_the_asked_layout_and_dtype(model_dir, tmp_path):
+    lines = [l for l in open(EXAMPLES / "chat_valid.jsonl")][:12]
+    f = tmp_path / "twelve.jsonl"
+    f.write_text("".join(lines))
+    recipe = base_recipe(model_dir, tmp_path, "epochs", f, train={"micro_batch_size": 2, "max_steps": 0, "epochs": 1.5},
+                         checkpoint={"export_layout": "fused", "export_dtype": "bfloat16"})
+    recipe["data"]["packing"] = False  # one document per row: 6 micro-batches per epoch
+    run_train(recipe, tmp_path)
+    run = tmp_path / "epochs"
+    start = next(json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines())
+    assert start["type"] == "start" and start["total_steps"] == 9
+    steps = metrics(run)
+    assert sorted(steps) == list(range(1, 10)) and steps[9]["epoch"] == pytest.approx(1.5)
+    config = json.loads((run / "export" / "config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    exported = load_tensors(run / "export" / "model.safetensors")
+    assert "model.layers.0.mlp.experts.gate_up_proj" in exported
+    assert all(t.dtype == torch.bfloat16 for t in exported.values())
