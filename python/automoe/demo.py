@@ -164,7 +164,10 @@ def main() -> None:
     print(f"held out    {int((labels != -100).sum())} answer tokens: loss {before:.3f} before -> {hf:.3f} after "
           f"fine-tuning (Transformers on {export})")
     print(f"parity      AutoMoE on the same export: {ours:.6f} vs Transformers {hf:.6f} (relative difference {rel:.1e})")
-    print(f"report      automoe report {run}   (loss curve and expert-load heat map)")
+    command = REPO / ".venv" / "bin" / "automoe"
+    command = str(command.relative_to(Path.cwd())) if command.exists() and command.is_relative_to(Path.cwd()) \
+        else "automoe"
+    print(f"report      {command} report {run}   (loss curve and expert-load heat map)")
     if rel > 1e-4 or not hf < 0.7 * before:
         raise SystemExit("demo: the fine-tune did not lower the held-out loss, or AutoMoE and Transformers disagree")
 
