@@ -264,8 +264,14 @@ def record(result: dict, doc: Path) -> None:
     """Replaces (or appends) this configuration's section of docs/performance.md."""
     m = result["meta"]
     key = f"{m['model']}:{m['device']}:{m['dtype']}:{'fake' if m['fake_balanced_gate'] else 'real'}"
-    begin, end = f"<!-- bench {key} -->", f"<!-- /bench {key} -->"
-    section = f"{begin}\n{markdown(result)}{end}\n"
+    write_section(doc, f"bench {key}", markdown(result))
+
+
+def write_section(doc: Path, key: str, body: str) -> None:
+    """Replaces the text between `<!-- key -->` and `<!-- /key -->` in `doc` with `body`, or
+    appends such a section."""
+    begin, end = f"<!-- {key} -->", f"<!-- /{key} -->"
+    section = f"{begin}\n{body}{end}\n"
     text = doc.read_text() if doc.exists() else "# Performance\n\n"
     if begin in text and end in text:
         pre, rest = text.split(begin, 1)

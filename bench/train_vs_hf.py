@@ -174,16 +174,9 @@ def markdown(res: dict) -> str:
 
 
 def record(res: dict, doc: Path) -> None:
-    key = f"train-vs-hf:{res['meta']['preset']}"
-    begin, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    section = f"{begin}\n{markdown(res)}{end}\n"
-    text = doc.read_text() if doc.exists() else "# Performance\n\n"
-    if begin in text and end in text:
-        pre, rest = text.split(begin, 1)
-        text = pre + section + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    doc.write_text(text)
+    from compare_hf import write_section  # bench/ is on sys.path when this script runs
+
+    write_section(doc, f"train-vs-hf:{res['meta']['preset']}", markdown(res))
 
 
 def main() -> int:

@@ -6,24 +6,12 @@
 #include "automoe/core/error.h"
 #include "automoe/model/decoder.h"
 #include "automoe/moe/aux_loss.h"
+#include "tiny_spec.h"
 
 namespace automoe {
 namespace {
 
-ModelSpec tiny_spec() {
-  ModelSpec s;
-  s.model_type = "qwen3_moe";
-  s.vocab_size = 31;
-  s.hidden_size = 16;
-  s.num_layers = 2;
-  s.num_heads = 4;
-  s.num_kv_heads = 2;
-  s.head_dim = 6;
-  s.intermediate_size = 20;
-  s.moe = MoESpec{5, 2, 8, RouterScore::kSoftmax, true, 0.01, true};
-  s.layer_is_moe = {true, false};
-  return s;
-}
+using automoe::testing::tiny_spec;
 
 Decoder random_decoder(const ModelSpec& s, BackendConfig backend = {}) {
   at::manual_seed(0);

@@ -15,6 +15,7 @@
 #include "automoe/model/decoder.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/recipe.h"
+#include "tiny_spec.h"
 
 namespace automoe::train {
 namespace {
@@ -288,23 +289,11 @@ TEST(Batcher, OrderIsFixedBySeedAndEpochAndCountsMatchTheStream) {
   fs::remove(path);
 }
 
-ModelSpec tiny_spec() {
-  ModelSpec s;
-  s.model_type = "qwen3_moe";
-  s.vocab_size = 31;
-  s.hidden_size = 16;
-  s.num_layers = 2;
-  s.num_heads = 4;
-  s.num_kv_heads = 2;
-  s.head_dim = 6;
-  s.intermediate_size = 20;
-  s.moe = MoESpec{5, 2, 8, RouterScore::kSoftmax, true, 0.01, true};
-  s.layer_is_moe = {true, true};
-  return s;
-}
+using automoe::testing::tiny_spec;
 
 TEST(DocumentIds, PackedDocumentsGiveTheLogitsOfSeparateForwards) {
-  const ModelSpec s = tiny_spec();
+  ModelSpec s = tiny_spec();
+  s.layer_is_moe = {true, true};
   at::manual_seed(0);
   NamedTensors params;
   for (const auto& d : parameter_layout(s)) params.emplace_back(d.name, at::randn(d.shape) * 0.3);
@@ -339,8 +328,7 @@ namespace automoe::train {
 namespace {
 
 TEST(ActivationCheckpointing, GivesTheSameLossAndGradients) {
-  ModelSpec s = tiny_spec();
-  s.layer_is_moe = {true, false};  // an MoE layer and a dense one
+  const ModelSpec s = tiny_spec();  // an MoE layer and a dense one
   for (const ExpertsBackend experts : {ExpertsBackend::kGrouped, ExpertsBackend::kEager}) {
     BackendConfig backend;
     backend.experts = experts;

@@ -495,7 +495,16 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   }
 
   const double aux_coef = rc.model.router_aux_loss_coef.value_or(spec.moe.router_aux_loss_coef);
-  auto to_dev = [&](const at::Tensor& t) { return t.to(dev, /*non_blocking=*/true); };
+  // A micro-batch as forward arguments on the device; callers add what the pass needs.
+  auto batch_args = [&](const MicroBatch& mb) {
+    auto to_dev = [&](const at::Tensor& t) { return t.to(dev, /*non_blocking=*/true); };
+    ForwardArgs a;
+    a.input_ids = to_dev(mb.input_ids);
+    a.position_ids = to_dev(mb.position_ids);
+    a.document_ids = to_dev(mb.document_ids);
+    a.labels = to_dev(mb.labels);
+    return a;
+  };
   auto sync = [&] {
     if (dev.is_cuda()) torch::cuda::synchronize();
   };
@@ -505,11 +514,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     double ce = 0, n = 0;
     for (const MicroBatch& mb : val_batches) {
       if (mb.loss_tokens == 0) continue;
-      ForwardArgs a;
-      a.input_ids = to_dev(mb.input_ids);
-      a.position_ids = to_dev(mb.position_ids);
-      a.document_ids = to_dev(mb.document_ids);
-      a.labels = to_dev(mb.labels);
+      ForwardArgs a = batch_args(mb);
       a.output_router_logits = false;
       a.num_items_in_batch = 1.0;  // the loss is then the token sum
       ce += pm.decoder->forward(a).loss->item<double>();
@@ -545,11 +550,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       step_tokens += static_cast<double>(mb.real_tokens);
       step_flops += static_cast<double>(mb.real_tokens) *
                     training_flops_per_token(spec, mb.input_ids.size(1));
-      ForwardArgs a;
-      a.input_ids = to_dev(mb.input_ids);
-      a.position_ids = to_dev(mb.position_ids);
-      a.document_ids = to_dev(mb.document_ids);
-      a.labels = to_dev(mb.labels);
+      ForwardArgs a = batch_args(mb);
       a.output_router_logits = true;
       a.output_expert_counts = true;
       a.activation_checkpointing = rc.train.activation_checkpointing;
