@@ -13,10 +13,14 @@ from typing import Any
 @dataclass
 class BackendConfig:
     attn: str = "sdpa"  # "sdpa" | "eager"
-    experts: str = "grouped"  # permute -> per-expert GEMMs on contiguous rows -> unpermute; or "eager"
-    rms_norm: str = "torch"
-    rope: str = "torch"
-    swiglu: str = "torch"
+    # fused ops: router -> permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> unpermute;
+    # "torch_mm" (ATen _grouped_mm) or "eager" (Transformers' per-expert loop)
+    experts: str = "grouped"
+    rms_norm: str = "fused"  # "fused" | "torch"
+    rope: str = "fused"  # "fused" | "torch"
+    swiglu: str = "fused"  # "fused" | "torch"
+    # "torch": full logits then cross-entropy (logits returned, as in Transformers);
+    # "fused_linear_ce": chunked LM head + loss, no logits returned when labels are given
     loss: str = "torch"
     dispatcher: str = "local"
     fake_balanced_gate: bool = False  # round-robin routing, for performance measurements only

@@ -8,11 +8,18 @@
 namespace automoe {
 
 enum class AttnBackend { kSdpa, kEager };
-enum class ExpertsBackend { kGrouped, kEager };
+enum class ExpertsBackend { kGrouped, kTorchMM, kEager };
+enum class LossBackend { kTorch, kFusedLinearCE };
 
 struct BackendConfig {
   AttnBackend attn = AttnBackend::kSdpa;
-  ExpertsBackend experts = ExpertsBackend::kGrouped;
+  ExpertsBackend experts = ExpertsBackend::kGrouped;  // fused ops (ops/ops.h)
+  bool fused_rms_norm = true;                          // rms_norm: "fused" | "torch"
+  bool fused_rope = true;                              // rope: "fused" | "torch"
+  bool fused_swiglu = true;                            // swiglu: "fused" | "torch"
+  // "torch": full logits, then cross-entropy; "fused_linear_ce": chunked LM head + loss, and
+  // no logits are returned when labels are given (what keeps [T, V] out of memory).
+  LossBackend loss = LossBackend::kTorch;
   // Round-robin routing (token t -> experts (t*K + k) mod E, weights 1/K) for performance
   // measurements with perfectly balanced experts, as NeMo AutoModel's benchmarks do.
   bool fake_balanced_gate = false;

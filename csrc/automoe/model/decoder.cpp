@@ -14,6 +14,7 @@
 #include "automoe/moe/experts.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
+#include "automoe/ops/ops.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 #include "automoe/ops/rope/rope.h"
 
@@ -120,7 +121,8 @@ void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
 }
 
 at::Tensor Decoder::rms_norm(const at::Tensor& x, int64_t weight) const {
-  return ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
+  return backend_.fused_rms_norm ? ops::rmsnorm(x, p(weight), spec_.rms_norm_eps)
+                                 : ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
 }
 
 namespace {
@@ -241,8 +243,18 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
     q_BSND = rms_norm(q_BSND, L.q_norm);
     k_BSND = rms_norm(k_BSND, L.k_norm);
   }
-  const at::Tensor q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), cos_BSD, sin_BSD);
-  const at::Tensor k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+  at::Tensor q_BNSD, k_BNSD;
+  if (backend_.fused_rope) {
+    // The fused op reads the half-angle tables (both halves of cos_BSD are equal) and rotates
+    // q and k in their projection layout [B, S, N, D].
+    const int64_t half = D / 2;
+    const at::Tensor cos_BSh = cos_BSD.narrow(-1, 0, half), sin_BSh = sin_BSD.narrow(-1, 0, half);
+    q_BNSD = ops::rope(q_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
+    k_BNSD = ops::rope(k_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
+  } else {
+    q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+    k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor out_BNSD;
   if (eager) {
@@ -314,10 +326,13 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     }
   }
   h_BSH = rms_norm(h_BSH, final_norm_);
-  r.logits = at::linear(h_BSH, p(lm_head_));
+  const bool fused_loss = a.labels && backend_.loss == LossBackend::kFusedLinearCE;
+  // With the fused loss the [B, S, V] logits are never formed (r.logits stays undefined).
+  if (!fused_loss) r.logits = at::linear(h_BSH, p(lm_head_));
 
   if (a.labels) {
-    const auto ce = ops::causal_lm_cross_entropy_reference(r.logits, *a.labels);
+    const auto ce = fused_loss ? fused_causal_lm_loss(h_BSH, *a.labels)
+                               : ops::causal_lm_cross_entropy_reference(r.logits, *a.labels);
     if (a.num_items_in_batch) {
       AUTOMOE_CHECK(*a.num_items_in_batch > 0, "num_items_in_batch: expected > 0, got ",
                     *a.num_items_in_batch);
@@ -328,7 +343,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   }
   if (want_router) {
     r.aux_loss = r.router_logits.empty()
-                     ? at::zeros({}, r.logits.options().dtype(at::kFloat))
+                     ? at::zeros({}, h_BSH.options().dtype(at::kFloat))
                      : moe::load_balancing_loss(r.router_logits, spec_.moe.num_experts,
                                                 spec_.moe.top_k, token_mask_BS);
     if (r.loss) {
@@ -337,6 +352,37 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     }
   }
   return r;
+}
+
+at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
+                            const at::Tensor& w_gate_up, const at::Tensor& w_down) const {
+  switch (backend_.experts) {
+    case ExpertsBackend::kEager:
+      return moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
+    case ExpertsBackend::kTorchMM:
+      return moe::experts_torch_mm(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
+    case ExpertsBackend::kGrouped:
+      break;
+  }
+  if (!backend_.fused_swiglu) {  // the fused dispatch and GEMMs around ATen's SwiGLU
+    const ops::DispatchPlan plan = ops::dispatch_plan(routing.idx_TK, w_gate_up.size(0));
+    const at::Tensor gu = ops::grouped_gemm(ops::permute(x_TH, plan), w_gate_up, plan.offsets);
+    return ops::unpermute(ops::grouped_gemm(ops::swiglu_reference(gu), w_down, plan.offsets), plan,
+                          routing.weights_TK);
+  }
+  return moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
+}
+
+ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH,
+                                           const at::Tensor& labels_BS) const {
+  // Position s predicts labels[s + 1]; the last position of each row predicts nothing.
+  const int64_t ignore = -100;
+  const at::Tensor shifted_BS = at::constant_pad_nd(labels_BS.to(at::kLong), {0, 1}, ignore)
+                                    .narrow(1, 1, labels_BS.size(1))
+                                    .to(h_BSH.device());
+  const auto r = ops::linear_cross_entropy(h_BSH.reshape({-1, h_BSH.size(-1)}), p(lm_head_),
+                                           shifted_BS.reshape({-1}), ignore);
+  return {r.sum, r.count};
 }
 
 Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
@@ -354,18 +400,20 @@ Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
     } else if (fixed_idx) {
       routing = moe::route_softmax_given(x_TH, p(L.router), spec_.moe, *fixed_idx);
     } else {
-      routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe);
+      routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe,
+                                        /*fused=*/backend_.experts != ExpertsBackend::kEager);
     }
-    y_TH = backend_.experts == ExpertsBackend::kEager
-               ? moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
-                                    p(L.down))
-               : moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, p(L.gate_up),
-                                      p(L.down));
+    y_TH = experts(x_TH, routing, p(L.gate_up), p(L.down));
     out.router_logits = routing.logits_TE;
     out.idx = routing.idx_TK;
   } else {
-    y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
-                      p(L.mlp_down));
+    if (backend_.fused_swiglu) {
+      const at::Tensor gate_up = at::cat({p(L.mlp_gate), p(L.mlp_up)}, 0);
+      y_TH = at::linear(ops::swiglu(at::linear(x_TH, gate_up)), p(L.mlp_down));
+    } else {
+      y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
+                        p(L.mlp_down));
+    }
   }
   out.h = h_BSH + y_TH.view({B, S, H});
   return out;

@@ -12,6 +12,8 @@
 
 #include "automoe/model/backend.h"
 #include "automoe/model/spec.h"
+#include "automoe/moe/router.h"
+#include "automoe/ops/cross_entropy/cross_entropy.h"
 
 namespace automoe {
 
@@ -106,6 +108,10 @@ class Decoder {
                        const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
                        bool eager) const;
   at::Tensor rms_norm(const at::Tensor& x, int64_t weight) const;
+  at::Tensor experts(const at::Tensor& x_TH, const moe::Routing& routing,
+                     const at::Tensor& w_gate_up, const at::Tensor& w_down) const;
+  // Cross-entropy sum and count of the causal shift through the fused LM head + loss.
+  ops::LossSum fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS) const;
 
   ModelSpec spec_;
   BackendConfig backend_;

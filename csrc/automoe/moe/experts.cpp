@@ -2,6 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include "automoe/core/error.h"
+#include "automoe/ops/ops.h"
+
 namespace automoe::moe {
 
 at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
@@ -32,30 +35,31 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI) {
-  const int64_t E = w_gate_up_EIH.size(0);
-  // Slot-major flattening ([K, T]) so that, after a stable sort by expert, each expert's rows come
-  // in Transformers' (slot, token) order.
-  const at::Tensor flat_e = idx_TK.t().reshape({-1});
-  const at::Tensor order =
-      std::get<1>(at::sort(flat_e, std::optional<bool>(true), /*dim=*/0, /*descending=*/false));
-  const int64_t T = x_TH.size(0);
-  const at::Tensor token_of = order.remainder(T);  // flat index = slot * T + token
-  const at::Tensor weight_of = weights_TK.t().reshape({-1}).index_select(0, order);
-  const at::Tensor counts_E = at::bincount(flat_e, {}, E).cpu();
-  std::vector<int64_t> counts(counts_E.data_ptr<int64_t>(), counts_E.data_ptr<int64_t>() + E);
+  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  const at::Tensor x_NH = ops::permute(x_TH, plan);
+  const at::Tensor h_NI = ops::swiglu(ops::grouped_gemm(x_NH, w_gate_up_EIH, plan.offsets));
+  return ops::unpermute(ops::grouped_gemm(h_NI, w_down_EHI, plan.offsets), plan, weights_TK);
+}
 
-  const at::Tensor x_perm = x_TH.index_select(0, token_of);
-  const std::vector<at::Tensor> x_e = x_perm.split_with_sizes(counts);
-  const std::vector<at::Tensor> w_gu = w_gate_up_EIH.unbind(0), w_d = w_down_EHI.unbind(0);
-  std::vector<at::Tensor> y_e;
-  y_e.reserve(E);
-  for (int64_t e = 0; e < E; ++e) {
-    if (counts[e] == 0) continue;
-    const auto gate_up = at::linear(x_e[e], w_gu[e]).chunk(2, -1);
-    y_e.push_back(at::linear(at::silu(gate_up[0]) * gate_up[1], w_d[e]));
-  }
-  const at::Tensor y_perm = at::cat(y_e, 0) * weight_of.unsqueeze(-1);
-  return at::zeros_like(x_TH).index_add(0, token_of, y_perm.to(x_TH.scalar_type()));
+at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
+                            const at::Tensor& w_down_EHI) {
+  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  // _grouped_mm takes the cumulative row ends of each group as int32.
+  const at::Tensor ends = plan.offsets.narrow(0, 1, w_gate_up_EIH.size(0)).to(at::kInt);
+  const at::Tensor x_NH = ops::permute_reference(x_TH, plan);
+  const at::Tensor gu = at::_grouped_mm(x_NH, w_gate_up_EIH.transpose(1, 2), ends);
+  const at::Tensor y = at::_grouped_mm(ops::swiglu_reference(gu), w_down_EHI.transpose(1, 2), ends);
+  return ops::unpermute_reference(y, plan, weights_TK);
+}
+
+at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
+                           const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI) {
+  if (backend == "grouped") return experts_grouped(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
+  if (backend == "torch_mm") return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
+  if (backend == "eager") return experts_eager(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
+  fail("experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
 }
 
 }  // namespace automoe::moe

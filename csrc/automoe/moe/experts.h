@@ -5,6 +5,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <string>
+
 namespace automoe::moe {
 
 // The `eager` backend: a loop over the experts that received tokens, Transformers' semantics and
@@ -13,16 +15,23 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                          const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                          const at::Tensor& w_down_EHI);
 
-// The `grouped` backend, as the ATen composition of routing -> permute -> grouped GEMM -> SwiGLU
-// -> grouped GEMM -> weighted unpermute:
-//   permute:   (token, slot) pairs sorted by expert (stable), rows gathered once: x_perm [T*K, H],
-//              layout [E][tokens of e][H], tokens ascending within an expert
-//   GEMMs:     per expert on its contiguous rows (experts with no tokens skipped)
-//   unpermute: one index_add of the weighted rows back to [T, H]
-// Same math and summation order as `eager`, without eager's per-expert full-size gradient
-// buffers (its backward gathers/scatters once, and weights are unbound once).
+// The `grouped` backend: the fused ops router -> permute -> grouped_gemm -> swiglu -> grouped_gemm
+// -> unpermute (ops/ops.h). Rows are grouped by expert in the deterministic order of
+// ops::dispatch_plan; each token's K expert outputs are combined in slot order with float32
+// accumulation. weights_TK may be float32 (the router's) or x's dtype.
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI);
+
+// The `torch_mm` backend: the same dispatch with ATen's `_grouped_mm` for both GEMMs and ATen
+// gathers / SwiGLU around them (the composition NeMo AutoModel's `torch_mm` uses).
+at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
+                            const at::Tensor& w_down_EHI);
+
+// By BackendConfig name: "grouped", "torch_mm" or "eager".
+at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
+                           const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI);
 
 }  // namespace automoe::moe

@@ -2,11 +2,20 @@
 
 #include <ATen/ATen.h>
 
+#include "automoe/ops/ops.h"
+
 namespace automoe::moe {
 
 Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                           const MoESpec& moe) {
+                           const MoESpec& moe, bool fused) {
   at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  if (fused) {
+    ops::RouterParams p;
+    p.top_k = moe.top_k;
+    p.norm_topk_prob = moe.norm_topk_prob;
+    const ops::RouterResult r = ops::router(logits_TE, std::nullopt, p);
+    return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), r.idx_TK};
+  }
   const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
   auto [top_TK, idx_TK] = at::topk(probs_TE, moe.top_k, -1);
   if (moe.norm_topk_prob) top_TK = top_TK / top_TK.sum(-1, /*keepdim=*/true);

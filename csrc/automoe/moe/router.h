@@ -13,9 +13,10 @@ struct Routing {
   at::Tensor idx_TK;      // int64 expert indices, per token in descending score order
 };
 
-// x [T, H], w_router [E, H].
+// x [T, H], w_router [E, H]. `fused`: scores, top-k and weights by the fused router op
+// (ops::router, one pass per token); otherwise the ATen reference (softmax, topk, gather).
 Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                           const MoESpec& moe);
+                           const MoESpec& moe, bool fused = false);
 
 // The same scores and combine weights for experts already chosen (idx_TK from an earlier call):
 // what a checkpointed layer's recompute uses, so that the backward never re-routes.

@@ -41,7 +41,12 @@ py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
     r = m.decoder->forward(args);
   }
   py::dict out;
-  out["logits"] = r.logits;
+  // Undefined when the fused linear cross-entropy computed the loss without logits.
+  if (r.logits.defined()) {
+    out["logits"] = r.logits;
+  } else {
+    out["logits"] = py::none();
+  }
   out["loss"] = r.loss ? py::cast(*r.loss) : py::none();
   out["aux_loss"] = r.aux_loss ? py::cast(*r.aux_loss) : py::none();
   if (args.output_router_logits.value_or(m.decoder->spec().moe.output_router_logits)) {

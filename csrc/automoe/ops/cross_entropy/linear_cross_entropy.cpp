@@ -1,0 +1,175 @@
+// Fused linear cross-entropy: the LM head and the loss in chunks, never the [N, V] logits.
+//   forward:  token chunks; logits_c = x_c · Wᵀ (float32), lse_c = logsumexp, loss = lse - target;
+//             saves x, W, labels and lse [N] (float32)
+//   backward: vocabulary chunks; p = exp(x · W_vᵀ - lse) - onehot(label), scaled by the incoming
+//             gradient on rows that carry loss; dW_v = pᵀ · x (complete, written once in W's
+//             dtype), dx += p · W_v (float32 [N, H] accumulator: N·H is small next to V·H)
+// On CPU the chunk GEMMs run on our gemm engine (fast bf16), on CUDA on cuBLAS via at::mm.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <algorithm>
+
+#include "automoe/ops/common.h"
+#include "automoe/ops/cross_entropy/cross_entropy.h"
+#include "automoe/ops/grouped_gemm/gemm_cpu.h"
+#include "automoe/ops/ops.h"
+
+namespace automoe::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr int64_t kDefaultChunkBytes = int64_t{256} << 20;
+
+cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_stride) {
+  return {t.const_data_ptr(), t.scalar_type(), row_stride, col_stride};
+}
+
+bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() != at::kDouble; }
+
+// a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N].
+at::Tensor mm_nt(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
+  if (!use_cpu_engine(a)) return at::mm(a.to(out), b.to(out).t());
+  at::Tensor c = at::empty({a.size(0), b.size(0)}, a.options().dtype(out));
+  cpu::gemm_batch({{a.size(0), b.size(0), a.size(1), operand(a, a.size(1), 1),
+                    operand(b, 1, b.size(1)), c.data_ptr(), c.scalar_type(), c.size(1), false}});
+  return c;
+}
+
+// c (+)= a · b, a [M, K], b [K, N], c float32 (or float64) [M, N].
+void mm_nn_acc(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool accumulate) {
+  if (!use_cpu_engine(c)) {
+    if (accumulate) {
+      c.addmm_(a.to(c.scalar_type()), b.to(c.scalar_type()));
+    } else {
+      at::mm_out(c, a.to(c.scalar_type()), b.to(c.scalar_type()));
+    }
+    return;
+  }
+  cpu::gemm_batch({{a.size(0), b.size(1), a.size(1), operand(a, a.size(1), 1),
+                    operand(b, b.size(1), 1), c.data_ptr(), c.scalar_type(), c.size(1),
+                    accumulate}});
+}
+
+// aᵀ · b, a [K, M], b [K, N], written as a new [M, N] tensor of dtype `out`.
+at::Tensor mm_tn(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
+  if (!use_cpu_engine(a)) return at::mm(a.t().to(b.scalar_type()), b).to(out);
+  at::Tensor c = at::empty({a.size(1), b.size(1)}, a.options().dtype(out));
+  cpu::gemm_batch({{a.size(1), b.size(1), a.size(0), operand(a, 1, a.size(1)),
+                    operand(b, b.size(1), 1), c.data_ptr(), c.scalar_type(), c.size(1), false}});
+  return c;
+}
+
+int64_t rows_per_chunk(int64_t cols, int64_t chunk_bytes) {
+  return std::max<int64_t>(1, chunk_bytes / (std::max<int64_t>(cols, 1) * 4));
+}
+
+struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w_in,
+                               const at::Tensor& labels_in, int64_t ignore_index,
+                               int64_t chunk_bytes) {
+    const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), labels = labels_in.contiguous();
+    const int64_t N = x.size(0);
+    const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const at::Tensor valid = labels.ne(ignore_index);
+    const at::Tensor safe_labels = labels.masked_fill(valid.logical_not(), 0);
+    at::Tensor lse = at::empty({N}, x.options().dtype(acc));
+    at::Tensor loss_rows = at::empty({N}, x.options().dtype(acc));
+    const int64_t step = rows_per_chunk(w.size(0), chunk_bytes);
+    for (int64_t r0 = 0; r0 < N; r0 += step) {
+      const int64_t n = std::min(step, N - r0);
+      const at::Tensor logits = mm_nt(x.narrow(0, r0, n), w, acc);
+      const at::Tensor l = at::logsumexp(logits, 1);
+      lse.narrow(0, r0, n).copy_(l);
+      const at::Tensor target = logits.gather(1, safe_labels.narrow(0, r0, n).unsqueeze(1)).squeeze(1);
+      loss_rows.narrow(0, r0, n).copy_((l - target) * valid.narrow(0, r0, n).to(acc));
+    }
+    ctx->save_for_backward({x, w, labels, lse});
+    ctx->saved_data["ignore_index"] = ignore_index;
+    ctx->saved_data["chunk_bytes"] = chunk_bytes;
+    at::Tensor count = valid.sum();
+    ctx->mark_non_differentiable({count});
+    return {loss_rows.sum(), count};  // float32 (float64 for float64 inputs)
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1], &labels = s[2], &lse = s[3];
+    const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();
+    const int64_t chunk_bytes = ctx->saved_data["chunk_bytes"].toInt();
+    const int64_t N = x.size(0), V = w.size(0), H = w.size(1);
+    const auto acc = lse.scalar_type();
+    // Per-row scale: the incoming gradient on rows that carry loss, 0 elsewhere.
+    const at::Tensor valid = labels.ne(ignore_index);
+    const at::Tensor scale = valid.to(acc) * grads[0].to(acc);
+    at::Tensor dx_acc = at::zeros({N, H}, x.options().dtype(acc));
+    const bool want_dw = ctx->needs_input_grad(1);
+    at::Tensor dw = want_dw ? at::empty({V, H}, w.options()) : at::Tensor();
+    const int64_t step = rows_per_chunk(N, chunk_bytes);  // vocabulary rows per chunk
+    for (int64_t v0 = 0; v0 < V; v0 += step) {
+      const int64_t nv = std::min(step, V - v0);
+      const at::Tensor w_v = w.narrow(0, v0, nv);
+      at::Tensor p = mm_nt(x, w_v, acc);  // [N, nv] logits
+      p.sub_(lse.unsqueeze(1)).exp_();
+      // -1 at each row's label when it falls in this vocabulary chunk.
+      const at::Tensor in_chunk = valid & labels.ge(v0) & labels.lt(v0 + nv);
+      const at::Tensor rows = in_chunk.nonzero().squeeze(1);
+      if (rows.numel() > 0) {
+        const at::Tensor cols = labels.index_select(0, rows) - v0;
+        p.index_put_({rows, cols}, p.index({rows, cols}) - 1);
+      }
+      p.mul_(scale.unsqueeze(1));
+      if (want_dw) dw.narrow(0, v0, nv).copy_(mm_tn(p, x, w.scalar_type()));
+      mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
+    }
+    return {dx_acc.to(x.scalar_type()), dw, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_lce(const at::Tensor& x, const at::Tensor& w, const at::Tensor& labels) {
+  const char* op = "automoe.linear_cross_entropy";
+  detail::check_float(op, "x", x);
+  detail::check_float(op, "weight", w);
+  detail::check_dim(op, "x", x, 2);
+  detail::check_dim(op, "weight", w, 2);
+  detail::check_same_dtype(op, "x", x, "weight", w);
+  detail::check_same_device(op, {{"x", &x}, {"weight", &w}, {"labels", &labels}});
+  AUTOMOE_CHECK(x.size(1) == w.size(1), op, ": x [N, H] and weight [V, H] disagree on H: ",
+                x.sizes(), " vs ", w.sizes());
+  AUTOMOE_CHECK(labels.scalar_type() == at::kLong && labels.dim() == 1 &&
+                    labels.size(0) == x.size(0),
+                op, ": labels must be int64 [", x.size(0), "], got ", labels.scalar_type(), " ",
+                labels.sizes());
+}
+
+}  // namespace
+
+LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor& weight_VH,
+                                        const at::Tensor& labels_N, int64_t ignore_index,
+                                        int64_t chunk_bytes) {
+  check_lce(x_NH, weight_VH, labels_N);
+  const at::Tensor valid = labels_N.ne(ignore_index);
+  if (labels_N.is_cpu() && valid.any().item<bool>()) {
+    const at::Tensor vl = labels_N.masked_select(valid);
+    const int64_t lo = vl.min().item<int64_t>(), hi = vl.max().item<int64_t>();
+    AUTOMOE_CHECK(lo >= 0 && hi < weight_VH.size(0), "automoe.linear_cross_entropy: labels must be in [0, ",
+                  weight_VH.size(0), ") or ignore_index (", ignore_index, "), got [", lo, ", ", hi, "]");
+  }
+  const auto out = LinearCrossEntropyFn::apply(x_NH, weight_VH, labels_N, ignore_index,
+                                               chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes);
+  return {out[0], out[1]};
+}
+
+LinearCrossEntropy linear_cross_entropy_reference(const at::Tensor& x_NH,
+                                                  const at::Tensor& weight_VH,
+                                                  const at::Tensor& labels_N, int64_t ignore_index) {
+  check_lce(x_NH, weight_VH, labels_N);
+  const auto acc = x_NH.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor logits = at::linear(x_NH, weight_VH).to(acc);
+  at::Tensor sum = at::cross_entropy_loss(logits, labels_N, {}, at::Reduction::Sum, ignore_index);
+  return {sum, labels_N.ne(ignore_index).sum()};
+}
+
+}  // namespace automoe::ops

@@ -1,0 +1,82 @@
+// grouped_gemm: autograd layer and ATen reference.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "automoe/ops/common.h"
+#include "automoe/ops/ops.h"
+
+namespace automoe::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct GroupedGemmFn : torch::autograd::Function<GroupedGemmFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& offsets) {
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    ctx->save_for_backward({xc, wc, offsets});
+    return AUTOMOE_KERNEL(grouped_gemm_fwd, xc, xc, wc, offsets);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1], &offsets = s[2];
+    const at::Tensor dy = grads[0].contiguous();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w, offsets);
+    if (ctx->needs_input_grad(1)) {
+      dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, w.size(0), w.scalar_type());
+    }
+    return {dx, dw, at::Tensor()};
+  }
+};
+
+void check_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
+  const char* op = "automoe.grouped_gemm";
+  detail::check_float(op, "x", x);
+  detail::check_float(op, "w", w);
+  detail::check_dim(op, "x", x, 2);
+  detail::check_dim(op, "w", w, 3);
+  detail::check_same_dtype(op, "x", x, "w", w);
+  detail::check_same_device(op, {{"x", &x}, {"w", &w}, {"offsets", &offsets}});
+  AUTOMOE_CHECK(x.size(1) == w.size(2), op, ": x [N, K] and w [G, O, K] disagree on K: ",
+                x.sizes(), " vs ", w.sizes());
+  AUTOMOE_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 &&
+                    offsets.size(0) == w.size(0) + 1,
+                op, ": offsets must be int64 [G+1] = [", w.size(0) + 1, "], got ",
+                offsets.scalar_type(), " ", offsets.sizes());
+  if (offsets.is_cpu()) {  // on CUDA the offsets stay on the device (no host sync)
+    const int64_t* o = offsets.const_data_ptr<int64_t>();
+    AUTOMOE_CHECK(o[0] == 0, op, ": offsets[0] must be 0, got ", o[0]);
+    for (int64_t g = 0; g < w.size(0); ++g) {
+      AUTOMOE_CHECK(o[g + 1] >= o[g], op, ": offsets must be non-decreasing (offsets[", g + 1,
+                    "] = ", o[g + 1], " < offsets[", g, "] = ", o[g], ")");
+    }
+    AUTOMOE_CHECK(o[w.size(0)] <= x.size(0), op, ": offsets[G] = ", o[w.size(0)],
+                  " exceeds the rows of x (", x.size(0), ")");
+  }
+}
+
+}  // namespace
+
+at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets) {
+  check_grouped(x_NK, w_GOK, offsets);
+  return GroupedGemmFn::apply(x_NK, w_GOK, offsets.contiguous());
+}
+
+at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                                  const at::Tensor& offsets) {
+  check_grouped(x_NK, w_GOK, offsets);
+  const at::Tensor off = offsets.cpu();
+  const int64_t* o = off.const_data_ptr<int64_t>();
+  const int64_t G = w_GOK.size(0);
+  std::vector<at::Tensor> parts;
+  for (int64_t g = 0; g < G; ++g) {
+    parts.push_back(at::matmul(x_NK.narrow(0, o[g], o[g + 1] - o[g]), w_GOK[g].t()));
+  }
+  const int64_t tail = x_NK.size(0) - o[G];
+  parts.push_back(at::zeros({tail, w_GOK.size(1)}, x_NK.options()));
+  return at::cat(parts, 0);
+}
+
+}  // namespace automoe::ops

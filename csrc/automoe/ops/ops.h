@@ -1,0 +1,88 @@
+// The fused ops: what the model and Python callers use (the latter as torch.ops.automoe.*, see
+// ops/registry.cpp). Each op is differentiable (a custom autograd Function around the kernels of
+// ops/kernels.h, picked by the inputs' device) and has a plain-ATen `_reference` twin with the
+// same signature, differentiated by ATen's autograd: the ground truth of the op tests and the
+// `torch` backend of BackendConfig. Inputs may be non-contiguous; errors name the op and tensor.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+
+#include "automoe/ops/kernels.h"
+
+namespace automoe::ops {
+
+// ---- router -------------------------------------------------------------------------------
+struct RouterResult {
+  at::Tensor weights_TK;  // float32 combine weights
+  at::Tensor idx_TK;      // int64 experts, per token in descending selection score
+  at::Tensor scores_TE;   // float32 softmax / sigmoid scores (the aux loss's probabilities)
+};
+// logits_TE: router logits (upcast to float32); bias_E: DeepSeek-V3's e_score_correction_bias.
+RouterResult router(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
+                    const RouterParams& p);
+RouterResult router_reference(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
+                              const RouterParams& p);
+// The same scores and weights for experts already chosen (a checkpointed layer's recompute).
+RouterResult router_given(const at::Tensor& logits_TE, const at::Tensor& idx_TK,
+                          const RouterParams& p);
+
+// ---- permute / unpermute ------------------------------------------------------------------
+struct DispatchPlan {
+  at::Tensor offsets;    // [E+1] int64 row ranges per expert
+  at::Tensor slot_pos;   // [T, K] int64 permuted row of each slot, -1 if dropped
+  at::Tensor src_token;  // [T*K] int64 token of each permuted row, -1 past offsets[E]
+};
+DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts);
+at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan);
+at::Tensor permute_reference(const at::Tensor& x_TH, const DispatchPlan& plan);
+// out[t] = sum_k weights[t, k] * y[slot_pos[t, k]], float32 accumulation, in y's dtype.
+at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan, const at::Tensor& weights_TK);
+at::Tensor unpermute_reference(const at::Tensor& y_NH, const DispatchPlan& plan,
+                               const at::Tensor& weights_TK);
+
+// ---- grouped GEMM -------------------------------------------------------------------------
+// y[rows of g] = x[rows of g] · w[g]ᵀ, rows of g = [offsets[g], offsets[g+1]); w [G, O, K].
+at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets);
+at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                                  const at::Tensor& offsets);
+
+// ---- SwiGLU -------------------------------------------------------------------------------
+struct SwigluParams {
+  bool gpt_oss = false;  // interleaved gate/up, clamped, (up + 1) * gate * sigmoid(alpha * gate)
+  double alpha = 1.702;
+  double limit = 7.0;
+};
+at::Tensor swiglu(const at::Tensor& gate_up, const SwigluParams& p = {});
+at::Tensor swiglu_reference(const at::Tensor& gate_up, const SwigluParams& p = {});
+
+// ---- RMSNorm ------------------------------------------------------------------------------
+at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// (The reference is rms_norm_reference in ops/rmsnorm/rmsnorm.h: Transformers' exact rounding.)
+
+// ---- RoPE ---------------------------------------------------------------------------------
+// x [B, S, N, D] rotated by angle tables cos/sin [B, S, D/2].
+at::Tensor rope(const at::Tensor& x_BSND, const at::Tensor& cos_BSh, const at::Tensor& sin_BSh,
+                bool interleaved);
+at::Tensor rope_reference(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
+                          const at::Tensor& sin_BSh, bool interleaved);
+
+// ---- fused linear cross-entropy -----------------------------------------------------------
+struct LinearCrossEntropy {
+  at::Tensor sum;    // float32 scalar (float64 for float64 x), differentiable in x and weight
+  at::Tensor count;  // int64 scalar: labels != ignore_index
+};
+// sum over rows of CE(x · weightᵀ, labels) without ever holding [N, V] logits: the forward walks
+// token chunks, the backward vocabulary chunks, each chunk's logits at most `chunk_bytes` of
+// float32 (0 = 256 MiB).
+LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor& weight_VH,
+                                        const at::Tensor& labels_N, int64_t ignore_index = -100,
+                                        int64_t chunk_bytes = 0);
+LinearCrossEntropy linear_cross_entropy_reference(const at::Tensor& x_NH,
+                                                  const at::Tensor& weight_VH,
+                                                  const at::Tensor& labels_N,
+                                                  int64_t ignore_index = -100);
+
+}  // namespace automoe::ops

@@ -1,0 +1,112 @@
+// permute / unpermute: autograd layer and ATen references.
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "automoe/ops/common.h"
+#include "automoe/ops/ops.h"
+
+namespace automoe::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct PermuteFn : torch::autograd::Function<PermuteFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& src,
+                            const at::Tensor& slot_pos) {
+    ctx->save_for_backward({slot_pos});
+    const at::Tensor xc = x.contiguous();
+    return AUTOMOE_KERNEL(permute_fwd, xc, xc, src);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor slot_pos = ctx->get_saved_variables()[0];
+    const at::Tensor g = grads[0].contiguous();
+    return {AUTOMOE_KERNEL(permute_bwd, g, g, slot_pos), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct UnpermuteFn : torch::autograd::Function<UnpermuteFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& slot_pos,
+                            const at::Tensor& weights) {
+    const at::Tensor yc = y.contiguous(), wc = weights.contiguous();
+    ctx->save_for_backward({yc, slot_pos, wc});
+    return AUTOMOE_KERNEL(unpermute_fwd, yc, yc, slot_pos, wc);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].contiguous();
+    auto [gy, gw] = AUTOMOE_KERNEL(unpermute_bwd, g, g, s[0], s[1], s[2]);
+    return {gy, at::Tensor(), gw};
+  }
+};
+
+// `rows` of x must equal `expected` (T for a token tensor, T*K for a permuted one).
+void check_plan(const char* op, const at::Tensor& x, const DispatchPlan& plan, int64_t rows,
+                int64_t expected, const char* rows_name) {
+  AUTOMOE_CHECK(plan.slot_pos.defined() && plan.src_token.defined() && plan.offsets.defined(), op,
+                ": the dispatch plan is incomplete (use automoe.moe_dispatch_plan)");
+  detail::check_same_device(op, {{"x", &x}, {"slot_pos", &plan.slot_pos},
+                                 {"src_token", &plan.src_token}});
+  AUTOMOE_CHECK(plan.slot_pos.dim() == 2 && plan.src_token.numel() == plan.slot_pos.numel(), op,
+                ": slot_pos [T, K] and src_token [T*K] disagree: ", plan.slot_pos.sizes(), " vs ",
+                plan.src_token.sizes());
+  AUTOMOE_CHECK(rows == expected, op, ": ", rows_name, " (", rows, ") do not match the dispatch plan (T = ",
+                plan.slot_pos.size(0), ", T*K = ", plan.src_token.size(0), ")");
+}
+
+}  // namespace
+
+DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts) {
+  const char* op = "automoe.moe_dispatch_plan";
+  AUTOMOE_CHECK(idx_TK.dim() == 2, op, ": indices must be [T, K], got ", idx_TK.sizes());
+  AUTOMOE_CHECK(num_experts >= 1, op, ": num_experts must be >= 1, got ", num_experts);
+  const at::Tensor idx = idx_TK.to(at::kLong).contiguous();
+  if (idx.is_cpu() && idx.numel() > 0) {
+    const auto [lo, hi] = at::aminmax(idx);
+    AUTOMOE_CHECK(lo.item<int64_t>() >= -1 && hi.item<int64_t>() < num_experts, op,
+                  ": indices must be in [-1, ", num_experts, "), got [", lo.item<int64_t>(), ", ",
+                  hi.item<int64_t>(), "]");
+  }
+  auto [offsets, slot_pos, src] = AUTOMOE_KERNEL(dispatch_plan, idx, idx, num_experts);
+  return {offsets, slot_pos, src};
+}
+
+at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan) {
+  const char* op = "automoe.permute";
+  detail::check_float(op, "x", x_TH);
+  detail::check_dim(op, "x", x_TH, 2);
+  check_plan(op, x_TH, plan, x_TH.size(0), plan.slot_pos.size(0), "x rows");
+  return PermuteFn::apply(x_TH, plan.src_token, plan.slot_pos);
+}
+
+at::Tensor permute_reference(const at::Tensor& x_TH, const DispatchPlan& plan) {
+  const at::Tensor valid = plan.src_token.ge(0);
+  return x_TH.index_select(0, plan.src_token.clamp_min(0)) * valid.unsqueeze(1).to(x_TH.dtype());
+}
+
+at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan, const at::Tensor& weights_TK) {
+  const char* op = "automoe.unpermute";
+  detail::check_float(op, "y", y_NH);
+  detail::check_float(op, "weights", weights_TK);
+  detail::check_dim(op, "y", y_NH, 2);
+  check_plan(op, y_NH, plan, y_NH.size(0), plan.src_token.size(0), "y rows");
+  AUTOMOE_CHECK(weights_TK.sizes() == plan.slot_pos.sizes(), op, ": weights ", weights_TK.sizes(),
+                " must match the slots ", plan.slot_pos.sizes());
+  AUTOMOE_CHECK(weights_TK.scalar_type() == at::kFloat ||
+                    weights_TK.scalar_type() == y_NH.scalar_type(),
+                op, ": weights must be float32 or y's dtype (", y_NH.scalar_type(), "), got ",
+                weights_TK.scalar_type());
+  return UnpermuteFn::apply(y_NH, plan.slot_pos, weights_TK);
+}
+
+at::Tensor unpermute_reference(const at::Tensor& y_NH, const DispatchPlan& plan,
+                               const at::Tensor& weights_TK) {
+  const int64_t T = plan.slot_pos.size(0), K = plan.slot_pos.size(1), H = y_NH.size(1);
+  const auto acc = y_NH.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor rows =
+      y_NH.index_select(0, plan.slot_pos.clamp_min(0).reshape({-1})).view({T, K, H}).to(acc);
+  const at::Tensor w = weights_TK.to(acc) * plan.slot_pos.ge(0).to(acc);
+  return (rows * w.unsqueeze(-1)).sum(1).to(y_NH.scalar_type());
+}
+
+}  // namespace automoe::ops

@@ -1,0 +1,192 @@
+// CPU permute / unpermute. The plan is a histogram + exclusive prefix sum + one stable pass (no
+// sort); the gathers run parallel over rows; every reduction is per output row in slot order, so
+// results are deterministic and need no atomics.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+
+#include "automoe/ops/kernels.h"
+
+namespace automoe::ops::cpu {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_plan(const at::Tensor& idx_TK,
+                                                             int64_t num_experts) {
+  const int64_t TK = idx_TK.numel();
+  const auto opts = idx_TK.options().dtype(at::kLong);
+  at::Tensor offsets = at::zeros({num_experts + 1}, opts);
+  at::Tensor slot_pos = new_output(idx_TK.sizes(), opts);
+  at::Tensor src_token = new_output({TK}, opts);
+  const int64_t* idx = idx_TK.const_data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
+  int64_t* pos = slot_pos.data_ptr<int64_t>();
+  int64_t* src = src_token.data_ptr<int64_t>();
+  const int64_t K = idx_TK.dim() == 2 ? idx_TK.size(1) : 1;
+  for (int64_t i = 0; i < TK; ++i) {
+    if (idx[i] >= 0 && idx[i] < num_experts) ++off[idx[i] + 1];
+  }
+  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> cursor(off, off + num_experts);
+  for (int64_t i = 0; i < TK; ++i) {
+    const int64_t e = idx[i];
+    if (e < 0 || e >= num_experts) {
+      pos[i] = -1;
+      continue;
+    }
+    pos[i] = cursor[e]++;
+    src[pos[i]] = i / K;
+  }
+  std::fill(src + off[num_experts], src + TK, int64_t{-1});
+  return {offsets, slot_pos, src_token};
+}
+
+at::Tensor permute_fwd(const at::Tensor& x_TH, const at::Tensor& src_token_N) {
+  const int64_t N = src_token_N.size(0), H = x_TH.size(1), es = x_TH.element_size();
+  at::Tensor out = new_output({N, H}, x_TH.options());
+  const int64_t* src = src_token_N.const_data_ptr<int64_t>();
+  const char* x = static_cast<const char*>(x_TH.const_data_ptr());
+  char* y = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (src[n] < 0) {
+        std::memset(y + n * H * es, 0, H * es);
+      } else {
+        std::memcpy(y + n * H * es, x + src[n] * H * es, H * es);
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor permute_bwd(const at::Tensor& grad_NH, const at::Tensor& slot_pos_TK) {
+  const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = grad_NH.size(1);
+  at::Tensor out = new_output({T, H}, grad_NH.options());
+  const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, grad_NH.scalar_type(), "permute_bwd", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const scalar_t* g = grad_NH.const_data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> acc(H);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t r = pos[t * K + k];
+          if (r < 0) continue;
+          const scalar_t* row = g + r * H;
+          for (int64_t h = 0; h < H; ++h) acc[h] += static_cast<acc_t>(row[h]);
+        }
+        for (int64_t h = 0; h < H; ++h) o[t * H + h] = static_cast<scalar_t>(acc[h]);
+      }
+    });
+  });
+  return out;
+}
+
+namespace {
+
+template <typename scalar_t, typename weight_t>
+void unpermute_rows(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
+                    const at::Tensor& weights_TK, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = y_NH.size(1);
+  const scalar_t* y = y_NH.const_data_ptr<scalar_t>();
+  const weight_t* w = weights_TK.const_data_ptr<weight_t>();
+  const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        if (r < 0) continue;
+        const acc_t wk = static_cast<acc_t>(w[t * K + k]);
+        const scalar_t* row = y + r * H;
+        for (int64_t h = 0; h < H; ++h) acc[h] += wk * static_cast<acc_t>(row[h]);
+      }
+      for (int64_t h = 0; h < H; ++h) o[t * H + h] = static_cast<scalar_t>(acc[h]);
+    }
+  });
+}
+
+template <typename scalar_t, typename weight_t>
+void unpermute_rows_bwd(const at::Tensor& grad_TH, const at::Tensor& y_NH,
+                        const at::Tensor& slot_pos_TK, const at::Tensor& weights_TK,
+                        at::Tensor& grad_y, at::Tensor& grad_w) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = y_NH.size(1);
+  const int64_t N = y_NH.size(0);
+  const scalar_t* g = grad_TH.const_data_ptr<scalar_t>();
+  const scalar_t* y = y_NH.const_data_ptr<scalar_t>();
+  const weight_t* w = weights_TK.const_data_ptr<weight_t>();
+  const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  scalar_t* gy = grad_y.data_ptr<scalar_t>();
+  weight_t* gw = grad_w.data_ptr<weight_t>();
+  // Rows that no slot points at (dropped capacity) get zeros: mark the referenced ones first.
+  std::vector<uint8_t> used(N, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (pos[i] >= 0) used[pos[i]] = 1;
+  }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (!used[n]) std::fill_n(gy + n * H, H, scalar_t(0));
+    }
+  });
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* gt = g + t * H;
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        if (r < 0) {
+          gw[t * K + k] = weight_t(0);
+          continue;
+        }
+        const acc_t wk = static_cast<acc_t>(w[t * K + k]);
+        const scalar_t* yr = y + r * H;
+        scalar_t* gr = gy + r * H;
+        acc_t dot = 0;
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t gh = static_cast<acc_t>(gt[h]);
+          dot += gh * static_cast<acc_t>(yr[h]);
+          gr[h] = static_cast<scalar_t>(wk * gh);
+        }
+        gw[t * K + k] = static_cast<weight_t>(dot);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+at::Tensor unpermute_fwd(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
+                         const at::Tensor& weights_TK) {
+  at::Tensor out = new_output({slot_pos_TK.size(0), y_NH.size(1)}, y_NH.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y_NH.scalar_type(), "unpermute_fwd", [&] {
+    if (weights_TK.scalar_type() == at::kFloat) {
+      unpermute_rows<scalar_t, float>(y_NH, slot_pos_TK, weights_TK, out);
+    } else {
+      unpermute_rows<scalar_t, scalar_t>(y_NH, slot_pos_TK, weights_TK, out);
+    }
+  });
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_TH, const at::Tensor& y_NH,
+                                                const at::Tensor& slot_pos_TK,
+                                                const at::Tensor& weights_TK) {
+  at::Tensor grad_y = new_output(y_NH.sizes(), y_NH.options());
+  at::Tensor grad_w = new_output(weights_TK.sizes(), weights_TK.options());
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y_NH.scalar_type(), "unpermute_bwd", [&] {
+    if (weights_TK.scalar_type() == at::kFloat) {
+      unpermute_rows_bwd<scalar_t, float>(grad_TH, y_NH, slot_pos_TK, weights_TK, grad_y, grad_w);
+    } else {
+      unpermute_rows_bwd<scalar_t, scalar_t>(grad_TH, y_NH, slot_pos_TK, weights_TK, grad_y,
+                                             grad_w);
+    }
+  });
+  return {grad_y, grad_w};
+}
+
+}  // namespace automoe::ops::cpu

@@ -1,0 +1,126 @@
+// torch.ops.automoe: every fused op and its `_reference` twin as a PyTorch custom op, so that
+// Python callers (tests, benchmarks, users' own modules) run exactly the code the engine runs.
+// Each is registered as CompositeImplicitAutograd: the op body is our C++ function, whose custom
+// autograd Function (or, for references, ATen's own autograd) provides the backward, and whose
+// kernel is chosen by the inputs' device.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "automoe/core/error.h"
+#include "automoe/moe/experts.h"
+#include "automoe/ops/ops.h"
+#include "automoe/ops/rmsnorm/rmsnorm.h"
+
+namespace automoe::ops {
+namespace {
+
+using Tensor = at::Tensor;
+using Tensor3 = std::tuple<Tensor, Tensor, Tensor>;
+
+RouterParams router_params(int64_t top_k, const std::string& score_func, int64_t n_group,
+                           int64_t topk_group, bool norm_topk_prob, double scaling) {
+  AUTOMOE_CHECK(score_func == "softmax" || score_func == "sigmoid",
+                "automoe.router: score_func must be \"softmax\" or \"sigmoid\", got \"",
+                score_func, "\"");
+  return {top_k, score_func == "sigmoid", n_group, topk_group, norm_topk_prob, scaling};
+}
+
+template <RouterResult (*Fn)(const Tensor&, const std::optional<Tensor>&, const RouterParams&)>
+Tensor3 router_op(const Tensor& logits, int64_t top_k, std::string score_func,
+                  const std::optional<Tensor>& bias, int64_t n_group, int64_t topk_group,
+                  bool norm_topk_prob, double scaling) {
+  const auto r = Fn(logits, bias,
+                    router_params(top_k, score_func, n_group, topk_group, norm_topk_prob, scaling));
+  return {r.weights_TK, r.idx_TK, r.scores_TE};
+}
+
+Tensor3 dispatch_plan_op(const Tensor& indices, int64_t num_experts) {
+  const DispatchPlan p = dispatch_plan(indices, num_experts);
+  return {p.offsets, p.slot_pos, p.src_token};
+}
+
+template <Tensor (*Fn)(const Tensor&, const DispatchPlan&)>
+Tensor permute_op(const Tensor& x, const Tensor& offsets, const Tensor& slot_pos,
+                  const Tensor& src_token) {
+  return Fn(x, DispatchPlan{offsets, slot_pos, src_token});
+}
+
+template <Tensor (*Fn)(const Tensor&, const DispatchPlan&, const Tensor&)>
+Tensor unpermute_op(const Tensor& y, const Tensor& offsets, const Tensor& slot_pos,
+                    const Tensor& src_token, const Tensor& weights) {
+  return Fn(y, DispatchPlan{offsets, slot_pos, src_token}, weights);
+}
+
+SwigluParams swiglu_params(const std::string& variant, double alpha, double limit) {
+  AUTOMOE_CHECK(variant == "silu" || variant == "gpt_oss",
+                "automoe.swiglu: variant must be \"silu\" or \"gpt_oss\", got \"", variant, "\"");
+  return {variant == "gpt_oss", alpha, limit};
+}
+
+template <Tensor (*Fn)(const Tensor&, const SwigluParams&)>
+Tensor swiglu_op(const Tensor& gate_up, std::string variant, double alpha, double limit) {
+  return Fn(gate_up, swiglu_params(variant, alpha, limit));
+}
+
+std::tuple<Tensor, Tensor> lce_op(const Tensor& x, const Tensor& w, const Tensor& labels,
+                                  int64_t ignore_index, int64_t chunk_bytes) {
+  const auto r = linear_cross_entropy(x, w, labels, ignore_index, chunk_bytes);
+  return {r.sum, r.count};
+}
+
+std::tuple<Tensor, Tensor> lce_reference_op(const Tensor& x, const Tensor& w, const Tensor& labels,
+                                            int64_t ignore_index, int64_t /*chunk_bytes*/) {
+  const auto r = linear_cross_entropy_reference(x, w, labels, ignore_index);
+  return {r.sum, r.count};
+}
+
+Tensor experts_op(const Tensor& x, const Tensor& indices, const Tensor& weights,
+                  const Tensor& w_gate_up, const Tensor& w_down, std::string backend) {
+  return moe::experts_by_name(backend, x, indices, weights, w_gate_up, w_down);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(automoe, m) {
+  const char* router_args =
+      "(Tensor logits, int top_k, str score_func=\"softmax\", Tensor? correction_bias=None, "
+      "int n_group=1, int topk_group=1, bool norm_topk_prob=True, "
+      "float routed_scaling_factor=1.0) -> (Tensor weights, Tensor indices, Tensor scores)";
+  m.def((std::string("router") + router_args).c_str(), TORCH_FN(router_op<router>));
+  m.def((std::string("router_reference") + router_args).c_str(), TORCH_FN(router_op<router_reference>));
+  m.def("moe_dispatch_plan(Tensor indices, int num_experts) -> "
+        "(Tensor offsets, Tensor slot_pos, Tensor src_token)",
+        TORCH_FN(dispatch_plan_op));
+  const char* permute_args = "(Tensor x, Tensor offsets, Tensor slot_pos, Tensor src_token) -> Tensor";
+  m.def((std::string("permute") + permute_args).c_str(), TORCH_FN(permute_op<permute>));
+  m.def((std::string("permute_reference") + permute_args).c_str(), TORCH_FN(permute_op<permute_reference>));
+  const char* unpermute_args =
+      "(Tensor y, Tensor offsets, Tensor slot_pos, Tensor src_token, Tensor weights) -> Tensor";
+  m.def((std::string("unpermute") + unpermute_args).c_str(), TORCH_FN(unpermute_op<unpermute>));
+  m.def((std::string("unpermute_reference") + unpermute_args).c_str(),
+        TORCH_FN(unpermute_op<unpermute_reference>));
+  m.def("grouped_gemm(Tensor x, Tensor w, Tensor offsets) -> Tensor", TORCH_FN(grouped_gemm));
+  m.def("grouped_gemm_reference(Tensor x, Tensor w, Tensor offsets) -> Tensor",
+        TORCH_FN(grouped_gemm_reference));
+  const char* swiglu_args =
+      "(Tensor gate_up, str variant=\"silu\", float alpha=1.702, float limit=7.0) -> Tensor";
+  m.def((std::string("swiglu") + swiglu_args).c_str(), TORCH_FN(swiglu_op<swiglu>));
+  m.def((std::string("swiglu_reference") + swiglu_args).c_str(), TORCH_FN(swiglu_op<swiglu_reference>));
+  m.def("rmsnorm(Tensor x, Tensor weight, float eps=1e-6) -> Tensor", TORCH_FN(rmsnorm));
+  m.def("rmsnorm_reference(Tensor x, Tensor weight, float eps=1e-6) -> Tensor",
+        TORCH_FN(rms_norm_reference));
+  m.def("rope(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor", TORCH_FN(rope));
+  m.def("rope_reference(Tensor x, Tensor cos, Tensor sin, bool interleaved=False) -> Tensor",
+        TORCH_FN(rope_reference));
+  const char* lce_args =
+      "(Tensor x, Tensor weight, Tensor labels, int ignore_index=-100, int chunk_bytes=0) -> "
+      "(Tensor loss_sum, Tensor count)";
+  m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
+  m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
+  m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
+  m.def("moe_experts(Tensor x, Tensor indices, Tensor weights, Tensor w_gate_up, Tensor w_down, "
+        "str backend=\"grouped\") -> Tensor",
+        TORCH_FN(experts_op));
+}
+
+}  // namespace automoe::ops

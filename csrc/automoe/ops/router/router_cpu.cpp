@@ -1,0 +1,137 @@
+// CPU router: one token per iteration of a parallel loop; E is small (<= a few hundred), so each
+// token's scores, group ranking and top-k run in registers/L1 with a partial selection.
+#include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "automoe/ops/kernels.h"
+
+namespace automoe::ops::cpu {
+namespace {
+
+// Higher score first; on equal scores the lower index (deterministic, as the CUDA kernel).
+inline bool better(float a, int64_t ia, float b, int64_t ib) {
+  return a > b || (a == b && ia < ib);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logits_TE,
+                                                          const std::optional<at::Tensor>& bias_E,
+                                                          const RouterParams& p) {
+  const int64_t T = logits_TE.size(0), E = logits_TE.size(1), K = p.top_k;
+  const int64_t group_size = E / p.n_group;
+  at::Tensor scores = new_output({T, E}, logits_TE.options());
+  at::Tensor weights = new_output({T, K}, logits_TE.options());
+  at::Tensor idx = new_output({T, K}, logits_TE.options().dtype(at::kLong));
+  const float* lg = logits_TE.const_data_ptr<float>();
+  const float* bias = bias_E ? bias_E->const_data_ptr<float>() : nullptr;
+  float* sc = scores.data_ptr<float>();
+  float* wt = weights.data_ptr<float>();
+  int64_t* ix = idx.data_ptr<int64_t>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> sel(E);
+    std::vector<int64_t> order(E);
+    std::vector<float> group_score(p.n_group);
+    std::vector<int64_t> group_order(p.n_group);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* l = lg + t * E;
+      float* s = sc + t * E;
+      if (p.sigmoid) {
+        for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + std::exp(-l[e]));
+      } else {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
+        float sum = 0.f;
+        for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(l[e] - mx));
+        const float inv = 1.f / sum;
+        for (int64_t e = 0; e < E; ++e) s[e] *= inv;
+      }
+      for (int64_t e = 0; e < E; ++e) sel[e] = bias ? s[e] + bias[e] : s[e];
+      if (p.n_group > 1) {
+        // Rank groups by the sum of their two best selection scores; drop all but topk_group.
+        for (int64_t g = 0; g < p.n_group; ++g) {
+          float a = -std::numeric_limits<float>::infinity(), b = a;
+          for (int64_t e = g * group_size; e < (g + 1) * group_size; ++e) {
+            if (sel[e] > a) {
+              b = a;
+              a = sel[e];
+            } else if (sel[e] > b) {
+              b = sel[e];
+            }
+          }
+          group_score[g] = group_size > 1 ? a + b : a;
+          group_order[g] = g;
+        }
+        std::partial_sort(group_order.begin(), group_order.begin() + p.topk_group,
+                          group_order.end(), [&](int64_t a, int64_t b) {
+                            return better(group_score[a], a, group_score[b], b);
+                          });
+        for (int64_t r = p.topk_group; r < p.n_group; ++r) {
+          const int64_t g = group_order[r];
+          std::fill_n(sel.begin() + g * group_size, group_size,
+                      -std::numeric_limits<float>::infinity());
+        }
+      }
+      for (int64_t e = 0; e < E; ++e) order[e] = e;
+      std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                        [&](int64_t a, int64_t b) { return better(sel[a], a, sel[b], b); });
+      float total = 0.f;
+      for (int64_t k = 0; k < K; ++k) total += s[order[k]];
+      const float denom = p.norm_topk_prob ? total + (p.sigmoid ? 1e-20f : 0.f) : 1.f;
+      const float scale = static_cast<float>(p.scaling) / denom;
+      for (int64_t k = 0; k < K; ++k) {
+        ix[t * K + k] = order[k];
+        wt[t * K + k] = s[order[k]] * scale;
+      }
+    }
+  });
+  return {weights, idx, scores};
+}
+
+at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
+                      const std::optional<at::Tensor>& grad_scores_TE, const at::Tensor& scores_TE,
+                      const at::Tensor& idx_TK, const RouterParams& p) {
+  const int64_t T = scores_TE.size(0), E = scores_TE.size(1), K = idx_TK.size(1);
+  at::Tensor grad = new_output({T, E}, scores_TE.options());
+  const float* gw = grad_weights_TK.const_data_ptr<float>();
+  const float* gs = grad_scores_TE ? grad_scores_TE->const_data_ptr<float>() : nullptr;
+  const float* sc = scores_TE.const_data_ptr<float>();
+  const int64_t* ix = idx_TK.const_data_ptr<int64_t>();
+  float* out = grad.data_ptr<float>();
+  const float c = static_cast<float>(p.scaling);
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(E);
+    for (int64_t t = begin; t < end; ++t) {
+      const float* s = sc + t * E;
+      for (int64_t e = 0; e < E; ++e) g[e] = gs ? gs[t * E + e] : 0.f;
+      const float* dw = gw + t * K;
+      const int64_t* id = ix + t * K;
+      if (p.norm_topk_prob) {
+        float S = 0.f, dot = 0.f;
+        for (int64_t k = 0; k < K; ++k) S += s[id[k]];
+        if (p.sigmoid) S += 1e-20f;
+        for (int64_t k = 0; k < K; ++k) dot += dw[k] * s[id[k]];
+        for (int64_t k = 0; k < K; ++k) g[id[k]] += c * (dw[k] / S - dot / (S * S));
+      } else {
+        for (int64_t k = 0; k < K; ++k) g[id[k]] += c * dw[k];
+      }
+      float* o = out + t * E;
+      if (p.sigmoid) {
+        for (int64_t e = 0; e < E; ++e) o[e] = g[e] * s[e] * (1.f - s[e]);
+      } else {
+        float dot = 0.f;
+        for (int64_t e = 0; e < E; ++e) dot += g[e] * s[e];
+        for (int64_t e = 0; e < E; ++e) o[e] = s[e] * (g[e] - dot);
+      }
+    }
+  });
+  return grad;
+}
+
+}  // namespace automoe::ops::cpu

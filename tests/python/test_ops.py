@@ -1,0 +1,355 @@
+"""The op-test harness: every fused op on every available device against its ATen reference.
+
+In the spirit of ggml's test-backend-ops: each case builds random inputs of an awkward shape
+(odd sizes, T = 1, an expert with no tokens, all tokens on one expert, K = 1, several GEMM tiles),
+runs the fused op in float32 and bfloat16 with its outputs NaN-poisoned (an element a kernel
+forgets to write fails), and compares
+  - the forward with the reference evaluated in float64 on the same inputs, and
+  - the gradients of every differentiable input, for the same random upstream gradient, with the
+    reference's float64 gradients;
+as max |fused - reference| / max |reference| <= 1e-5 (float32) or 1e-2 (bfloat16). Small float64
+cases are also checked against finite differences (torch.autograd.gradcheck).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import pytest
+import torch
+
+import automoe  # noqa: F401  (registers torch.ops.automoe)
+
+OPS = torch.ops.automoe
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs():
+    OPS._set_poison_outputs(True)
+    yield
+    OPS._set_poison_outputs(False)
+
+
+@dataclasses.dataclass
+class Case:
+    """fused(*inputs) and reference(*inputs) return a tuple of tensors; `grad` names the indices of
+    the differentiable float inputs; `float_outputs` the indices of the outputs compared as floats
+    (the others must be equal exactly); `cast` the indices of the inputs cast to the test dtype."""
+
+    name: str
+    make: Callable[[torch.Generator], list]
+    fused: Callable
+    reference: Callable
+    grad: tuple[int, ...] = ()
+    cast: tuple[int, ...] = ()
+    float_outputs: tuple[int, ...] = (0,)
+    tol_scale: float = 1.0
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double().cpu(), ref.double().cpu()
+    assert not torch.isnan(a).any(), "NaN in the fused result (an unwritten element?)"
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item() if ref.numel() else 0.0
+
+
+def as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def randn(g, *shape, scale=1.0):
+    return torch.randn(tuple(shape), generator=g, dtype=torch.float64) * scale
+
+
+# ---- dispatch plans -------------------------------------------------------------------------
+
+
+def plan_reference(idx: torch.Tensor, E: int):
+    """The plan as the contract states it, by a stable sort: rows grouped by expert, slot order."""
+    flat = idx.reshape(-1)
+    valid = flat >= 0
+    order = torch.sort(torch.where(valid, flat, E), stable=True).indices
+    counts = torch.bincount(flat[valid], minlength=E)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    n_valid = int(valid.sum())
+    slot_pos = torch.full_like(flat, -1)
+    slot_pos[order[:n_valid]] = torch.arange(n_valid)
+    src = torch.full_like(flat, -1)
+    src[:n_valid] = order[:n_valid] // idx.shape[1]
+    return offsets, slot_pos.view_as(idx), src
+
+
+def routing(g, T, K, E, pattern):
+    if pattern == "random":
+        idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    elif pattern == "one_expert":  # every slot on expert E-1 (K = 1), the others empty
+        idx = torch.full((T, K), E - 1, dtype=torch.long)
+    elif pattern == "empty_and_dropped":  # expert 0 never chosen, some slots dropped (-1)
+        idx = torch.stack([1 + torch.randperm(E - 1, generator=g)[:K] for _ in range(T)])
+        idx[::3, -1] = -1
+    return idx
+
+
+ROUTINGS = [(1, 1, 3, "random"), (7, 2, 5, "empty_and_dropped"), (13, 1, 4, "one_expert"),
+            (33, 4, 9, "random")]
+
+
+def test_dispatch_plan_matches_a_stable_sort():
+    g = torch.Generator().manual_seed(0)
+    for T, K, E, pattern in ROUTINGS:
+        idx = routing(g, T, K, E, pattern)
+        for device in DEVICES:
+            got = OPS.moe_dispatch_plan(idx.to(device), E)
+            for a, b in zip(got, plan_reference(idx, E)):
+                assert torch.equal(a.cpu(), b), (T, K, E, pattern, device)
+
+
+def test_dispatch_plan_rejects_out_of_range_experts():
+    with pytest.raises(Exception, match=r"indices must be in \[-1, 4\)"):
+        OPS.moe_dispatch_plan(torch.tensor([[0, 4]]), 4)
+
+
+# ---- cases ------------------------------------------------------------------------------------
+
+
+def rmsnorm_cases():
+    for shape in [(1, 5), (7, 33), (3, 5, 64), (2, 1000)]:
+        yield Case(
+            f"rmsnorm{shape}",
+            lambda g, s=shape: [randn(g, *s, scale=3), 1 + randn(g, s[-1], scale=0.3)],
+            lambda x, w: OPS.rmsnorm(x, w, 1e-6),
+            lambda x, w: OPS.rmsnorm_reference(x, w, 1e-6),
+            grad=(0, 1), cast=(0, 1))
+
+
+def rope_cases():
+    for B, S, N, D in [(1, 1, 1, 2), (2, 5, 3, 8), (1, 7, 4, 66)]:
+        for inter in (False, True):
+            def make(g, B=B, S=S, N=N, D=D):
+                ang = randn(g, B, S, D // 2, scale=4)
+                return [randn(g, B, S, N, D), ang.cos(), ang.sin()]
+            yield Case(
+                f"rope{(B, S, N, D)}{'-interleaved' if inter else ''}", make,
+                lambda x, c, s, i=inter: OPS.rope(x, c, s, i),
+                lambda x, c, s, i=inter: OPS.rope_reference(x, c, s, i),
+                grad=(0,), cast=(0,))
+
+
+def swiglu_cases():
+    for shape in [(1, 2), (5, 14), (3, 4, 66)]:
+        for variant in ("silu", "gpt_oss"):
+            yield Case(
+                f"swiglu{shape}-{variant}",
+                # scale 5: the GPT-OSS clamps at +-7 are exercised
+                lambda g, s=shape: [randn(g, *s, scale=5)],
+                lambda x, v=variant: OPS.swiglu(x, v),
+                lambda x, v=variant: OPS.swiglu_reference(x, v),
+                grad=(0,), cast=(0,))
+
+
+ROUTER_CONFIGS = [  # T, E, K, score_func, n_group, topk_group, bias, norm, scaling
+    (1, 4, 1, "softmax", 1, 1, False, True, 1.0),
+    (33, 64, 8, "softmax", 1, 1, False, True, 1.0),
+    (7, 6, 2, "softmax", 1, 1, False, False, 1.0),
+    (5, 8, 8, "softmax", 1, 1, False, True, 1.0),
+    (9, 16, 3, "sigmoid", 4, 2, True, True, 2.5),
+    (11, 32, 4, "sigmoid", 8, 3, True, True, 1.0),
+]
+
+
+def router_cases():
+    for T, E, K, sf, ng, tg, bias, norm, scale in ROUTER_CONFIGS:
+        def make(g, T=T, E=E, bias=bias):
+            return [randn(g, T, E, scale=2), randn(g, E, scale=0.1) if bias else None]
+        args = (K, sf, ng, tg, norm, scale)
+        yield Case(
+            f"router-T{T}-E{E}-K{K}-{sf}-g{ng}/{tg}", make,
+            lambda l, b, a=args: OPS.router(l, a[0], a[1], b, *a[2:]),
+            lambda l, b, a=args: OPS.router_reference(l, a[0], a[1], b, *a[2:]),
+            grad=(0,), cast=(0,), float_outputs=(0, 2))
+
+
+def permute_cases():
+    for T, K, E, pattern in ROUTINGS:
+        for H in (1, 37):
+            def make(g, T=T, K=K, E=E, H=H, pattern=pattern):
+                plan = plan_reference(routing(g, T, K, E, pattern), E)
+                return [randn(g, T, H), *plan]
+            yield Case(f"permute-T{T}-K{K}-E{E}-H{H}-{pattern}", make, OPS.permute,
+                       OPS.permute_reference, grad=(0,), cast=(0,))
+
+            def make_u(g, T=T, K=K, E=E, H=H, pattern=pattern):
+                plan = plan_reference(routing(g, T, K, E, pattern), E)
+                return [randn(g, T * K, H), *plan, randn(g, T, K).abs()]
+            yield Case(f"unpermute-T{T}-K{K}-E{E}-H{H}-{pattern}", make_u, OPS.unpermute,
+                       OPS.unpermute_reference, grad=(0, 4), cast=(0, 4))
+
+
+def grouped_gemm_cases():
+    # (rows N, K, O, group sizes); rows past the groups' end must come out as zeros
+    for N, K, O, sizes in [(1, 1, 1, [1]), (37, 33, 19, [5, 0, 12, 11, 0]),
+                           (300, 300, 260, [0, 290, 10]), (9, 16, 8, [0, 0, 4]),
+                           (130, 64, 40, [97, 1, 30, 2])]:
+        def make(g, N=N, K=K, O=O, sizes=sizes):
+            offsets = torch.tensor([0] + sizes).cumsum(0)
+            return [randn(g, N, K), randn(g, len(sizes), O, K, scale=0.2), offsets]
+        yield Case(f"grouped_gemm-N{N}-K{K}-O{O}-{sizes}", make, OPS.grouped_gemm,
+                   OPS.grouped_gemm_reference, grad=(0, 1), cast=(0, 1))
+
+
+def cross_entropy_cases():
+    for N, H, V, rows_per_chunk in [(1, 3, 5, 0), (17, 33, 101, 3), (64, 16, 300, 7)]:
+        def make(g, N=N, H=H, V=V):
+            labels = torch.randint(0, V, (N,), generator=g)
+            labels[::4] = -100
+            return [randn(g, N, H), randn(g, V, H, scale=0.3), labels]
+        # small chunks: the forward and the backward each walk several chunks
+        chunk = 4 * max(V, N) * rows_per_chunk
+        yield Case(
+            f"linear_cross_entropy-N{N}-H{H}-V{V}",
+            make,
+            lambda x, w, y, c=chunk: OPS.linear_cross_entropy(x, w, y, -100, c),
+            lambda x, w, y: OPS.linear_cross_entropy_reference(x, w, y, -100),
+            grad=(0, 1), cast=(0, 1), float_outputs=(0,))
+
+
+CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
+         *grouped_gemm_cases(), *cross_entropy_cases()]
+
+
+def run_case(case: Case, dtype, device):
+    g = torch.Generator().manual_seed(1234)
+    base = case.make(g)
+    # Inputs as the fused op sees them (the test dtype), and the same values in float64.
+    ins = [t.to(dtype) if i in case.cast and t is not None else t for i, t in enumerate(base)]
+    ref_ins = [t.double() if i in case.cast and t is not None else t for i, t in enumerate(ins)]
+    ins = [t.to(device) if t is not None else None for t in ins]
+    for i in case.grad:
+        ins[i] = ins[i].detach().requires_grad_(True)
+        ref_ins[i] = ref_ins[i].detach().requires_grad_(True)
+    out = as_tuple(case.fused(*ins))
+    ref = as_tuple(case.reference(*ref_ins))
+    tol = TOL[dtype] * case.tol_scale
+    for j, (a, b) in enumerate(zip(out, ref)):
+        if j in case.float_outputs:
+            err = rel_err(a, b)
+            assert err <= tol, f"{case.name} output {j}: relative error {err:.2e} > {tol:.0e}"
+        else:
+            assert torch.equal(a.cpu(), b.cpu()), f"{case.name} output {j} differs"
+    if not case.grad:
+        return
+    ups = [randn(g, *b.shape).to(a.dtype) for j, (a, b) in enumerate(zip(out, ref))
+           if j in case.float_outputs]
+    fused_sum = sum((a.float() * u.to(device).float()).sum() if a.dtype != torch.float64
+                    else (a * u.to(device)).sum()
+                    for a, u in zip([out[j] for j in case.float_outputs], ups))
+    ref_sum = sum((b * u.double()).sum() for b, u in zip([ref[j] for j in case.float_outputs], ups))
+    grads = torch.autograd.grad(fused_sum, [ins[i] for i in case.grad])
+    ref_grads = torch.autograd.grad(ref_sum, [ref_ins[i] for i in case.grad])
+    for i, a, b in zip(case.grad, grads, ref_grads):
+        err = rel_err(a, b)
+        assert err <= tol, f"{case.name} grad of input {i}: relative error {err:.2e} > {tol:.0e}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_fused_op_matches_float64_reference(case, dtype, device):
+    run_case(case, dtype, device)
+
+
+# ---- finite differences (float64, CPU) ------------------------------------------------------
+
+
+def gradcheck_case(fn, inputs, **kw):
+    assert torch.autograd.gradcheck(fn, inputs, **kw)
+
+
+def test_finite_differences_rmsnorm_rope_swiglu():
+    g = torch.Generator().manual_seed(3)
+    x, w = randn(g, 3, 7).requires_grad_(), (1 + randn(g, 7)).requires_grad_()
+    gradcheck_case(lambda a, b: OPS.rmsnorm(a, b, 1e-6), (x, w))
+    ang = randn(g, 2, 3, 3)
+    q = randn(g, 2, 3, 2, 6).requires_grad_()
+    for inter in (False, True):
+        gradcheck_case(lambda a: OPS.rope(a, ang.cos(), ang.sin(), inter), (q,))
+    gu = randn(g, 4, 10, scale=4).requires_grad_()
+    gradcheck_case(lambda a: OPS.swiglu(a, "silu"), (gu,))
+    gradcheck_case(lambda a: OPS.swiglu(a, "gpt_oss"), (gu,))
+
+
+def test_finite_differences_permute_grouped_gemm_unpermute():
+    g = torch.Generator().manual_seed(4)
+    idx = routing(g, 5, 2, 4, "empty_and_dropped")
+    plan = OPS.moe_dispatch_plan(idx, 4)
+    x = randn(g, 5, 3).requires_grad_()
+    gradcheck_case(lambda a: OPS.permute(a, *plan), (x,))
+    xp = randn(g, 10, 3).requires_grad_()
+    w = randn(g, 4, 5, 3).requires_grad_()
+    gradcheck_case(lambda a, b: OPS.grouped_gemm(a, b, plan[0]), (xp, w))
+    y = randn(g, 10, 3).requires_grad_()
+    wt = randn(g, 5, 2).abs().requires_grad_()
+    gradcheck_case(lambda a, b: OPS.unpermute(a, *plan, b), (y, wt))
+
+
+def test_finite_differences_linear_cross_entropy():
+    g = torch.Generator().manual_seed(5)
+    x, w = randn(g, 6, 4).requires_grad_(), randn(g, 11, 4).requires_grad_()
+    labels = torch.tensor([3, -100, 0, 10, 7, -100])
+    gradcheck_case(lambda a, b: OPS.linear_cross_entropy(a, b, labels, -100, 4 * 11 * 2)[0], (x, w))
+
+
+def test_finite_differences_router():
+    # The router computes in float32 whatever the input (its contract), so the finite-difference
+    # check runs with float32-sized steps and tolerances.
+    g = torch.Generator().manual_seed(6)
+    logits = randn(g, 4, 8).requires_grad_()
+    for sf, ng, tg in [("softmax", 1, 1), ("sigmoid", 4, 2)]:
+        gradcheck_case(lambda l: OPS.router(l, 3, sf, None, ng, tg, True, 1.5)[0].double(),
+                       (logits,), eps=1e-3, atol=2e-3, rtol=1e-2)
+
+
+# ---- semantics the references do not pin down ------------------------------------------------
+
+
+def test_router_ties_go_to_the_lower_expert_index():
+    logits = torch.zeros(3, 8)
+    w, idx, _ = OPS.router(logits, 3)
+    assert idx.tolist() == [[0, 1, 2]] * 3
+    assert torch.allclose(w, torch.full((3, 3), 1 / 3))
+
+
+def test_group_limited_routing_picks_from_the_best_groups_only():
+    # 4 groups of 2; group scores (top-2 sums) rank groups 2 and 0 first.
+    logits = torch.tensor([[0.9, 0.8, 0.1, 0.0, 1.0, 0.95, 0.2, 0.1]]).logit()
+    _, idx, _ = OPS.router(logits, 3, "sigmoid", None, 4, 2)
+    assert sorted(idx[0].tolist()) == [0, 4, 5]
+
+
+def test_experts_backends_agree_with_an_empty_expert_and_dropped_slots():
+    g = torch.Generator().manual_seed(7)
+    T, K, E, H, I = 11, 2, 5, 16, 12
+    idx = routing(g, T, K, E, "empty_and_dropped")
+    idx[idx < 0] = 1  # eager / torch_mm route every slot; keep expert 0 empty
+    x = randn(g, T, H).float()
+    wts = randn(g, T, K).abs().float()
+    gu, down = randn(g, E, 2 * I, H, scale=0.3).float(), randn(g, E, H, I, scale=0.3).float()
+    eager = OPS.moe_experts(x, idx, wts, gu, down, "eager")
+    for backend in ("grouped", "torch_mm"):
+        got = OPS.moe_experts(x, idx, wts, gu, down, backend)
+        assert rel_err(got, eager.double()) <= 1e-5, backend
+
+
+def test_bad_inputs_name_the_op_and_tensor():
+    with pytest.raises(Exception, match=r"automoe.grouped_gemm: offsets must be non-decreasing"):
+        OPS.grouped_gemm(torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([0, 3, 2]))
+    with pytest.raises(Exception, match=r"automoe.rmsnorm: x is Float but weight is BFloat16"):
+        OPS.rmsnorm(torch.randn(2, 4), torch.ones(4, dtype=torch.bfloat16))
+    with pytest.raises(Exception, match=r"automoe.linear_cross_entropy: labels must be in \[0, 5\)"):
+        OPS.linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), torch.tensor([1, 5]))
+    with pytest.raises(Exception, match=r"automoe.router: n_group \(3\) must divide"):
+        OPS.router(torch.randn(2, 8), 2, "sigmoid", None, 3, 1)
+    with pytest.raises(Exception, match=r"automoe.swiglu: the last dimension of gate_up must be even"):
+        OPS.swiglu(torch.randn(2, 5))
