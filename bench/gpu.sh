@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One script for a machine with an NVIDIA GPU and a preinstalled torch + transformers (no venv,
-# no network): builds AutoMoE against that torch (CUDA on when nvcc matches), runs the tests, then
-# the side-by-side comparison for Qwen3-30B-A3B's layer geometry and a short `automoe train` run,
-# writing everything under ${OUT:-bench/results/gpu}. Budget: about 9 minutes in all.
+# no network): builds AutoMoE against that torch (CUDA on when nvcc matches), runs the tests (the
+# op-test harness on CUDA first), the op benchmark at Qwen3-30B-A3B's layer and cpu-small, then the
+# side-by-side comparison for Qwen3-30B-A3B's layer geometry and a short `automoe train` run,
+# writing everything under ${OUT:-bench/results/gpu}. Budget: about 10 minutes in all.
 #   bash bench/gpu.sh                 # preset qwen3-30b-a3b-L4
 #   PRESET=qwen3-30b-a3b-L2 bash bench/gpu.sh
 #   DEVICE=cpu PRESET=cpu-small SEQ=128 bash bench/gpu.sh     # dry run of the script without a GPU
@@ -44,7 +45,19 @@ else
   echo "no GoogleTest on this machine: C++ tests not built"
 fi
 
-step "op benchmark: matmul peak on $DEVICE"
+step "CUDA op tests (tests/python/test_ops.py: every op on cpu and cuda vs float64 references)"
+timeout 240 $PY -m pytest -q -p no:cacheprovider tests/python/test_ops.py > "$OUT/test_ops.log" 2>&1
+tail -15 "$OUT/test_ops.log"
+
+step "op benchmark: fused ops vs references, qwen3-30b-a3b layer and cpu-small, bf16 on $DEVICE"
+timeout 150 $PY bench/ops_bench.py --preset qwen3-30b-a3b --dtype bf16 --device "$DEVICE" \
+  --reps 5 --json "$OUT/ops-qwen3-30b-a3b.json" --markdown "$OUT/ops-qwen3-30b-a3b.md" | tail -25 \
+  || echo "ops_bench (qwen3-30b-a3b) failed or ran out of time"
+timeout 60 $PY bench/ops_bench.py --preset cpu-small --dtype bf16 --device "$DEVICE" \
+  --reps 5 --json "$OUT/ops-cpu-small.json" --markdown "$OUT/ops-cpu-small.md" | tail -20 \
+  || echo "ops_bench (cpu-small) failed or ran out of time"
+
+step "engine matmul peak on $DEVICE"
 "$PKG/automoe/bin/automoe" bench --peak --device "$DEVICE" --json "$OUT/peak.json" | tail -12
 
 step "side by side: $PRESET, bf16, batch $BATCH x seq $SEQ, fake balanced gate"

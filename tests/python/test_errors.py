@@ -103,8 +103,10 @@ def test_not_a_directory_and_unknown_arguments(tmp_path):
 
 def test_unimplemented_backend_value_names_the_available_ones(checkpoint_factory):
     path = checkpoint_factory("e5_top2_gqa2_untied")
-    with pytest.raises(AutoMoEError, match=r"experts=\"torch_mm\" is not implemented.*available: grouped, eager"):
-        AutoModelForCausalLM.from_pretrained(path, backend={"experts": "torch_mm"})
+    with pytest.raises(AutoMoEError, match=r"experts=\"deepep\" is not implemented.*available: grouped, torch_mm, eager"):
+        AutoModelForCausalLM.from_pretrained(path, backend={"experts": "deepep"})
+    with pytest.raises(AutoMoEError, match=r"loss=\"liger\" is not implemented.*available: torch, fused_linear_ce"):
+        AutoModelForCausalLM.from_pretrained(path, backend={"loss": "liger"})
     with pytest.raises(ValueError, match="unknown field"):
         AutoModelForCausalLM.from_pretrained(path, backend={"expert": "eager"})
 

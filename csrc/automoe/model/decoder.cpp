@@ -398,7 +398,8 @@ Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
     if (backend_.fake_balanced_gate) {
       routing = moe::route_round_robin(x_TH, p(L.router), spec_.moe);
     } else if (fixed_idx) {
-      routing = moe::route_softmax_given(x_TH, p(L.router), spec_.moe, *fixed_idx);
+      routing = moe::route_softmax_given(x_TH, p(L.router), spec_.moe, *fixed_idx,
+                                         /*fused=*/backend_.experts != ExpertsBackend::kEager);
     } else {
       routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe,
                                         /*fused=*/backend_.experts != ExpertsBackend::kEager);

@@ -23,7 +23,12 @@ Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH
 }
 
 Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                            const MoESpec& moe, const at::Tensor& idx_TK) {
+                            const MoESpec& moe, const at::Tensor& idx_TK, bool fused) {
+  if (fused) {
+    Routing r = route_topk_softmax(x_TH, w_router_EH, moe, /*fused=*/true);
+    r.idx_TK = idx_TK;
+    return r;
+  }
   at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
   const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
   at::Tensor top_TK = probs_TE.gather(1, idx_TK);

@@ -20,8 +20,10 @@ Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH
 
 // The same scores and combine weights for experts already chosen (idx_TK from an earlier call):
 // what a checkpointed layer's recompute uses, so that the backward never re-routes.
+// `fused` must be what the forward used: the fused router is deterministic, so re-running it on the
+// same inputs reproduces idx_TK and its weights bit for bit.
 Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                            const MoESpec& moe, const at::Tensor& idx_TK);
+                            const MoESpec& moe, const at::Tensor& idx_TK, bool fused = false);
 
 // Round-robin routing for benchmarks: idx[t, k] = (t*K + k) mod E, weights 1/K; the router logits
 // are still computed (and differentiable) so that the router's cost and gradient stay in the step.

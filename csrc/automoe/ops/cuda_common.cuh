@@ -37,12 +37,6 @@ __device__ __forceinline__ T from_f(float v) {
   }
 }
 
-// v rounded to T's precision and back (identity for float).
-template <class T>
-__device__ __forceinline__ float round_to(float v) {
-  return to_f(from_f<T>(v));
-}
-
 template <class T>
 __device__ __forceinline__ float load_f(const T* p) {
   return to_f(*p);

@@ -353,8 +353,11 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                 "); set checkpoint.resume=true to continue it, or choose another directory");
 
   // Model: weights as stored, then float32 masters and (for bf16) the compute copies.
+  // Training never needs the [B, S, V] logits: the fused LM head + loss is the default here.
+  auto backend_fields = rc.model.backend;
+  backend_fields.emplace("loss", "fused_linear_ce");
   PretrainedModel pm = load_pretrained(rc.model.path, std::nullopt,
-                                       BackendConfig::from_map(rc.model.backend, "model.backend"));
+                                       BackendConfig::from_map(backend_fields, "model.backend"));
   const ModelSpec& spec = pm.decoder->spec();
   const c10::ScalarType stored = pm.decoder->named_parameters().front().second.scalar_type();
   AdamW opt;

@@ -439,7 +439,7 @@ at::Tensor row_gemm(const at::Tensor& a, const at::Tensor& w_GOK, const at::Tens
   const int64_t N = a.size(0);
   check_offsets(offsets, G, kernel);
   const int64_t out_cols = MODE == Mode::Fwd ? O : K;
-  at::Tensor out = at::empty({N, out_cols}, a.options());
+  at::Tensor out = new_output({N, out_cols}, a.options());
   if (N == 0 || out_cols == 0) return out;
   at::Tensor tile_start = at::empty({G + 2}, offsets.options());
   tile_start_kernel<<<1, kScanThreads, 0, stream()>>>(ptr<int64_t>(offsets), G, N,
@@ -480,7 +480,7 @@ at::Tensor grouped_gemm_dw(const at::Tensor& dy_NO, const at::Tensor& x_NK,
   const int64_t N = x_NK.size(0);
   const int64_t K = x_NK.size(1);
   const int64_t O = dy_NO.size(1);
-  at::Tensor dw = at::empty({G, O, K}, x_NK.options().dtype(w_dtype));
+  at::Tensor dw = new_output({G, O, K}, x_NK.options().dtype(w_dtype));
   if (G == 0 || O == 0 || K == 0) return dw;
   TORCH_CHECK(G <= 65535, "automoe::ops::cuda::grouped_gemm_dw: ", G, " groups exceed the grid");
   const dim3 grid(grid_dim(ceil_div(O, BM) * ceil_div(K, BN)), static_cast<unsigned>(G));

@@ -107,7 +107,7 @@ __global__ void permute_fwd_kernel(const T* __restrict__ x, const int64_t* __res
 }
 
 // Grid: one block per token t. Block: threads stride over H in packs of V; each pack sums
-// w_k * rows[slot_pos[t, k]] over k in order (w_k = 1 without weights).
+// w_k * rows[slot_pos[t, k]] over k in order (w_k = 1 without weights), unfused as on the CPU.
 template <class T, class W, int V>
 __global__ void gather_sum_kernel(const T* __restrict__ rows, const int64_t* __restrict__ slot_pos,
                                   const W* __restrict__ weights, T* __restrict__ out, int64_t N,
@@ -125,7 +125,7 @@ __global__ void gather_sum_kernel(const T* __restrict__ rows, const int64_t* __r
       if (weights != nullptr) {
         const float w = load_f(weights + t * K + k);
 #pragma unroll
-        for (int j = 0; j < V; ++j) acc[j] = fmaf(w, v[j], acc[j]);
+        for (int j = 0; j < V; ++j) acc[j] = __fadd_rn(acc[j], __fmul_rn(w, v[j]));
       } else {
 #pragma unroll
         for (int j = 0; j < V; ++j) acc[j] += v[j];
@@ -201,9 +201,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_plan(const at::Tensor& i
   TORCH_CHECK(N < (int64_t{1} << 31), "automoe::ops::cuda::dispatch_plan: ", N,
               " slots exceed int32 counts");
   const auto opts = idx_TK.options();
-  at::Tensor offsets = at::empty({E + 1}, opts);
-  at::Tensor slot_pos = at::empty(idx_TK.sizes(), opts);
-  at::Tensor src_token = at::empty({N}, opts);
+  at::Tensor offsets = new_output({E + 1}, opts);
+  at::Tensor slot_pos = new_output(idx_TK.sizes(), opts);
+  at::Tensor src_token = new_output({N}, opts);
   const int64_t chunks = ceil_div(N, kChunk);
   at::Tensor counts = at::empty({chunks, E}, opts.dtype(at::kInt));
   at::Tensor totals = at::empty({E}, opts);
@@ -234,7 +234,7 @@ at::Tensor permute_fwd(const at::Tensor& x_TH, const at::Tensor& src_token_N) {
   const c10::cuda::CUDAGuard guard(x_TH.device());
   const int64_t N = src_token_N.size(0);
   const int64_t H = x_TH.size(1);
-  at::Tensor out = at::empty({N, H}, x_TH.options());
+  at::Tensor out = new_output({N, H}, x_TH.options());
   if (N == 0 || H == 0) return out;
   dispatch_float(x_TH.scalar_type(), "permute_fwd", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -252,7 +252,7 @@ at::Tensor permute_bwd(const at::Tensor& grad_NH, const at::Tensor& slot_pos_TK)
   const c10::cuda::CUDAGuard guard(grad_NH.device());
   const int64_t T_rows = slot_pos_TK.size(0);
   const int64_t H = grad_NH.size(1);
-  at::Tensor dx = at::empty({T_rows, H}, grad_NH.options());
+  at::Tensor dx = new_output({T_rows, H}, grad_NH.options());
   if (T_rows == 0 || H == 0) return dx;
   dispatch_float(grad_NH.scalar_type(), "permute_bwd", [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -266,7 +266,7 @@ at::Tensor unpermute_fwd(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
   const c10::cuda::CUDAGuard guard(y_NH.device());
   const int64_t T_rows = slot_pos_TK.size(0);
   const int64_t H = y_NH.size(1);
-  at::Tensor out = at::empty({T_rows, H}, y_NH.options());
+  at::Tensor out = new_output({T_rows, H}, y_NH.options());
   if (T_rows == 0 || H == 0) return out;
   dispatch_float(y_NH.scalar_type(), "unpermute_fwd", [&](auto yt) {
     dispatch_float(weights_TK.scalar_type(), "unpermute_fwd", [&](auto wt) {
@@ -291,7 +291,7 @@ std::pair<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_TH,
   const int64_t N = y_NH.size(0);
   const int64_t H = y_NH.size(1);
   at::Tensor dy = at::zeros({N, H}, y_NH.options());
-  at::Tensor dweights = at::empty({T_rows, K}, weights_TK.options());
+  at::Tensor dweights = new_output({T_rows, K}, weights_TK.options());
   if (T_rows == 0 || K == 0) return {dy, dweights};
   dispatch_float(y_NH.scalar_type(), "unpermute_bwd", [&](auto yt) {
     dispatch_float(weights_TK.scalar_type(), "unpermute_bwd", [&](auto wt) {

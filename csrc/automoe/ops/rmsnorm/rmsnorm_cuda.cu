@@ -1,6 +1,6 @@
 // RMSNorm kernels (CUDA): one block per row for y/dx, a two-pass fixed-order column reduction
-// for dw. Statistics in fp32; the normalised value is rounded to x's dtype before the weight
-// multiplies it (Transformers' order, see rmsnorm.h).
+// for dw. All math in fp32 with one rounding per output, in the CPU kernel's order:
+// y = (x * inv) * w; dx = inv * (g * w - xhat * mean(g * w * xhat)); dw = sum_r g * xhat.
 #include <ATen/ops/empty.h>
 
 #include <algorithm>
@@ -46,13 +46,12 @@ __global__ void rmsnorm_fwd_kernel(const T* __restrict__ x, const W* __restrict_
     float v[V];
     load_pack<T, V>(xr + c, v);
 #pragma unroll
-    for (int j = 0; j < V; ++j) v[j] = round_to<T>(v[j] * inv) * load_f(w + c + j);
+    for (int j = 0; j < V; ++j) v[j] = v[j] * inv * load_f(w + c + j);
     store_pack<T, V>(yr + c, v);
   }
 }
 
 // Grid: one block per row r. Block: threads stride over the row in packs of V elements.
-// dx = inv * g * w - x * inv^3 * mean(g * w * x).
 template <class T, class W, int V>
 __global__ void rmsnorm_dx_kernel(const T* __restrict__ g, const T* __restrict__ x,
                                   const W* __restrict__ w, const float* __restrict__ inv_rms,
@@ -61,29 +60,28 @@ __global__ void rmsnorm_dx_kernel(const T* __restrict__ g, const T* __restrict__
   const int64_t row = blockIdx.x;
   const T* gr = g + row * C;
   const T* xr = x + row * C;
+  const float inv = inv_rms[row];
   float dot = 0.f;
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < C; c += blockDim.x * V) {
     float gv[V], xv[V];
     load_pack<T, V>(gr + c, gv);
     load_pack<T, V>(xr + c, xv);
 #pragma unroll
-    for (int j = 0; j < V; ++j) dot = fmaf(gv[j] * load_f(w + c + j), xv[j], dot);
+    for (int j = 0; j < V; ++j) dot = fmaf(gv[j] * load_f(w + c + j), xv[j] * inv, dot);
   }
-  dot = block_sum(dot, scratch);
-  const float inv = inv_rms[row];
-  const float coef = inv * inv * inv * (dot / static_cast<float>(C));
+  const float mean = block_sum(dot, scratch) / static_cast<float>(C);
   for (int64_t c = static_cast<int64_t>(threadIdx.x) * V; c < C; c += blockDim.x * V) {
     float gv[V], xv[V];
     load_pack<T, V>(gr + c, gv);
     load_pack<T, V>(xr + c, xv);
 #pragma unroll
-    for (int j = 0; j < V; ++j) gv[j] = inv * gv[j] * load_f(w + c + j) - xv[j] * coef;
+    for (int j = 0; j < V; ++j) gv[j] = inv * (gv[j] * load_f(w + c + j) - xv[j] * inv * mean);
     store_pack<T, V>(dx + row * C + c, gv);
   }
 }
 
 // Grid: (column blocks of kColThreads, row chunks). Thread: one column c, summing
-// g * round(x * inv) over the chunk's rows in order into partial[chunk, c].
+// g * x * inv over the chunk's rows in order into partial[chunk, c].
 template <class T>
 __global__ void rmsnorm_dw_partial_kernel(const T* __restrict__ g, const T* __restrict__ x,
                                           const float* __restrict__ inv_rms,
@@ -95,7 +93,7 @@ __global__ void rmsnorm_dw_partial_kernel(const T* __restrict__ g, const T* __re
   const int64_t r1 = std::min(R, r0 + chunk_rows);
   float acc = 0.f;
   for (int64_t r = r0; r < r1; ++r)
-    acc = fmaf(load_f(g + r * C + c), round_to<T>(load_f(x + r * C + c) * inv_rms[r]), acc);
+    acc = fmaf(load_f(g + r * C + c), load_f(x + r * C + c) * inv_rms[r], acc);
   partial[blockIdx.y * C + c] = acc;
 }
 
@@ -125,8 +123,8 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& x_RC, const at::
   const c10::cuda::CUDAGuard guard(x_RC.device());
   const int64_t C = x_RC.size(-1);
   const int64_t R = rows(x_RC);
-  at::Tensor y = at::empty(x_RC.sizes(), x_RC.options());
-  at::Tensor inv_rms = at::empty({R}, x_RC.options().dtype(at::kFloat));
+  at::Tensor y = new_output(x_RC.sizes(), x_RC.options());
+  at::Tensor inv_rms = new_output({R}, x_RC.options().dtype(at::kFloat));
   if (R == 0) return {y, inv_rms};
   dispatch_xw(x_RC, w_C, "rmsnorm_fwd", [&](auto xt, auto wt) {
     using T = typename decltype(xt)::type;
@@ -153,8 +151,8 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& grad_RC, const a
               "automoe::ops::cuda::rmsnorm_bwd: inv_rms must be float32");
   const int64_t C = x_RC.size(-1);
   const int64_t R = rows(x_RC);
-  at::Tensor dx = at::empty(x_RC.sizes(), x_RC.options());
-  at::Tensor dw = at::empty(w_C.sizes(), w_C.options());
+  at::Tensor dx = new_output(x_RC.sizes(), x_RC.options());
+  at::Tensor dw = new_output(w_C.sizes(), w_C.options());
   if (C == 0) return {dx, dw};
   const int64_t chunks = std::min(kMaxRowChunks, ceil_div(R, kMinChunkRows));
   const int64_t chunk_rows = chunks > 0 ? ceil_div(R, chunks) : 0;

@@ -29,8 +29,9 @@ __global__ void rope_kernel(const T* __restrict__ x, const A* __restrict__ cos_t
   const int64_t ib = ia + (INTERLEAVED ? 1 : half);
   const float a = load_f(x + ia);
   const float b = load_f(x + ib);
-  store_f(y + ia, a * c - b * s);
-  store_f(y + ib, b * c + a * s);
+  // Unfused products, as the CPU kernel: float32 results match it bit for bit.
+  store_f(y + ia, __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+  store_f(y + ib, __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
 }
 
 }  // namespace
@@ -42,7 +43,7 @@ at::Tensor rope_apply(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
               "automoe::ops::cuda::rope_apply: cos and sin dtypes differ");
   TORCH_CHECK(x_BSND.size(3) % 2 == 0, "automoe::ops::cuda::rope_apply: odd head dim ",
               x_BSND.size(3));
-  at::Tensor y = at::empty(x_BSND.sizes(), x_BSND.options());
+  at::Tensor y = new_output(x_BSND.sizes(), x_BSND.options());
   const int64_t half = x_BSND.size(3) / 2;
   const int64_t pairs = x_BSND.numel() / 2;
   if (pairs == 0) return y;

@@ -1,6 +1,7 @@
 // Router kernels (CUDA): one warp per token. Lane l owns experts e = l + 32j (j < 32, so E is at
 // most 1024), kept in shared memory; the top-k is K rounds of a warp argmax with ties to the
-// lower expert index, so idx matches the CPU kernel exactly for equal scores.
+// lower expert index, as the CPU kernel's partial sort. Sums over the K slots run in slot order
+// (as on the CPU), without FMA contraction.
 #include <ATen/ops/empty.h>
 
 #include <limits>
@@ -63,8 +64,8 @@ __device__ void token_scores(const float* lrow, float* s, float* scores_row, con
       s[e] = expf(lrow[e] - m);
       sum += s[e];
     }
-    sum = warp_sum(sum);
-    for (int e = lane; e < a.E; e += 32) s[e] /= sum;
+    const float inv = 1.f / warp_sum(sum);
+    for (int e = lane; e < a.E; e += 32) s[e] *= inv;
   }
   for (int e = lane; e < a.E; e += 32) scores_row[e] = s[e];
 }
@@ -77,9 +78,10 @@ __device__ bool group_kept(const float* grank, int g, const RouterArgs& a) {
   return ahead < a.topk_group;
 }
 
-// Bit j of the result: expert lane + 32j may be chosen (its group is kept). Reads sel[] of
-// all lanes: the caller syncs the warp after writing it.
-__device__ uint32_t allowed_experts(const float* sel, float* grank, const RouterArgs& a) {
+// Ranks the groups by the sum of their two best selection scores and sets sel[] of the experts
+// of all but the topk_group best groups to -inf (they stay candidates, ranked last, as on the
+// CPU). Reads sel[] of all lanes: the caller syncs the warp after writing it.
+__device__ void mask_dropped_groups(float* sel, float* grank, const RouterArgs& a) {
   const int lane = threadIdx.x & 31;
   const int gs = a.E / a.n_group;
   for (int g = lane; g < a.n_group; g += 32) {
@@ -96,24 +98,28 @@ __device__ uint32_t allowed_experts(const float* sel, float* grank, const Router
     }
     grank[g] = gs >= 2 ? b1 + b2 : b1;
   }
-  __syncwarp();
-  uint32_t allowed = 0;
+  __syncwarp();  // all ranks written (and all sel[] reads done) before any lane masks
   int last = -1;
-  bool keep = false;
-  for (int j = 0; lane + 32 * j < a.E; ++j) {
-    const int grp = (lane + 32 * j) / gs;
-    if (grp != last) {
-      last = grp;
-      keep = group_kept(grank, grp, a);
+  bool keep = true;
+  for (int e = lane; e < a.E; e += 32) {
+    if (e / gs != last) {
+      last = e / gs;
+      keep = group_kept(grank, last, a);
     }
-    if (keep) allowed |= 1u << j;
+    if (!keep) sel[e] = -std::numeric_limits<float>::infinity();
   }
-  return allowed;
+}
+
+// Sum over k < K, in order, of lane k's v (every lane gets the same value).
+__device__ __forceinline__ float slot_sum(float v, int K) {
+  float total = 0.f;
+  for (int k = 0; k < K; ++k) total = __fadd_rn(total, __shfl_sync(kFullMask, v, k));
+  return total;
 }
 
 // Grid: ceil(T / kWarps) blocks of kWarps warps; warp w of block b routes token b*kWarps + w.
 // Dynamic smem per warp: s[E], sel[E], grank[n_group] floats. Lane k < K ends up holding the
-// k-th choice and writes weights[t, k], idx[t, k].
+// k-th choice and writes weights[t, k], idx[t, k]; the winner's owner lane marks it taken.
 __global__ void router_fwd_kernel(const float* __restrict__ logits, const float* __restrict__ bias,
                                   float* __restrict__ weights, int64_t* __restrict__ idx,
                                   float* __restrict__ scores, RouterArgs a) {
@@ -128,9 +134,7 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
   token_scores(logits + t * a.E, s, scores + t * a.E, a);
   for (int e = lane; e < a.E; e += 32) sel[e] = s[e] + (bias != nullptr ? bias[e] : 0.f);
   __syncwarp();
-  uint32_t allowed = 0;
-  for (int j = 0; lane + 32 * j < a.E; ++j) allowed |= 1u << j;
-  if (a.grouped) allowed = allowed_experts(sel, grank, a);
+  if (a.grouped) mask_dropped_groups(sel, grank, a);  // each lane then reads only its own sel[]
 
   uint32_t taken = 0;
   float my_w = 0.f;
@@ -140,24 +144,23 @@ __global__ void router_fwd_kernel(const float* __restrict__ logits, const float*
     int be = kNone;
     for (int j = 0; lane + 32 * j < a.E; ++j) {
       const int e = lane + 32 * j;
-      if (((allowed & ~taken) >> j & 1u) && better(sel[e], e, bv, be)) {
+      if (!(taken >> j & 1u) && better(sel[e], e, bv, be)) {
         bv = sel[e];
         be = e;
       }
     }
     warp_argmax(bv, be);
-    if (be == kNone) break;  // fewer candidates than K (uniform over the warp)
+    if (be == kNone) break;  // K > E (uniform over the warp)
     if ((be & 31) == lane) taken |= 1u << (be >> 5);
     if (lane == k) {
       my_idx = be;
       my_w = s[be];
     }
   }
-  const float sum = warp_sum(my_w);
+  const float denom = a.norm ? slot_sum(my_w, a.K) + (a.sigmoid ? 1e-20f : 0.f) : 1.f;
+  const float scale = a.scaling / denom;
   if (lane < a.K) {
-    float w = my_w;
-    if (a.norm) w /= sum + (a.sigmoid ? 1e-20f : 0.f);
-    weights[t * a.K + lane] = w * a.scaling;
+    weights[t * a.K + lane] = my_w * scale;
     idx[t * a.K + lane] = my_idx;
   }
 }
@@ -191,8 +194,8 @@ __global__ void router_bwd_kernel(const float* __restrict__ dweights,
     }
   }
   // w_k = c * s_k / D with D = sum of selected s (+1e-20 for sigmoid), as in the forward.
-  const float d = warp_sum(s_k) + (a.sigmoid ? 1e-20f : 0.f);
-  const float dot = warp_sum(dw_k * s_k);
+  const float d = slot_sum(s_k, a.K) + (a.sigmoid ? 1e-20f : 0.f);
+  const float dot = slot_sum(__fmul_rn(dw_k, s_k), a.K);
   const float ds_k = a.norm ? a.scaling * (dw_k / d - dot / (d * d)) : a.scaling * dw_k;
   for (int k = 0; k < a.K; ++k) {
     const int e = __shfl_sync(kFullMask, e_k, k);
@@ -249,9 +252,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
   if (has_bias) check_fp32(*bias_E, "bias", "router_fwd");
   const int64_t T = logits_TE.size(0);
   const RouterArgs a = router_args(T, logits_TE.size(1), p, "router_fwd");
-  at::Tensor weights = at::empty({T, a.K}, logits_TE.options());
-  at::Tensor idx = at::empty({T, a.K}, logits_TE.options().dtype(at::kLong));
-  at::Tensor scores = at::empty({T, a.E}, logits_TE.options());
+  at::Tensor weights = new_output({T, a.K}, logits_TE.options());
+  at::Tensor idx = new_output({T, a.K}, logits_TE.options().dtype(at::kLong));
+  at::Tensor scores = new_output({T, a.E}, logits_TE.options());
   if (T == 0) return {weights, idx, scores};
   const size_t smem = sizeof(float) * kWarps * (2 * a.E + a.n_group);
   router_fwd_kernel<<<grid_dim(ceil_div(T, kWarps)), kThreads, smem, stream()>>>(
@@ -275,7 +278,7 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
   TORCH_CHECK(idx_TK.size(1) == a.K && grad_weights_TK.size(1) == a.K,
               "automoe::ops::cuda::router_bwd: idx/grad_weights have ", idx_TK.size(1),
               " slots per token, top_k is ", a.K);
-  at::Tensor dlogits = at::empty({T, a.E}, scores_TE.options());
+  at::Tensor dlogits = new_output({T, a.E}, scores_TE.options());
   if (T == 0) return dlogits;
   const size_t smem = sizeof(float) * kWarps * a.E;
   router_bwd_kernel<<<grid_dim(ceil_div(T, kWarps)), kThreads, smem, stream()>>>(

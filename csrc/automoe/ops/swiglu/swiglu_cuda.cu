@@ -1,4 +1,5 @@
-// SwiGLU kernels (CUDA): one thread per output element (r, i), math in fp32.
+// SwiGLU kernels (CUDA): one thread per output element (r, i), math in fp32 in the CPU
+// kernel's order of operations.
 #include <ATen/ops/empty.h>
 
 #include <vector>
@@ -50,9 +51,9 @@ __global__ void swiglu_fwd_kernel(const T* __restrict__ gu, T* __restrict__ out,
   if (p.gpt_oss) {
     const float gc = clamp_max(g, p.limit);
     const float uc = clamp_both(u, -p.limit, p.limit);
-    v = (uc + 1.f) * (gc * sigmoid_f(p.alpha * gc));
+    v = (uc + 1.f) * gc * sigmoid_f(p.alpha * gc);
   } else {
-    v = g / (1.f + expf(-g)) * u;
+    v = g * sigmoid_f(g) * u;
   }
   store_f(out + e, v);
 }
@@ -75,11 +76,11 @@ __global__ void swiglu_bwd_kernel(const T* __restrict__ grad, const T* __restric
     const float uc = clamp_both(u, -p.limit, p.limit);
     const float s = sigmoid_f(p.alpha * gc);
     const float glu = gc * s;
-    dg = g <= p.limit ? d * (uc + 1.f) * (s + gc * p.alpha * s * (1.f - s)) : 0.f;
+    dg = g <= p.limit ? d * (uc + 1.f) * (s + p.alpha * gc * s * (1.f - s)) : 0.f;
     du = (u >= -p.limit && u <= p.limit) ? d * glu : 0.f;
   } else {
     const float s = sigmoid_f(g);
-    dg = d * u * (s * (1.f + g * (1.f - s)));
+    dg = d * u * s * (1.f + g * (1.f - s));
     du = d * g * s;
   }
   store_f(dgu + ig, dg);
@@ -97,7 +98,7 @@ at::Tensor swiglu_fwd(const at::Tensor& gate_up, bool gpt_oss, double alpha, dou
   const int64_t I = gate_up.size(-1) / 2;
   std::vector<int64_t> shape = gate_up.sizes().vec();
   shape.back() = I;
-  at::Tensor out = at::empty(shape, gate_up.options());
+  at::Tensor out = new_output(shape, gate_up.options());
   const int64_t total = out.numel();
   if (total == 0) return out;
   dispatch_float(gate_up.scalar_type(), "swiglu_fwd", [&](auto tag) {
@@ -116,7 +117,7 @@ at::Tensor swiglu_bwd(const at::Tensor& grad_RI, const at::Tensor& gate_up, bool
               "automoe::ops::cuda::swiglu_bwd: grad dtype ", grad_RI.scalar_type(),
               " differs from gate_up dtype ", gate_up.scalar_type());
   const int64_t I = gate_up.size(-1) / 2;
-  at::Tensor dgu = at::empty(gate_up.sizes(), gate_up.options());
+  at::Tensor dgu = new_output(gate_up.sizes(), gate_up.options());
   const int64_t total = grad_RI.numel();
   if (total == 0) return dgu;
   dispatch_float(gate_up.scalar_type(), "swiglu_bwd", [&](auto tag) {

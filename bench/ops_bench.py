@@ -1,0 +1,300 @@
+"""Op benchmark: every fused op against its reference composition, measured in the same run.
+
+For each op (forward + backward) it reports the fused and the reference time (best of --reps),
+their ratio, and what the fused op achieves against the machine measured in the same run:
+GEMM-bound ops in GFLOP/s against the dense matmul peak of the same dtype (at::mm on a square
+problem); memory-bound ops in GB/s against the copy bandwidth (a large tensor copy). The MoE
+experts block (router excluded: permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> unpermute)
+is compared with the `eager` loop and ATen `_grouped_mm` (`torch_mm`); its GFLOP/s counts only
+its GEMM FLOPs (3 GEMMs x 2 passes' worth: forward, dX and dW). The fused linear cross-entropy is
+also measured for peak memory against the full-logits path, each in a forked child whose peak RSS
+growth is read from the kernel (CPU) or from the CUDA caching allocator's peak (GPU).
+
+  python bench/ops_bench.py --preset cpu-small --dtype bf16 --json out.json --markdown out.md
+  python bench/ops_bench.py --preset qwen3-30b-a3b --tokens 1024 --ce-tokens 256 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+import automoe  # noqa: E402,F401  (registers torch.ops.automoe)
+
+OPS = torch.ops.automoe
+
+# T tokens, H hidden, E experts, K top-k, I expert intermediate, V vocabulary, N/KV heads, D head dim
+PRESETS = {
+    "qwen3-30b-a3b": dict(T=4096, H=2048, E=128, K=8, I=768, V=151936, N=32, KV=4, D=128),
+    # the benchmark issue's cpu-small geometry (bench/presets in the engine)
+    "cpu-small": dict(T=512, H=256, E=16, K=4, I=128, V=8192, N=8, KV=2, D=32),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def sync(device):
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def best_time(fn, device, reps):
+    fn()  # warm-up (allocator, thread pool, lazy init)
+    sync(device)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def fwd_bwd(fn, inputs):
+    """A closure running fn(*inputs) and a backward of every float output with ones."""
+
+    def run():
+        for t in inputs:
+            if isinstance(t, torch.Tensor) and t.grad is not None:
+                t.grad = None
+        out = fn(*inputs)
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        tensors = [o for o in outs if o.requires_grad]
+        torch.autograd.backward(tensors, [torch.ones_like(o) for o in tensors])
+
+    return run
+
+
+def leaf(t, grad=True):
+    return t.detach().requires_grad_(grad)
+
+
+def measure_peaks(device, dtype, reps):
+    n = 2048 if device.startswith("cuda") else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = best_time(lambda: torch.mm(a, b), device, reps)
+    gemm = 2 * n**3 / t / 1e9
+    big = torch.empty(64 << 20 if device.startswith("cuda") else 32 << 20, dtype=torch.uint8,
+                      device=device)
+    dst = torch.empty_like(big)
+    t = best_time(lambda: dst.copy_(big), device, reps)
+    copy = 2 * big.numel() / t / 1e9  # read + write
+    return {"matmul_gflops": gemm, "matmul_n": n, "copy_gbs": copy}
+
+
+def routing(T, K, E, device):
+    """Balanced-ish random routing (each token K distinct experts), fixed seed."""
+    g = torch.Generator().manual_seed(0)
+    idx = torch.rand(T, E, generator=g).argsort(-1)[:, :K]
+    w = torch.rand(T, K, generator=g)
+    return idx.to(device), (w / w.sum(-1, keepdim=True)).to(device)
+
+
+def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
+    T, H, E, K, I, N, KV, D = (p[k] for k in ("T", "H", "E", "K", "I", "N", "KV", "D"))
+    es = torch.tensor([], dtype=dtype).element_size()
+    mk = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
+    rows = []
+
+    def add(name, fused, ref, *, flops=None, bytes_=None, extra=None):
+        tf = best_time(fused, device, reps)
+        tr = best_time(ref, device, reps) if ref is not None else None
+        row = {"op": name, "fused_ms": tf * 1e3, "reference_ms": tr * 1e3 if tr else None,
+               "speedup": tr / tf if tr else None}
+        if flops:
+            row["gflops"] = flops / tf / 1e9
+            row["of_matmul_peak"] = row["gflops"] / peaks["matmul_gflops"]
+        if bytes_:
+            row["gbs"] = bytes_ / tf / 1e9
+            row["of_copy_bw"] = row["gbs"] / peaks["copy_gbs"]
+        row.update(extra or {})
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        return row
+
+    x = leaf(mk(T, H))
+    w = leaf(1 + mk(H, scale=0.1))
+    # fwd reads x, w; writes y; bwd reads dy, x, w; writes dx (+dw): ~5 passes over [T, H]
+    add("rmsnorm", fwd_bwd(lambda a, b: OPS.rmsnorm(a, b, 1e-6), [x, w]),
+        fwd_bwd(lambda a, b: OPS.rmsnorm_reference(a, b, 1e-6), [x, w]), bytes_=5 * T * H * es)
+
+    q = leaf(mk(1, T, N, D))
+    ang = torch.randn(1, T, D // 2).to(device)
+    c, s = ang.cos(), ang.sin()
+    add("rope (q)", fwd_bwd(lambda a: OPS.rope(a, c, s, False), [q]),
+        fwd_bwd(lambda a: OPS.rope_reference(a, c, s, False), [q]), bytes_=4 * T * N * D * es)
+
+    gu = leaf(mk(T * K, 2 * I, scale=2))
+    # fwd reads 2I writes I; bwd reads I + 2I writes 2I: 8I per row
+    add("swiglu", fwd_bwd(lambda a: OPS.swiglu(a), [gu]),
+        fwd_bwd(lambda a: OPS.swiglu_reference(a), [gu]), bytes_=8 * T * K * I * es)
+
+    logits = leaf(torch.randn(T, E, device=device) * 2)
+    add("router (softmax top-k)", fwd_bwd(lambda a: OPS.router(a, K)[0], [logits]),
+        fwd_bwd(lambda a: OPS.router_reference(a, K)[0], [logits]), bytes_=4 * T * E * 4)
+
+    idx, wts = routing(T, K, E, device)
+    plan = OPS.moe_dispatch_plan(idx, E)
+    add("dispatch plan", lambda: OPS.moe_dispatch_plan(idx, E), None, bytes_=3 * T * K * 8)
+    add("permute", fwd_bwd(lambda a: OPS.permute(a, *plan), [x]),
+        fwd_bwd(lambda a: OPS.permute_reference(a, *plan), [x]), bytes_=4 * T * K * H * es)
+    y = leaf(mk(T * K, H))
+    wl = leaf(wts.to(dtype))
+    add("unpermute", fwd_bwd(lambda a, b: OPS.unpermute(a, *plan, b), [y, wl]),
+        fwd_bwd(lambda a, b: OPS.unpermute_reference(a, *plan, b), [y, wl]),
+        bytes_=4 * T * K * H * es)
+
+    xp = leaf(mk(T * K, H))
+    w_gu = leaf(mk(E, 2 * I, H, scale=0.02))
+    gg_flops = 3 * 2 * T * K * H * 2 * I
+    add("grouped_gemm (gate_up)", fwd_bwd(lambda a, b: OPS.grouped_gemm(a, b, plan[0]), [xp, w_gu]),
+        fwd_bwd(lambda a, b: OPS.grouped_gemm_reference(a, b, plan[0]), [xp, w_gu]),
+        flops=gg_flops)
+
+    w_down = leaf(mk(E, H, I, scale=0.02))
+    layer_flops = 3 * 2 * T * K * H * 3 * I
+    experts = lambda b: fwd_bwd(  # noqa: E731
+        lambda a, g_, d_, w_: OPS.moe_experts(a, idx, w_, g_, d_, b), [x, w_gu, w_down, wl])
+    t_fused = None
+    for backend in ["grouped"] + (["eager", "torch_mm"] if include_layer_refs else []):
+        try:
+            t = best_time(experts(backend), device, reps)
+        except Exception as e:  # noqa: BLE001  (torch_mm may be missing for a device/dtype)
+            print(f"  experts={backend}: not measured ({str(e).splitlines()[0]})", flush=True)
+            continue
+        row = {"op": f"MoE experts fwd+bwd ({backend})", "fused_ms": t * 1e3,
+               "gflops": layer_flops / t / 1e9}
+        row["of_matmul_peak"] = row["gflops"] / peaks["matmul_gflops"]
+        if backend == "grouped":
+            t_fused = t
+        else:
+            row["grouped_speedup"] = t / t_fused
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def ce_child(kind, T, H, V, dtype, device, reps, conn_w):
+    """In a forked child: time and peak memory growth of one cross-entropy path."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(T, H, generator=g) * 0.5).to(device=device, dtype=dtype).requires_grad_()
+    w = (torch.randn(V, H, generator=g) * 0.02).to(device=device, dtype=dtype).requires_grad_()
+    labels = torch.randint(0, V, (T,), generator=g).to(device)
+    if kind == "fused":
+        fn = lambda: OPS.linear_cross_entropy(x, w, labels)[0]  # noqa: E731
+    else:  # full logits, upcast, cross-entropy: what Transformers' loss does
+        fn = lambda: torch.nn.functional.cross_entropy(  # noqa: E731
+            (x @ w.t()).float(), labels, reduction="sum")
+
+    def step():
+        x.grad = w.grad = None
+        fn().backward()
+
+    sync(device)
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        base = rss_now()
+    t = best_time(step, device, reps)
+    if device.startswith("cuda"):
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    os.write(conn_w, json.dumps({"ms": t * 1e3, "peak_bytes": peak}).encode())
+
+
+def rss_now():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def ce_rows(p, T, dtype, device, reps):
+    H, V = p["H"], p["V"]
+    res = {}
+    for kind in ("fused", "full_logits"):
+        r, w_ = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ce_child(kind, T, H, V, dtype, device, reps, w_)
+            finally:
+                os._exit(0)
+        os.close(w_)
+        data = os.read(r, 4096)
+        os.waitpid(pid, 0)
+        res[kind] = json.loads(data) if data else None
+    row = {"op": f"linear cross-entropy fwd+bwd (T={T}, V={V})",
+           "fused_ms": res["fused"]["ms"], "reference_ms": res["full_logits"]["ms"],
+           "speedup": res["full_logits"]["ms"] / res["fused"]["ms"],
+           "fused_peak_mib": res["fused"]["peak_bytes"] / 2**20,
+           "full_logits_peak_mib": res["full_logits"]["peak_bytes"] / 2**20}
+    row["peak_ratio"] = row["fused_peak_mib"] / row["full_logits_peak_mib"]
+    print(json.dumps(row), flush=True)
+    return [row]
+
+
+def markdown(result):
+    r = result
+    pk = r["peaks"]
+    lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
+             f"Measured in the same run: {r['dtype']} matmul peak {pk['matmul_gflops']:.1f} GFLOP/s "
+             f"(at::mm, n = {pk['matmul_n']}), copy bandwidth {pk['copy_gbs']:.1f} GB/s.", "",
+             "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
+             "|---|---:|---:|---:|---|"]
+    for row in r["rows"]:
+        ach = ""
+        if "gflops" in row:
+            ach = f"{row['gflops']:.1f} GFLOP/s = {100 * row['of_matmul_peak']:.0f}% of matmul peak"
+        elif "gbs" in row:
+            ach = f"{row['gbs']:.1f} GB/s = {100 * row['of_copy_bw']:.0f}% of copy bw"
+        if "peak_ratio" in row:
+            ach = (f"peak mem {row['fused_peak_mib']:.0f} MiB vs {row['full_logits_peak_mib']:.0f} MiB"
+                   f" = {row['peak_ratio']:.2f}x")
+        ref = f"{row['reference_ms']:.2f}" if row.get("reference_ms") else "-"
+        sp = f"{row['speedup']:.2f}x" if row.get("speedup") else (
+            f"grouped is {row['grouped_speedup']:.2f}x faster" if "grouped_speedup" in row else "-")
+        lines.append(f"| {row['op']} | {row['fused_ms']:.2f} | {ref} | {sp} | {ach} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-small")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--tokens", type=int, help="override T (the large preset on a CPU)")
+    ap.add_argument("--ce-tokens", type=int, help="T for the cross-entropy rows (default: T)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-layer-refs", action="store_true", help="skip the eager / torch_mm layers")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    a = ap.parse_args(argv)
+    p = dict(PRESETS[a.preset])
+    if a.tokens:
+        p["T"] = a.tokens
+    dtype = DTYPES[a.dtype]
+    torch.manual_seed(0)
+    peaks = measure_peaks(a.device, dtype, a.reps)
+    print(json.dumps({"peaks": peaks}), flush=True)
+    rows = op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs)
+    rows += ce_rows(p, a.ce_tokens or p["T"], dtype, a.device, max(1, a.reps - 1))
+    result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,
+              "threads": torch.get_num_threads(), "peaks": peaks, "rows": rows}
+    if a.json:
+        a.json.write_text(json.dumps(result, indent=1))
+    if a.markdown:
+        a.markdown.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
