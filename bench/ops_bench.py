@@ -7,7 +7,7 @@ problem); memory-bound ops in GB/s against the copy bandwidth (a large tensor co
 experts block (router excluded: permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> unpermute)
 is compared with the `eager` loop and ATen `_grouped_mm` (`torch_mm`); its GFLOP/s counts only
 its GEMM FLOPs (3 GEMMs x 2 passes' worth: forward, dX and dW). The fused linear cross-entropy is
-also measured for peak memory against the full-logits path, each in a forked child whose peak RSS
+also measured for peak memory against the full-logits path, each in a child process whose peak RSS
 growth is read from the kernel (CPU) or from the CUDA caching allocator's peak (GPU).
 
   python bench/ops_bench.py --preset cpu-small --dtype bf16 --json out.json --markdown out.md
@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import resource
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -182,8 +183,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
     return rows
 
 
-def ce_child(kind, T, H, V, dtype, device, reps, conn_w):
-    """In a forked child: time and peak memory growth of one cross-entropy path."""
+def ce_child(kind, T, H, V, dtype, device, reps):
+    """In a fresh child process: time and peak memory growth of one cross-entropy path."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(T, H, generator=g) * 0.5).to(device=device, dtype=dtype).requires_grad_()
     w = (torch.randn(V, H, generator=g) * 0.02).to(device=device, dtype=dtype).requires_grad_()
@@ -209,7 +210,7 @@ def ce_child(kind, T, H, V, dtype, device, reps, conn_w):
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    os.write(conn_w, json.dumps({"ms": t * 1e3, "peak_bytes": peak}).encode())
+    print(json.dumps({"ms": t * 1e3, "peak_bytes": peak}))
 
 
 def rss_now():
@@ -221,17 +222,12 @@ def ce_rows(p, T, dtype, device, reps):
     H, V = p["H"], p["V"]
     res = {}
     for kind in ("fused", "full_logits"):
-        r, w_ = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                ce_child(kind, T, H, V, dtype, device, reps, w_)
-            finally:
-                os._exit(0)
-        os.close(w_)
-        data = os.read(r, 4096)
-        os.waitpid(pid, 0)
-        res[kind] = json.loads(data) if data else None
+        # A new interpreter, not fork(): OpenMP's thread pool does not survive a fork.
+        cmd = [sys.executable, __file__, "--ce-child", kind, "--ce-shape", f"{T},{H},{V}",
+               "--dtype", {v: k for k, v in DTYPES.items()}[dtype], "--device", device,
+               "--reps", str(reps)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        res[kind] = json.loads(out.strip().splitlines()[-1])
     row = {"op": f"linear cross-entropy fwd+bwd (T={T}, V={V})",
            "fused_ms": res["fused"]["ms"], "reference_ms": res["full_logits"]["ms"],
            "speedup": res["full_logits"]["ms"] / res["fused"]["ms"],
@@ -275,9 +271,15 @@ def main(argv=None):
     ap.add_argument("--ce-tokens", type=int, help="T for the cross-entropy rows (default: T)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-layer-refs", action="store_true", help="skip the eager / torch_mm layers")
+    ap.add_argument("--ce-child", choices=["fused", "full_logits"], help=argparse.SUPPRESS)
+    ap.add_argument("--ce-shape", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
+    if a.ce_child:
+        T, H, V = (int(v) for v in a.ce_shape.split(","))
+        ce_child(a.ce_child, T, H, V, DTYPES[a.dtype], a.device, a.reps)
+        return
     p = dict(PRESETS[a.preset])
     if a.tokens:
         p["T"] = a.tokens

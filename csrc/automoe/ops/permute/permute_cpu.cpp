@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
 namespace automoe::ops::cpu {
@@ -63,6 +64,26 @@ at::Tensor permute_bwd(const at::Tensor& grad_NH, const at::Tensor& slot_pos_TK)
   const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = grad_NH.size(1);
   at::Tensor out = new_output({T, H}, grad_NH.options());
   const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  const auto dtype = grad_NH.scalar_type();
+  if (dtype != at::kDouble) {  // vectorised rows (float32 / bfloat16)
+    const char* g = static_cast<const char*>(grad_NH.const_data_ptr());
+    char* o = static_cast<char*>(out.data_ptr());
+    const int64_t es = grad_NH.element_size();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> acc(H), row(H);
+      for (int64_t t = begin; t < end; ++t) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t k = 0; k < K; ++k) {
+          const int64_t r = pos[t * K + k];
+          if (r < 0) continue;
+          vec::load(g + r * H * es, dtype, row.data(), H);
+          vec::axpy(acc.data(), 1.f, row.data(), H);
+        }
+        vec::store(acc.data(), o + t * H * es, dtype, H);
+      }
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, grad_NH.scalar_type(), "permute_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* g = grad_NH.const_data_ptr<scalar_t>();
@@ -158,11 +179,85 @@ void unpermute_rows_bwd(const at::Tensor& grad_TH, const at::Tensor& y_NH,
   });
 }
 
+// float32 / bfloat16 rows, weights float32 or y's dtype.
+float weight_at(const at::Tensor& w, int64_t i) {
+  return w.scalar_type() == at::kFloat ? w.const_data_ptr<float>()[i]
+                                       : static_cast<float>(w.const_data_ptr<c10::BFloat16>()[i]);
+}
+
+void unpermute_rows_vec(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
+                        const at::Tensor& weights_TK, at::Tensor& out) {
+  const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = y_NH.size(1);
+  const auto dtype = y_NH.scalar_type();
+  const int64_t es = y_NH.element_size();
+  const char* y = static_cast<const char*>(y_NH.const_data_ptr());
+  const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  char* o = static_cast<char*>(out.data_ptr());
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(H), row(H);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        if (r < 0) continue;
+        vec::load(y + r * H * es, dtype, row.data(), H);
+        vec::axpy(acc.data(), weight_at(weights_TK, t * K + k), row.data(), H);
+      }
+      vec::store(acc.data(), o + t * H * es, dtype, H);
+    }
+  });
+}
+
+void unpermute_rows_bwd_vec(const at::Tensor& grad_TH, const at::Tensor& y_NH,
+                            const at::Tensor& slot_pos_TK, const at::Tensor& weights_TK,
+                            at::Tensor& grad_y, at::Tensor& grad_w) {
+  const int64_t T = slot_pos_TK.size(0), K = slot_pos_TK.size(1), H = y_NH.size(1);
+  const int64_t N = y_NH.size(0);
+  const auto dtype = y_NH.scalar_type(), wdtype = weights_TK.scalar_type();
+  const int64_t es = y_NH.element_size();
+  const char* g = static_cast<const char*>(grad_TH.const_data_ptr());
+  const char* y = static_cast<const char*>(y_NH.const_data_ptr());
+  const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
+  char* gy = static_cast<char*>(grad_y.data_ptr());
+  char* gw = static_cast<char*>(grad_w.data_ptr());
+  const int64_t wes = grad_w.element_size();
+  std::vector<uint8_t> used(N, 0);
+  for (int64_t i = 0; i < T * K; ++i) {
+    if (pos[i] >= 0) used[pos[i]] = 1;
+  }
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      if (!used[n]) std::memset(gy + n * H * es, 0, H * es);
+    }
+  });
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> gt(H), row(H), out(H);
+    for (int64_t t = begin; t < end; ++t) {
+      vec::load(g + t * H * es, dtype, gt.data(), H);
+      for (int64_t k = 0; k < K; ++k) {
+        const int64_t r = pos[t * K + k];
+        float dw = 0.f;
+        if (r >= 0) {
+          vec::load(y + r * H * es, dtype, row.data(), H);
+          dw = vec::dot(gt.data(), row.data(), H);
+          vec::scale(gt.data(), weight_at(weights_TK, t * K + k), out.data(), H);
+          vec::store(out.data(), gy + r * H * es, dtype, H);
+        }
+        vec::store(&dw, gw + (t * K + k) * wes, wdtype, 1);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 at::Tensor unpermute_fwd(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
                          const at::Tensor& weights_TK) {
   at::Tensor out = new_output({slot_pos_TK.size(0), y_NH.size(1)}, y_NH.options());
+  if (y_NH.scalar_type() != at::kDouble) {
+    unpermute_rows_vec(y_NH, slot_pos_TK, weights_TK, out);
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y_NH.scalar_type(), "unpermute_fwd", [&] {
     if (weights_TK.scalar_type() == at::kFloat) {
       unpermute_rows<scalar_t, float>(y_NH, slot_pos_TK, weights_TK, out);
@@ -178,6 +273,10 @@ std::pair<at::Tensor, at::Tensor> unpermute_bwd(const at::Tensor& grad_TH, const
                                                 const at::Tensor& weights_TK) {
   at::Tensor grad_y = new_output(y_NH.sizes(), y_NH.options());
   at::Tensor grad_w = new_output(weights_TK.sizes(), weights_TK.options());
+  if (y_NH.scalar_type() != at::kDouble) {
+    unpermute_rows_bwd_vec(grad_TH, y_NH, slot_pos_TK, weights_TK, grad_y, grad_w);
+    return {grad_y, grad_w};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, y_NH.scalar_type(), "unpermute_bwd", [&] {
     if (weights_TK.scalar_type() == at::kFloat) {
       unpermute_rows_bwd<scalar_t, float>(grad_TH, y_NH, slot_pos_TK, weights_TK, grad_y, grad_w);

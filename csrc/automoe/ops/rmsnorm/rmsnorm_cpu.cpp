@@ -6,6 +6,7 @@
 
 #include <cmath>
 
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
 namespace automoe::ops::cpu {
@@ -16,6 +17,26 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& x_RC, const at::
   at::Tensor y = new_output(x_RC.sizes(), x_RC.options());
   const auto stat_dtype = x_RC.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor inv_rms = new_output({R}, x_RC.options().dtype(stat_dtype));
+  const auto dtype = x_RC.scalar_type();
+  if (dtype != at::kDouble) {  // vectorised rows (float32 / bfloat16)
+    std::vector<float> wf(C);
+    vec::load(w_C.const_data_ptr(), dtype, wf.data(), C);
+    const char* x = static_cast<const char*>(x_RC.const_data_ptr());
+    char* o = static_cast<char*>(y.data_ptr());
+    float* inv = inv_rms.data_ptr<float>();
+    const int64_t es = x_RC.element_size();
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> xr(C), yr(C);
+      for (int64_t r = begin; r < end; ++r) {
+        vec::load(x + r * C * es, dtype, xr.data(), C);
+        const float k = 1.f / std::sqrt(vec::sum_sq(xr.data(), C) / C + static_cast<float>(eps));
+        inv[r] = k;
+        vec::scale_mul(xr.data(), k, wf.data(), yr.data(), C);
+        vec::store(yr.data(), o + r * C * es, dtype, C);
+      }
+    });
+    return {y, inv_rms};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x_RC.scalar_type(), "rmsnorm_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = x_RC.const_data_ptr<scalar_t>();
@@ -43,6 +64,37 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& grad_RC, const a
   const int64_t C = x_RC.size(-1), R = x_RC.numel() / C;
   at::Tensor dx = new_output(x_RC.sizes(), x_RC.options());
   at::Tensor dw;
+  // Fixed chunks of rows (independent of the thread count), each with its own dw partial.
+  const int64_t chunk = 64, chunks = (R + chunk - 1) / chunk;
+  const auto dtype = x_RC.scalar_type();
+  if (dtype != at::kDouble) {  // vectorised rows (float32 / bfloat16)
+    std::vector<float> wf(C), partial(std::max<int64_t>(chunks, 1) * C, 0.f);
+    vec::load(w_C.const_data_ptr(), dtype, wf.data(), C);
+    const char* x = static_cast<const char*>(x_RC.const_data_ptr());
+    const char* g = static_cast<const char*>(grad_RC.const_data_ptr());
+    char* d = static_cast<char*>(dx.data_ptr());
+    const float* inv = inv_rms_R.const_data_ptr<float>();
+    const int64_t es = x_RC.element_size();
+    at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xr(C), gr(C), dr(C);
+      for (int64_t ch = begin; ch < end; ++ch) {
+        float* pw = partial.data() + ch * C;
+        for (int64_t r = ch * chunk; r < std::min(R, (ch + 1) * chunk); ++r) {
+          vec::load(x + r * C * es, dtype, xr.data(), C);
+          vec::load(g + r * C * es, dtype, gr.data(), C);
+          const float k = inv[r];
+          const float m = k * vec::dot3(gr.data(), wf.data(), xr.data(), C) / C;
+          vec::acc_mul(pw, gr.data(), xr.data(), k, C);
+          vec::rms_dx(gr.data(), wf.data(), xr.data(), k, m, dr.data(), C);
+          vec::store(dr.data(), d + r * C * es, dtype, C);
+        }
+      }
+    });
+    at::Tensor dw_acc = at::zeros({C}, inv_rms_R.options());
+    float* s = dw_acc.data_ptr<float>();
+    for (int64_t ch = 0; ch < chunks; ++ch) vec::axpy(s, 1.f, partial.data() + ch * C, C);
+    return {dx, dw_acc.to(w_C.scalar_type())};
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x_RC.scalar_type(), "rmsnorm_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = x_RC.const_data_ptr<scalar_t>();
@@ -50,8 +102,6 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& grad_RC, const a
     const scalar_t* w = w_C.const_data_ptr<scalar_t>();
     const acc_t* inv = inv_rms_R.const_data_ptr<acc_t>();
     scalar_t* d = dx.data_ptr<scalar_t>();
-    // Fixed chunks of rows (independent of the thread count), each with its own dw partial.
-    const int64_t chunk = 64, chunks = (R + chunk - 1) / chunk;
     std::vector<acc_t> partial(std::max<int64_t>(chunks, 1) * C, acc_t(0));
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
       for (int64_t ch = begin; ch < end; ++ch) {

@@ -4,6 +4,7 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
 namespace automoe::ops::cpu {
@@ -17,6 +18,28 @@ at::Tensor rope_apply(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
   const auto acc_dtype = x_BSND.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const at::Tensor cs = cos_BSh.to(acc_dtype).contiguous();
   const at::Tensor sn = sin_BSh.to(acc_dtype).contiguous();
+  const auto dtype = x_BSND.scalar_type();
+  if (!interleaved && dtype != at::kDouble) {  // vectorised half-split rows (float32 / bfloat16)
+    const char* x = static_cast<const char*>(x_BSND.const_data_ptr());
+    char* o = static_cast<char*>(y.data_ptr());
+    const float* c = cs.const_data_ptr<float>();
+    const float* s = sn.const_data_ptr<float>();
+    const int64_t es = x_BSND.element_size();
+    const float sign = inverse ? -1.f : 1.f;
+    at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> xr(D), yr(D);
+      for (int64_t bs = begin; bs < end; ++bs) {
+        for (int64_t n = 0; n < N; ++n) {
+          const int64_t off = (bs * N + n) * D * es;
+          vec::load(x + off, dtype, xr.data(), D);
+          vec::rotate(xr.data(), xr.data() + h, c + bs * h, s + bs * h, sign, yr.data(),
+                      yr.data() + h, h);
+          vec::store(yr.data(), o + off, dtype, D);
+        }
+      }
+    });
+    return y;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x_BSND.scalar_type(), "rope_apply", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* x = x_BSND.const_data_ptr<scalar_t>();

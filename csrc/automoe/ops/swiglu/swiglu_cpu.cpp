@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
 namespace automoe::ops::cpu {
@@ -28,6 +29,22 @@ at::Tensor swiglu_fwd(const at::Tensor& gate_up, bool gpt_oss, double alpha, dou
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
   at::Tensor out = new_output(sizes, gate_up.options());
+  const auto dtype = gate_up.scalar_type();
+  if (!gpt_oss && dtype != at::kDouble) {  // vectorised rows (float32 / bfloat16)
+    const char* in = static_cast<const char*>(gate_up.const_data_ptr());
+    char* o = static_cast<char*>(out.data_ptr());
+    const int64_t es = gate_up.element_size();
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(I), u(I), y(I);
+      for (int64_t r = begin; r < end; ++r) {
+        vec::load(in + r * 2 * I * es, dtype, g.data(), I);
+        vec::load(in + (r * 2 * I + I) * es, dtype, u.data(), I);
+        vec::silu_mul(g.data(), u.data(), y.data(), I);
+        vec::store(y.data(), o + r * I * es, dtype, I);
+      }
+    });
+    return out;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "swiglu_fwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* in = gate_up.const_data_ptr<scalar_t>();
@@ -59,6 +76,25 @@ at::Tensor swiglu_bwd(const at::Tensor& grad_RI, const at::Tensor& gate_up, bool
                       double alpha, double limit) {
   const int64_t I = gate_up.size(-1) / 2, R = gate_up.numel() / (2 * I);
   at::Tensor grad_in = new_output(gate_up.sizes(), gate_up.options());
+  const auto dtype = gate_up.scalar_type();
+  if (!gpt_oss && dtype != at::kDouble) {  // vectorised rows (float32 / bfloat16)
+    const char* in = static_cast<const char*>(gate_up.const_data_ptr());
+    const char* gr = static_cast<const char*>(grad_RI.const_data_ptr());
+    char* gi = static_cast<char*>(grad_in.data_ptr());
+    const int64_t es = gate_up.element_size();
+    at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> g(I), u(I), dy(I), dg(I), du(I);
+      for (int64_t r = begin; r < end; ++r) {
+        vec::load(in + r * 2 * I * es, dtype, g.data(), I);
+        vec::load(in + (r * 2 * I + I) * es, dtype, u.data(), I);
+        vec::load(gr + r * I * es, dtype, dy.data(), I);
+        vec::silu_mul_bwd(g.data(), u.data(), dy.data(), dg.data(), du.data(), I);
+        vec::store(dg.data(), gi + r * 2 * I * es, dtype, I);
+        vec::store(du.data(), gi + (r * 2 * I + I) * es, dtype, I);
+      }
+    });
+    return grad_in;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, gate_up.scalar_type(), "swiglu_bwd", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     const scalar_t* in = gate_up.const_data_ptr<scalar_t>();

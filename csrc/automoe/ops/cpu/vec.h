@@ -1,0 +1,43 @@
+// Row primitives of the CPU kernels: float32 math on contiguous rows. Each is compiled twice
+// (x86-64 with AVX2+FMA, and the baseline) through GCC's target_clones and picked at load time,
+// so the loops vectorise where the CPU allows without requiring AVX2 to run. exp is a
+// Cephes-style polynomial (relative error ~2e-7), which keeps the loops free of library calls.
+// The kernels widen bf16 rows into float buffers with load(), compute here, and round back once
+// with store() (round to nearest even, as c10::BFloat16).
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+
+namespace automoe::ops::cpu::vec {
+
+void load(const void* src, c10::ScalarType dtype, float* dst, int64_t n);
+void store(const float* src, void* dst, c10::ScalarType dtype, int64_t n);
+
+// out = silu(g) * u
+void silu_mul(const float* g, const float* u, float* out, int64_t n);
+// dg = dy * u * s * (1 + g (1 - s)), du = dy * g * s, s = sigmoid(g)
+void silu_mul_bwd(const float* g, const float* u, const float* dy, float* dg, float* du, int64_t n);
+
+float sum_sq(const float* x, int64_t n);
+// sum a * b * c
+float dot3(const float* a, const float* b, const float* c, int64_t n);
+// y = x * k * w
+void scale_mul(const float* x, float k, const float* w, float* y, int64_t n);
+// acc += a * b * k
+void acc_mul(float* acc, const float* a, const float* b, float k, int64_t n);
+// dx = k * (g * w - x * k * m)
+void rms_dx(const float* g, const float* w, const float* x, float k, float m, float* dx, int64_t n);
+
+// acc += a * x
+void axpy(float* acc, float a, const float* x, int64_t n);
+float dot(const float* a, const float* b, int64_t n);
+// y = a * x
+void scale(const float* x, float a, float* y, int64_t n);
+
+// Rotation of pairs (xa[i], xb[i]) by (c[i], sign * s[i]).
+void rotate(const float* xa, const float* xb, const float* c, const float* s, float sign,
+            float* ya, float* yb, int64_t n);
+
+}  // namespace automoe::ops::cpu::vec
