@@ -83,12 +83,14 @@ def measure_peaks(device, dtype, reps):
     b = torch.randn(n, n, device=device, dtype=dtype)
     t = best_time(lambda: torch.mm(a, b), device, reps)
     gemm = 2 * n**3 / t / 1e9
+    a32, b32 = a.float(), b.float()
+    gemm32 = 2 * n**3 / best_time(lambda: torch.mm(a32, b32), device, reps) / 1e9
     big = torch.empty(64 << 20 if device.startswith("cuda") else 32 << 20, dtype=torch.uint8,
                       device=device)
     dst = torch.empty_like(big)
     t = best_time(lambda: dst.copy_(big), device, reps)
     copy = 2 * big.numel() / t / 1e9  # read + write
-    return {"matmul_gflops": gemm, "matmul_n": n, "copy_gbs": copy}
+    return {"matmul_gflops": gemm, "matmul_fp32_gflops": gemm32, "matmul_n": n, "copy_gbs": copy}
 
 
 def routing(T, K, E, device):
@@ -113,6 +115,7 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
         if flops:
             row["gflops"] = flops / tf / 1e9
             row["of_matmul_peak"] = row["gflops"] / peaks["matmul_gflops"]
+            row["of_fp32_peak"] = row["gflops"] / peaks["matmul_fp32_gflops"]
         if bytes_:
             row["gbs"] = bytes_ / tf / 1e9
             row["of_copy_bw"] = row["gbs"] / peaks["copy_gbs"]
@@ -157,8 +160,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
     w_gu = leaf(mk(E, 2 * I, H, scale=0.02))
     gg_flops = 3 * 2 * T * K * H * 2 * I
     add("grouped_gemm (gate_up)", fwd_bwd(lambda a, b: OPS.grouped_gemm(a, b, plan[0]), [xp, w_gu]),
-        fwd_bwd(lambda a, b: OPS.grouped_gemm_reference(a, b, plan[0]), [xp, w_gu]),
-        flops=gg_flops)
+        fwd_bwd(lambda a, b: OPS.grouped_gemm_reference(a, b, plan[0]), [xp, w_gu])
+        if include_layer_refs else None, flops=gg_flops)
 
     w_down = leaf(mk(E, H, I, scale=0.02))
     layer_flops = 3 * 2 * T * K * H * 3 * I
@@ -174,6 +177,7 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
         row = {"op": f"MoE experts fwd+bwd ({backend})", "fused_ms": t * 1e3,
                "gflops": layer_flops / t / 1e9}
         row["of_matmul_peak"] = row["gflops"] / peaks["matmul_gflops"]
+        row["of_fp32_peak"] = row["gflops"] / peaks["matmul_fp32_gflops"]
         if backend == "grouped":
             t_fused = t
         else:
@@ -218,8 +222,8 @@ def rss_now():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def ce_rows(p, T, dtype, device, reps):
-    H, V = p["H"], p["V"]
+def ce_rows(p, T, dtype, device, reps, hidden=None):
+    H, V = hidden or p["H"], p["V"]
     res = {}
     for kind in ("fused", "full_logits"):
         # A new interpreter, not fork(): OpenMP's thread pool does not survive a fork.
@@ -228,7 +232,8 @@ def ce_rows(p, T, dtype, device, reps):
                "--reps", str(reps)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
-    row = {"op": f"linear cross-entropy fwd+bwd (T={T}, V={V})",
+    dname = {v: k for k, v in DTYPES.items()}[dtype]
+    row = {"op": f"linear cross-entropy fwd+bwd (T={T}, H={H}, V={V}, {dname})",
            "fused_ms": res["fused"]["ms"], "reference_ms": res["full_logits"]["ms"],
            "speedup": res["full_logits"]["ms"] / res["fused"]["ms"],
            "fused_peak_mib": res["fused"]["peak_bytes"] / 2**20,
@@ -242,14 +247,16 @@ def markdown(result):
     r = result
     pk = r["peaks"]
     lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
-             f"Measured in the same run: {r['dtype']} matmul peak {pk['matmul_gflops']:.1f} GFLOP/s "
-             f"(at::mm, n = {pk['matmul_n']}), copy bandwidth {pk['copy_gbs']:.1f} GB/s.", "",
+             f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
+             f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
+             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s.", "",
              "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
              "|---|---:|---:|---:|---|"]
     for row in r["rows"]:
         ach = ""
         if "gflops" in row:
-            ach = f"{row['gflops']:.1f} GFLOP/s = {100 * row['of_matmul_peak']:.0f}% of matmul peak"
+            ach = (f"{row['gflops']:.1f} GFLOP/s = {100 * row['of_matmul_peak']:.0f}% of the "
+                   f"{r['dtype']} peak, {100 * row['of_fp32_peak']:.0f}% of the fp32 peak")
         elif "gbs" in row:
             ach = f"{row['gbs']:.1f} GB/s = {100 * row['of_copy_bw']:.0f}% of copy bw"
         if "peak_ratio" in row:
@@ -269,8 +276,11 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--tokens", type=int, help="override T (the large preset on a CPU)")
     ap.add_argument("--ce-tokens", type=int, help="T for the cross-entropy rows (default: T)")
+    ap.add_argument("--ce-hidden", type=int, help="H for the cross-entropy rows (default: H)")
+    ap.add_argument("--ce-dtype", choices=sorted(DTYPES), help="dtype of the cross-entropy rows")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-layer-refs", action="store_true", help="skip the eager / torch_mm layers")
+    ap.add_argument("--no-layer-refs", action="store_true",
+                    help="skip the GEMM-heavy references (grouped_gemm reference, eager, torch_mm)")
     ap.add_argument("--ce-child", choices=["fused", "full_logits"], help=argparse.SUPPRESS)
     ap.add_argument("--ce-shape", help=argparse.SUPPRESS)
     ap.add_argument("--json", type=Path)
@@ -288,7 +298,8 @@ def main(argv=None):
     peaks = measure_peaks(a.device, dtype, a.reps)
     print(json.dumps({"peaks": peaks}), flush=True)
     rows = op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs)
-    rows += ce_rows(p, a.ce_tokens or p["T"], dtype, a.device, max(1, a.reps - 1))
+    rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
+                    max(1, a.reps - 1), a.ce_hidden)
     result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,
               "threads": torch.get_num_threads(), "peaks": peaks, "rows": rows}
     if a.json:

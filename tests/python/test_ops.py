@@ -134,7 +134,7 @@ def rope_cases():
                 f"rope{(B, S, N, D)}{'-interleaved' if inter else ''}", make,
                 lambda x, c, s, i=inter: OPS.rope(x, c, s, i),
                 lambda x, c, s, i=inter: OPS.rope_reference(x, c, s, i),
-                grad=(0,), cast=(0,))
+                grad=(0,), cast=(0, 1, 2))
 
 
 def swiglu_cases():
@@ -185,6 +185,10 @@ def permute_cases():
                 return [randn(g, T * K, H), *plan, randn(g, T, K).abs()]
             yield Case(f"unpermute-T{T}-K{K}-E{E}-H{H}-{pattern}", make_u, OPS.unpermute,
                        OPS.unpermute_reference, grad=(0, 4), cast=(0, 4))
+            # the engine's combination: the router's float32 weights with bf16 / fp32 rows
+            yield Case(f"unpermute-fp32-weights-T{T}-K{K}-E{E}-H{H}-{pattern}", make_u,
+                       lambda y, o, sp, st, w: OPS.unpermute(y, o, sp, st, w.float()),
+                       OPS.unpermute_reference, grad=(0, 4), cast=(0,))
 
 
 def grouped_gemm_cases():
@@ -314,18 +318,38 @@ def test_finite_differences_router():
 # ---- semantics the references do not pin down ------------------------------------------------
 
 
-def test_router_ties_go_to_the_lower_expert_index():
-    logits = torch.zeros(3, 8)
+@pytest.mark.parametrize("device", DEVICES)
+def test_router_ties_go_to_the_lower_expert_index(device):
+    logits = torch.zeros(3, 8, device=device)
     w, idx, _ = OPS.router(logits, 3)
-    assert idx.tolist() == [[0, 1, 2]] * 3
-    assert torch.allclose(w, torch.full((3, 3), 1 / 3))
+    assert idx.cpu().tolist() == [[0, 1, 2]] * 3
+    assert torch.allclose(w.cpu(), torch.full((3, 3), 1 / 3))
 
 
-def test_group_limited_routing_picks_from_the_best_groups_only():
+@pytest.mark.parametrize("device", DEVICES)
+def test_group_limited_routing_picks_from_the_best_groups_only(device):
     # 4 groups of 2; group scores (top-2 sums) rank groups 2 and 0 first.
-    logits = torch.tensor([[0.9, 0.8, 0.1, 0.0, 1.0, 0.95, 0.2, 0.1]]).logit()
+    logits = torch.tensor([[0.9, 0.8, 0.1, 0.0, 1.0, 0.95, 0.2, 0.1]]).logit().to(device)
     _, idx, _ = OPS.router(logits, 3, "sigmoid", None, 4, 2)
-    assert sorted(idx[0].tolist()) == [0, 4, 5]
+    assert sorted(idx[0].cpu().tolist()) == [0, 4, 5]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_inputs_give_the_contiguous_result(device):
+    g = torch.Generator().manual_seed(8)
+    idx = routing(g, 9, 2, 4, "empty_and_dropped")
+    offsets, slot_pos, src = (t.to(device) for t in plan_reference(idx, 4))
+    y = randn(g, 18, 6).float().to(device)
+    w = randn(g, 9, 2).abs().float().to(device)
+    want = OPS.unpermute(y, offsets, slot_pos, src, w)
+    got = OPS.unpermute(y.t().contiguous().t(), offsets, slot_pos.t().contiguous().t(), src,
+                        w.t().contiguous().t())
+    assert torch.equal(got, want)
+    x = randn(g, 7, 5).float().to(device)
+    wg = randn(g, 2, 3, 5).float().to(device)
+    strided = torch.tensor([0, 0, 3, 0, 7]).to(device)[::2]  # [0, 3, 7], not contiguous
+    assert torch.equal(OPS.grouped_gemm(x, wg, strided),
+                       OPS.grouped_gemm(x, wg, strided.contiguous()))
 
 
 def test_experts_backends_agree_with_an_empty_expert_and_dropped_slots():
@@ -353,3 +377,20 @@ def test_bad_inputs_name_the_op_and_tensor():
         OPS.router(torch.randn(2, 8), 2, "sigmoid", None, 3, 1)
     with pytest.raises(Exception, match=r"automoe.swiglu: the last dimension of gate_up must be even"):
         OPS.swiglu(torch.randn(2, 5))
+    with pytest.raises(Exception, match=r"automoe.swiglu: the last dimension of gate_up must be even and > 0"):
+        OPS.swiglu(torch.randn(3, 0))
+    with pytest.raises(Exception, match=r"automoe.rmsnorm: x must have a last dimension > 0"):
+        OPS.rmsnorm(torch.randn(3, 0), torch.randn(0))
+    # A hand-made plan that points outside the tensors is refused, not followed.
+    x = torch.randn(2, 4)
+    with pytest.raises(Exception, match=r"automoe.permute: src_token values must be in \[-1, 2\)"):
+        OPS.permute(x, torch.tensor([0, 2]), torch.tensor([[0], [1]]), torch.tensor([0, 10**9]))
+    with pytest.raises(Exception, match=r"automoe.unpermute: slot_pos values must be in \[-1, 2\)"):
+        OPS.unpermute(x, torch.tensor([0, 2]), torch.tensor([[0], [10**9]]), torch.tensor([0, 1]),
+                      torch.ones(2, 1))
+    with pytest.raises(Exception, match=r"automoe.permute: slot_pos and src_token must be int64"):
+        OPS.permute(x, torch.tensor([0, 2]), torch.tensor([[0], [1]], dtype=torch.int32),
+                    torch.tensor([0, 1], dtype=torch.int32))
+    ang = torch.zeros(1, 2, 2, requires_grad=True)
+    with pytest.raises(Exception, match=r"automoe.rope: cos and sin must not require gradients"):
+        OPS.rope(torch.randn(1, 2, 1, 4), ang.cos(), ang.sin())

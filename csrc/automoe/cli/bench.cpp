@@ -45,7 +45,9 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --dtype NAME           parameter and compute dtype                    (default bfloat16)
   --device cpu|cuda      (default cpu)
   --attn sdpa|eager      attention backend                              (default sdpa)
-  --experts NAME         experts backend: grouped | eager               (default grouped)
+  --experts NAME         experts backend: grouped | torch_mm | eager    (default grouped)
+  --loss NAME            fused_linear_ce | torch                        (default fused_linear_ce,
+                         as automoe train)
   --fake-balanced-gate   round-robin routing (balanced experts)
   --seed N               weights and tokens                             (default 0)
   --json FILE            also write the result there
@@ -62,6 +64,7 @@ struct Options {
   std::string device = "cpu";
   std::string attn = "sdpa";
   std::string experts = "grouped";
+  std::string loss = "fused_linear_ce";
   bool fake_gate = false, print_config = false, peak = false;
   std::string json_out;
 };
@@ -109,6 +112,8 @@ Options parse(const Args& args) {
       o.attn = value();
     else if (a == "--experts")
       o.experts = value();
+    else if (a == "--loss")
+      o.loss = value();
     else if (a == "--json")
       o.json_out = value();
     else if (a == "--fake-balanced-gate")
@@ -214,7 +219,8 @@ int bench(const Args& args) {
 
   const int64_t rss_before = rss_now();
   BackendConfig backend =
-      BackendConfig::from_map({{"attn", o.attn}, {"experts", o.experts}}, "automoe bench");
+      BackendConfig::from_map({{"attn", o.attn}, {"experts", o.experts}, {"loss", o.loss}},
+                              "automoe bench");
   backend.fake_balanced_gate = o.fake_gate;
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
   std::vector<at::Tensor> leaves;
@@ -263,7 +269,7 @@ int bench(const Args& args) {
   const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
   json j = {
       {"side", "automoe"},
-      {"impl", "automoe (experts=" + o.experts + ", attn=" + o.attn + ")"},
+      {"impl", "automoe (experts=" + o.experts + ", attn=" + o.attn + ", loss=" + o.loss + ")"},
       {"device", o.device},
       {"dtype", dtype_to_name(o.dtype)},
       {"batch", o.batch},

@@ -25,9 +25,11 @@ Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH
 Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                             const MoESpec& moe, const at::Tensor& idx_TK, bool fused) {
   if (fused) {
+    // The fused router is deterministic: on the forward's inputs it makes the forward's choice,
+    // and then its weights (and backward) are the forward's bit for bit. Should the recomputed
+    // logits ever differ in a last bit and flip a near-tie, fall back to the given experts.
     Routing r = route_topk_softmax(x_TH, w_router_EH, moe, /*fused=*/true);
-    r.idx_TK = idx_TK;
-    return r;
+    if (at::equal(r.idx_TK, idx_TK)) return r;
   }
   at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
   const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);

@@ -29,9 +29,11 @@ cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_st
 
 bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() != at::kDouble; }
 
-// a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N].
+// a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N]. Off the CPU engine the
+// GEMM runs in the inputs' dtype (cuBLAS bf16 tensor cores) and the result is widened, the same
+// rounding as Transformers' bf16 LM head followed by .float().
 at::Tensor mm_nt(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
-  if (!use_cpu_engine(a)) return at::mm(a.to(out), b.to(out).t());
+  if (!use_cpu_engine(a)) return at::mm(a, b.t()).to(out);
   at::Tensor c = at::empty({a.size(0), b.size(0)}, a.options().dtype(out));
   cpu::gemm_batch({{a.size(0), b.size(0), a.size(1), operand(a, a.size(1), 1),
                     operand(b, 1, b.size(1)), c.data_ptr(), c.scalar_type(), c.size(1), false}});
@@ -40,11 +42,12 @@ at::Tensor mm_nt(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) 
 
 // c (+)= a · b, a [M, K], b [K, N], c float32 (or float64) [M, N].
 void mm_nn_acc(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool accumulate) {
-  if (!use_cpu_engine(c)) {
+  if (!use_cpu_engine(c)) {  // a (float32 probabilities) rounded to b's dtype, as autograd would
+    const at::Tensor prod = at::mm(a.to(b.scalar_type()), b);
     if (accumulate) {
-      c.addmm_(a.to(c.scalar_type()), b.to(c.scalar_type()));
+      c.add_(prod);
     } else {
-      at::mm_out(c, a.to(c.scalar_type()), b.to(c.scalar_type()));
+      c.copy_(prod);
     }
     return;
   }
@@ -113,13 +116,11 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       const at::Tensor w_v = w.narrow(0, v0, nv);
       at::Tensor p = mm_nt(x, w_v, acc);  // [N, nv] logits
       p.sub_(lse.unsqueeze(1)).exp_();
-      // -1 at each row's label when it falls in this vocabulary chunk.
+      // -1 at each row's label when it falls in this vocabulary chunk (no host sync: rows
+      // whose label is elsewhere add 0 at a clamped column).
       const at::Tensor in_chunk = valid & labels.ge(v0) & labels.lt(v0 + nv);
-      const at::Tensor rows = in_chunk.nonzero().squeeze(1);
-      if (rows.numel() > 0) {
-        const at::Tensor cols = labels.index_select(0, rows) - v0;
-        p.index_put_({rows, cols}, p.index({rows, cols}) - 1);
-      }
+      const at::Tensor cols = (labels - v0).clamp(0, nv - 1).unsqueeze(1);
+      p.scatter_add_(1, cols, in_chunk.to(acc).neg().unsqueeze(1));
       p.mul_(scale.unsqueeze(1));
       if (want_dw) dw.narrow(0, v0, nv).copy_(mm_tn(p, x, w.scalar_type()));
       mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);

@@ -176,12 +176,18 @@ struct Unit {
   int64_t problem, m0, n0;
 };
 
-struct alignas(64) Workspace {
-  std::unique_ptr<float[]> a, b, acc;
-  Workspace()
-      : a(new (std::align_val_t(64)) float[kMC * kKC]),
-        b(new (std::align_val_t(64)) float[kKC * kNC]),
-        acc(new (std::align_val_t(64)) float[kMC * kNC]) {}
+struct AlignedDelete {
+  void operator()(float* p) const { ::operator delete[](p, std::align_val_t(64)); }
+};
+using AlignedFloats = std::unique_ptr<float[], AlignedDelete>;
+
+AlignedFloats aligned_floats(size_t n) {
+  return AlignedFloats(static_cast<float*>(::operator new[](n * sizeof(float), std::align_val_t(64))));
+}
+
+struct Workspace {
+  AlignedFloats a = aligned_floats(kMC * kKC), b = aligned_floats(kKC * kNC),
+                acc = aligned_floats(kMC * kNC);
 };
 
 // One (row tile, column tile) of one problem: loop over depth panels, micro-kernels into acc.

@@ -59,15 +59,16 @@ void check_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& o
 
 }  // namespace
 
-at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets) {
+at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets_in) {
+  const at::Tensor offsets = offsets_in.contiguous();  // checked and used: the same tensor
   check_grouped(x_NK, w_GOK, offsets);
-  return GroupedGemmFn::apply(x_NK, w_GOK, offsets.contiguous());
+  return GroupedGemmFn::apply(x_NK, w_GOK, offsets);
 }
 
 at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
                                   const at::Tensor& offsets) {
-  check_grouped(x_NK, w_GOK, offsets);
-  const at::Tensor off = offsets.cpu();
+  const at::Tensor off = offsets.cpu().contiguous();
+  check_grouped(x_NK, w_GOK, off.to(offsets.device()));
   const int64_t* o = off.const_data_ptr<int64_t>();
   const int64_t G = w_GOK.size(0);
   std::vector<at::Tensor> parts;

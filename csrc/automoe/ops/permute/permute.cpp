@@ -52,6 +52,25 @@ void check_plan(const char* op, const at::Tensor& x, const DispatchPlan& plan, i
                 plan.src_token.sizes());
   AUTOMOE_CHECK(rows == expected, op, ": ", rows_name, " (", rows, ") do not match the dispatch plan (T = ",
                 plan.slot_pos.size(0), ", T*K = ", plan.src_token.size(0), ")");
+  AUTOMOE_CHECK(plan.slot_pos.scalar_type() == at::kLong && plan.src_token.scalar_type() == at::kLong,
+                op, ": slot_pos and src_token must be int64 (from automoe.moe_dispatch_plan), got ",
+                plan.slot_pos.scalar_type(), " and ", plan.src_token.scalar_type());
+  if (plan.slot_pos.is_cpu() && plan.slot_pos.numel() > 0) {  // CUDA kernels bounds-check rows
+    const int64_t T = plan.slot_pos.size(0), N = plan.src_token.numel();
+    const auto [plo, phi] = at::aminmax(plan.slot_pos);
+    const auto [slo, shi] = at::aminmax(plan.src_token);
+    AUTOMOE_CHECK(plo.item<int64_t>() >= -1 && phi.item<int64_t>() < N, op,
+                  ": slot_pos values must be in [-1, ", N, "), got [", plo.item<int64_t>(), ", ",
+                  phi.item<int64_t>(), "]");
+    AUTOMOE_CHECK(slo.item<int64_t>() >= -1 && shi.item<int64_t>() < T, op,
+                  ": src_token values must be in [-1, ", T, "), got [", slo.item<int64_t>(), ", ",
+                  shi.item<int64_t>(), "]");
+  }
+}
+
+// The plan's index tensors as the kernels read them (raw, contiguous memory).
+DispatchPlan contiguous(const DispatchPlan& p) {
+  return {p.offsets.contiguous(), p.slot_pos.contiguous(), p.src_token.contiguous()};
 }
 
 }  // namespace
@@ -71,7 +90,8 @@ DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts) {
   return {offsets, slot_pos, src};
 }
 
-at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan) {
+at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan_in) {
+  const DispatchPlan plan = contiguous(plan_in);
   const char* op = "automoe.permute";
   detail::check_float(op, "x", x_TH);
   detail::check_dim(op, "x", x_TH, 2);
@@ -84,7 +104,9 @@ at::Tensor permute_reference(const at::Tensor& x_TH, const DispatchPlan& plan) {
   return x_TH.index_select(0, plan.src_token.clamp_min(0)) * valid.unsqueeze(1).to(x_TH.dtype());
 }
 
-at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan, const at::Tensor& weights_TK) {
+at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan_in,
+                     const at::Tensor& weights_TK) {
+  const DispatchPlan plan = contiguous(plan_in);
   const char* op = "automoe.unpermute";
   detail::check_float(op, "y", y_NH);
   detail::check_float(op, "weights", weights_TK);

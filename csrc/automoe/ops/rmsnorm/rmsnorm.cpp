@@ -35,7 +35,9 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   detail::check_float(op, "weight", weight);
   detail::check_same_dtype(op, "x", x, "weight", weight);
   detail::check_same_device(op, {{"x", &x}, {"weight", &weight}});
-  AUTOMOE_CHECK(weight.dim() == 1 && x.dim() >= 1 && weight.size(0) == x.size(-1), op,
+  AUTOMOE_CHECK(x.dim() >= 1 && x.size(-1) > 0, op, ": x must have a last dimension > 0, got ",
+                x.sizes());
+  AUTOMOE_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op,
                 ": weight must be [", x.dim() ? x.size(-1) : 0, "] (x's last dimension), got ",
                 weight.sizes());
   return RmsNormFn::apply(x, weight, eps);

@@ -11,6 +11,7 @@
 
 namespace automoe::ops::cpu {
 
+// The autograd layer guarantees w_C has x_RC's dtype.
 std::pair<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& x_RC, const at::Tensor& w_C,
                                               double eps) {
   const int64_t C = x_RC.size(-1), R = x_RC.numel() / C;

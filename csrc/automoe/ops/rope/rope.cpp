@@ -49,6 +49,9 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor rope(const at::Tensor& x_BSND, const at::Tensor& cos_BSh, const at::Tensor& sin_BSh,
                 bool interleaved) {
   check_rope(x_BSND, cos_BSh, sin_BSh);
+  AUTOMOE_CHECK(!(at::GradMode::is_enabled() && (cos_BSh.requires_grad() || sin_BSh.requires_grad())),
+                "automoe.rope: cos and sin must not require gradients (the fused op differentiates "
+                "x only; use automoe.rope_reference for learnable tables)");
   return RopeFn::apply(x_BSND, cos_BSh, sin_BSh, interleaved);
 }
 

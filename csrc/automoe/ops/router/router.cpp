@@ -24,6 +24,10 @@ void check_router(const at::Tensor& logits, const std::optional<at::Tensor>& bia
                 ") must be in [1, n_group = ", p.n_group, "]");
   AUTOMOE_CHECK(p.topk_group * (E / p.n_group) >= p.top_k, op, ": topk_group (", p.topk_group,
                 ") groups of ", E / p.n_group, " experts cannot hold top_k = ", p.top_k);
+  if (logits.is_cuda()) {  // the CUDA kernel keeps a token's experts in one warp's registers
+    AUTOMOE_CHECK(E <= 1024 && p.top_k <= 32, op, ": the CUDA kernel supports up to 1024 experts "
+                  "and top_k <= 32, got E = ", E, ", top_k = ", p.top_k);
+  }
   if (bias) {
     AUTOMOE_CHECK(bias->dim() == 1 && bias->size(0) == E, op, ": correction_bias must be [", E,
                   "], got ", bias->sizes());

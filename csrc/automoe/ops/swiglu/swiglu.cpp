@@ -31,9 +31,9 @@ struct SwigluFn : torch::autograd::Function<SwigluFn> {
 
 void check_swiglu(const at::Tensor& gate_up) {
   detail::check_float("automoe.swiglu", "gate_up", gate_up);
-  AUTOMOE_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0,
-                "automoe.swiglu: the last dimension of gate_up must be even (gate and up), got ",
-                gate_up.sizes());
+  AUTOMOE_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0 && gate_up.size(-1) > 0,
+                "automoe.swiglu: the last dimension of gate_up must be even and > 0 (gate and up), "
+                "got ", gate_up.sizes());
 }
 
 }  // namespace
