@@ -8,7 +8,8 @@ experts block (router excluded: permute -> grouped GEMM -> SwiGLU -> grouped GEM
 is compared with the `eager` loop and ATen `_grouped_mm` (`torch_mm`); its GFLOP/s counts only
 its GEMM FLOPs (3 GEMMs x 2 passes' worth: forward, dX and dW). The fused linear cross-entropy is
 also measured for peak memory against the full-logits path, each in a child process whose peak RSS
-growth is read from the kernel (CPU) or from the CUDA caching allocator's peak (GPU).
+growth is sampled every millisecond from /proc/self/statm (CPU) or read from the CUDA caching
+allocator's peak (GPU).
 
   python bench/ops_bench.py --preset cpu-small --dtype bf16 --json out.json --markdown out.md
   python bench/ops_bench.py --preset qwen3-30b-a3b --tokens 1024 --ce-tokens 256 --device cpu
@@ -19,9 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,8 +47,9 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def best_time(fn, device, reps):
-    fn()  # warm-up (allocator, thread pool, lazy init)
+def best_time(fn, device, reps, warmup=True):
+    if warmup:
+        fn()  # warm-up (allocator, thread pool, lazy init)
     sync(device)
     best = float("inf")
     for _ in range(reps):
@@ -101,7 +103,7 @@ def routing(T, K, E, device):
     return idx.to(device), (w / w.sum(-1, keepdim=True)).to(device)
 
 
-def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
+def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False):
     T, H, E, K, I, N, KV, D = (p[k] for k in ("T", "H", "E", "K", "I", "N", "KV", "D"))
     es = torch.tensor([], dtype=dtype).element_size()
     mk = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
@@ -109,7 +111,9 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
 
     def add(name, fused, ref, *, flops=None, bytes_=None, extra=None):
         tf = best_time(fused, device, reps)
-        tr = best_time(ref, device, reps) if ref is not None else None
+        slow = quick_refs and flops is not None  # a GEMM-heavy reference: one cold run
+        tr = (best_time(ref, device, 1 if slow else reps, warmup=not slow)
+              if ref is not None else None)
         row = {"op": name, "fused_ms": tf * 1e3, "reference_ms": tr * 1e3 if tr else None,
                "speedup": tr / tf if tr else None}
         if flops:
@@ -170,7 +174,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs):
     t_fused = None
     for backend in ["grouped"] + (["eager", "torch_mm"] if include_layer_refs else []):
         try:
-            t = best_time(experts(backend), device, reps)
+            slow = quick_refs and backend != "grouped"
+            t = best_time(experts(backend), device, 1 if slow else reps, warmup=not slow)
         except Exception as e:  # noqa: BLE001  (torch_mm may be missing for a device/dtype)
             print(f"  experts={backend}: not measured ({str(e).splitlines()[0]})", flush=True)
             continue
@@ -207,13 +212,23 @@ def ce_child(kind, T, H, V, dtype, device, reps):
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = rss_now()
-    t = best_time(step, device, reps)
-    if device.startswith("cuda"):
+        t = best_time(step, device, reps)
         peak = torch.cuda.max_memory_allocated() - base
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    else:  # RSS sampled every millisecond while the steps run, above the RSS before them
+        base = rss_now()
+        high, done = [base], threading.Event()
+
+        def sample():
+            while not done.is_set():
+                high[0] = max(high[0], rss_now())
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        t = best_time(step, device, reps)
+        done.set()
+        sampler.join()
+        peak = high[0] - base
     print(json.dumps({"ms": t * 1e3, "peak_bytes": peak}))
 
 
@@ -283,6 +298,8 @@ def main(argv=None):
                     help="skip the GEMM-heavy references (grouped_gemm reference, eager, torch_mm)")
     ap.add_argument("--ce-child", choices=["fused", "full_logits"], help=argparse.SUPPRESS)
     ap.add_argument("--ce-shape", help=argparse.SUPPRESS)
+    ap.add_argument("--quick-refs", action="store_true",
+                    help="time the GEMM-heavy references once, without warm-up (slow CPUs)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
@@ -297,10 +314,11 @@ def main(argv=None):
     torch.manual_seed(0)
     peaks = measure_peaks(a.device, dtype, a.reps)
     print(json.dumps({"peaks": peaks}), flush=True)
-    rows = op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs)
+    rows = op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs, a.quick_refs)
     rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
                     max(1, a.reps - 1), a.ce_hidden)
     result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,
+              "reps": a.reps, "quick_refs": a.quick_refs,
               "threads": torch.get_num_threads(), "peaks": peaks, "rows": rows}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))

@@ -4,7 +4,7 @@
 //   backward: vocabulary chunks; p = exp(x · W_vᵀ - lse) - onehot(label), scaled by the incoming
 //             gradient on rows that carry loss; dW_v = pᵀ · x (complete, written once in W's
 //             dtype), dx += p · W_v (float32 [N, H] accumulator: N·H is small next to V·H)
-// On CPU the chunk GEMMs run on our gemm engine (fast bf16), on CUDA on cuBLAS via at::mm.
+// The chunk GEMMs run on our CPU gemm engine for bf16 on CPU, on at::mm otherwise.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -27,7 +27,9 @@ cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_st
   return {t.const_data_ptr(), t.scalar_type(), row_stride, col_stride};
 }
 
-bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() != at::kDouble; }
+// bf16 on CPU: our GEMM engine (ATen's bf16 CPU GEMMs lack fast paths on CPUs without native
+// bf16); float32 / float64 and CUDA: at::mm (MKL / cuBLAS).
+bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kBFloat16; }
 
 // a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N]. Off the CPU engine the
 // GEMM runs in the inputs' dtype (cuBLAS bf16 tensor cores) and the result is widened, the same
@@ -42,7 +44,7 @@ at::Tensor mm_nt(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) 
 
 // c (+)= a · b, a [M, K], b [K, N], c float32 (or float64) [M, N].
 void mm_nn_acc(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool accumulate) {
-  if (!use_cpu_engine(c)) {  // a (float32 probabilities) rounded to b's dtype, as autograd would
+  if (!use_cpu_engine(b)) {  // a (float32 probabilities) rounded to b's dtype, as autograd would
     const at::Tensor prod = at::mm(a.to(b.scalar_type()), b);
     if (accumulate) {
       c.add_(prod);
@@ -58,7 +60,7 @@ void mm_nn_acc(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool acc
 
 // aᵀ · b, a [K, M], b [K, N], written as a new [M, N] tensor of dtype `out`.
 at::Tensor mm_tn(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
-  if (!use_cpu_engine(a)) return at::mm(a.t().to(b.scalar_type()), b).to(out);
+  if (!use_cpu_engine(b)) return at::mm(a.t().to(b.scalar_type()), b).to(out);
   at::Tensor c = at::empty({a.size(1), b.size(1)}, a.options().dtype(out));
   cpu::gemm_batch({{a.size(1), b.size(1), a.size(0), operand(a, 1, a.size(1)),
                     operand(b, b.size(1), 1), c.data_ptr(), c.scalar_type(), c.size(1), false}});

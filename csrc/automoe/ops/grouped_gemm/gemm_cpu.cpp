@@ -117,6 +117,52 @@ void pack_a(const GemmOperand& A, int64_t m0, int64_t mc, int64_t k0, int64_t kc
   }
 }
 
+#if defined(__x86_64__)
+// Eight floats from eight bf16 or float32 values.
+__attribute__((target("avx2,fma"))) inline __m256 load8(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+
+// A full kNR-column panel of B = Wᵀ (W row-major, B(k, n) = W[n * ld + k]) for kc a multiple of
+// 8: 8x8 register transposes instead of kNR strided scalar streams.
+template <typename T>
+__attribute__((target("avx2,fma"))) void pack_b_panel_transposed_avx2(const T* w, int64_t ld,
+                                                                     int64_t kc, float* dst) {
+  for (int64_t j0 = 0; j0 < kNR; j0 += 8) {
+    for (int64_t p0 = 0; p0 < kc; p0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = load8(w + (j0 + i) * ld + p0);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      const __m256 out[8] = {
+          _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+          _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+          _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+          _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+      for (int i = 0; i < 8; ++i) _mm256_store_ps(dst + (p0 + i) * kNR + j0, out[i]);
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return yes;
+}
+#endif
+
 // B[k0 : k0+kc, n0 : n0+nc] -> panels of kNR columns: dst[panel][p][j].
 template <typename T>
 void pack_b(const GemmOperand& B, int64_t k0, int64_t kc, int64_t n0, int64_t nc, float* dst) {
@@ -131,6 +177,12 @@ void pack_b(const GemmOperand& B, int64_t k0, int64_t kc, int64_t n0, int64_t nc
         for (int64_t j = cols; j < kNR; ++j) d[j] = 0.f;
       }
     } else {  // columns of B are contiguous (B = Wᵀ): read each column along k
+#if defined(__x86_64__)
+      if (B.row_stride == 1 && cols == kNR && kc % 8 == 0 && cpu_has_avx2()) {
+        pack_b_panel_transposed_avx2(src + k0 + (n0 + j0) * B.col_stride, B.col_stride, kc, dst);
+        continue;
+      }
+#endif
       for (int64_t j = 0; j < kNR; ++j) {
         if (j >= cols) {
           for (int64_t p = 0; p < kc; ++p) dst[p * kNR + j] = 0.f;
