@@ -103,7 +103,8 @@ def routing(T, K, E, device):
     return idx.to(device), (w / w.sum(-1, keepdim=True)).to(device)
 
 
-def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False):
+def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
+            layer_refs=("eager", "torch_mm")):
     T, H, E, K, I, N, KV, D = (p[k] for k in ("T", "H", "E", "K", "I", "N", "KV", "D"))
     es = torch.tensor([], dtype=dtype).element_size()
     mk = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
@@ -172,7 +173,7 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False)
     experts = lambda b: fwd_bwd(  # noqa: E731
         lambda a, g_, d_, w_: OPS.moe_experts(a, idx, w_, g_, d_, b), [x, w_gu, w_down, wl])
     t_fused = None
-    for backend in ["grouped"] + (["eager", "torch_mm"] if include_layer_refs else []):
+    for backend in ["grouped"] + (layer_refs if include_layer_refs else []):
         try:
             slow = quick_refs and backend != "grouped"
             t = best_time(experts(backend), device, 1 if slow else reps, warmup=not slow)
@@ -300,6 +301,9 @@ def main(argv=None):
     ap.add_argument("--ce-shape", help=argparse.SUPPRESS)
     ap.add_argument("--quick-refs", action="store_true",
                     help="time the GEMM-heavy references once, without warm-up (slow CPUs)")
+    ap.add_argument("--layer-refs", default="eager,torch_mm",
+                    help="experts backends compared with grouped")
+    ap.add_argument("--only-ce", action="store_true", help="only the cross-entropy rows")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
@@ -314,7 +318,8 @@ def main(argv=None):
     torch.manual_seed(0)
     peaks = measure_peaks(a.device, dtype, a.reps)
     print(json.dumps({"peaks": peaks}), flush=True)
-    rows = op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs, a.quick_refs)
+    rows = [] if a.only_ce else op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs,
+                                        a.quick_refs, a.layer_refs.split(","))
     rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
                     max(1, a.reps - 1), a.ce_hidden)
     result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,

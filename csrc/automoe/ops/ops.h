@@ -76,7 +76,7 @@ struct LinearCrossEntropy {
 };
 // sum over rows of CE(x · weightᵀ, labels) without ever holding [N, V] logits: the forward walks
 // token chunks, the backward vocabulary chunks, each chunk's logits at most `chunk_bytes` of
-// float32 (0 = 256 MiB).
+// float32 (0 = 64 MiB).
 LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor& weight_VH,
                                         const at::Tensor& labels_N, int64_t ignore_index = -100,
                                         int64_t chunk_bytes = 0);

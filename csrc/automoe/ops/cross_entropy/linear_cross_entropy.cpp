@@ -21,7 +21,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr int64_t kDefaultChunkBytes = int64_t{256} << 20;
+constexpr int64_t kDefaultChunkBytes = int64_t{64} << 20;
 
 cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_stride) {
   return {t.const_data_ptr(), t.scalar_type(), row_stride, col_stride};
@@ -58,13 +58,15 @@ void mm_nn_acc(const at::Tensor& a, const at::Tensor& b, at::Tensor& c, bool acc
                     accumulate}});
 }
 
-// aᵀ · b, a [K, M], b [K, N], written as a new [M, N] tensor of dtype `out`.
-at::Tensor mm_tn(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
-  if (!use_cpu_engine(b)) return at::mm(a.t().to(b.scalar_type()), b).to(out);
-  at::Tensor c = at::empty({a.size(1), b.size(1)}, a.options().dtype(out));
+// c = aᵀ · b, a [K, M], b [K, N], c [M, N] contiguous (a slice of the weight gradient): written
+// in place, no temporary.
+void mm_tn_into(const at::Tensor& a, const at::Tensor& b, at::Tensor c) {
+  if (!use_cpu_engine(b)) {
+    at::mm_out(c, a.t().to(b.scalar_type()), b);
+    return;
+  }
   cpu::gemm_batch({{a.size(1), b.size(1), a.size(0), operand(a, 1, a.size(1)),
                     operand(b, b.size(1), 1), c.data_ptr(), c.scalar_type(), c.size(1), false}});
-  return c;
 }
 
 int64_t rows_per_chunk(int64_t cols, int64_t chunk_bytes) {
@@ -124,7 +126,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       const at::Tensor cols = (labels - v0).clamp(0, nv - 1).unsqueeze(1);
       p.scatter_add_(1, cols, in_chunk.to(acc).neg().unsqueeze(1));
       p.mul_(scale.unsqueeze(1));
-      if (want_dw) dw.narrow(0, v0, nv).copy_(mm_tn(p, x, w.scalar_type()));
+      if (want_dw) mm_tn_into(p, x, dw.narrow(0, v0, nv));
       mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
     }
     return {dx_acc.to(x.scalar_type()), dw, at::Tensor(), at::Tensor(), at::Tensor()};

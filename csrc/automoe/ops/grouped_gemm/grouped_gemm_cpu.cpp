@@ -1,6 +1,9 @@
 // CPU grouped GEMM: one gemm_batch over all groups, so that (group, tile) work units share the
-// threads whatever the group sizes.
+// threads whatever the group sizes. float32 groups go to ATen's (MKL) GEMM instead, one group per
+// task in a parallel loop (MKL runs single-threaded inside it): MKL's float32 kernels beat our
+// micro-kernel, while for bfloat16 ATen has no fast CPU path without native bf16 instructions.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
@@ -25,6 +28,23 @@ void zero_tail(at::Tensor& out, int64_t rows_used) {
   if (rows_used < out.size(0)) out.narrow(0, rows_used, out.size(0) - rows_used).zero_();
 }
 
+bool use_aten(const at::Tensor& t) { return t.scalar_type() == at::kFloat; }
+
+// fn(g) for every non-empty group, largest groups first (balances the parallel loop).
+template <typename Fn>
+void for_groups(const int64_t* off, int64_t G, Fn fn) {
+  std::vector<int64_t> order;
+  for (int64_t g = 0; g < G; ++g) {
+    if (off[g + 1] > off[g]) order.push_back(g);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return off[a + 1] - off[a] > off[b + 1] - off[b];
+  });
+  at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) fn(order[i]);
+  });
+}
+
 }  // namespace
 
 at::Tensor grouped_gemm_fwd(const at::Tensor& x_NK, const at::Tensor& w_GOK,
@@ -32,6 +52,15 @@ at::Tensor grouped_gemm_fwd(const at::Tensor& x_NK, const at::Tensor& w_GOK,
   const int64_t G = w_GOK.size(0), O = w_GOK.size(1), K = w_GOK.size(2);
   const int64_t* off = offsets_G1.const_data_ptr<int64_t>();
   at::Tensor y = new_output({x_NK.size(0), O}, x_NK.options());
+  if (use_aten(x_NK)) {
+    for_groups(off, G, [&](int64_t g) {
+      const int64_t m = off[g + 1] - off[g];
+      at::Tensor out = y.narrow(0, off[g], m);
+      at::mm_out(out, x_NK.narrow(0, off[g], m), w_GOK[g].t());
+    });
+    zero_tail(y, off[G]);
+    return y;
+  }
   std::vector<GemmProblem> problems;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t m = off[g + 1] - off[g];
@@ -49,6 +78,15 @@ at::Tensor grouped_gemm_dx(const at::Tensor& dy_NO, const at::Tensor& w_GOK,
   const int64_t G = w_GOK.size(0), O = w_GOK.size(1), K = w_GOK.size(2);
   const int64_t* off = offsets_G1.const_data_ptr<int64_t>();
   at::Tensor dx = new_output({dy_NO.size(0), K}, dy_NO.options());
+  if (use_aten(dy_NO)) {
+    for_groups(off, G, [&](int64_t g) {
+      const int64_t m = off[g + 1] - off[g];
+      at::Tensor out = dx.narrow(0, off[g], m);
+      at::mm_out(out, dy_NO.narrow(0, off[g], m), w_GOK[g]);
+    });
+    zero_tail(dx, off[G]);
+    return dx;
+  }
   std::vector<GemmProblem> problems;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t m = off[g + 1] - off[g];
@@ -67,6 +105,17 @@ at::Tensor grouped_gemm_dw(const at::Tensor& dy_NO, const at::Tensor& x_NK,
   const int64_t* off = offsets_G1.const_data_ptr<int64_t>();
   // The GEMM writes in x's dtype; another w dtype is converted afterwards.
   at::Tensor dw = new_output({groups, O, K}, x_NK.options());
+  if (use_aten(x_NK)) {
+    for (int64_t g = 0; g < groups; ++g) {
+      if (off[g + 1] == off[g]) dw[g].zero_();
+    }
+    for_groups(off, groups, [&](int64_t g) {
+      const int64_t m = off[g + 1] - off[g];
+      at::Tensor out = dw[g];
+      at::mm_out(out, dy_NO.narrow(0, off[g], m).t(), x_NK.narrow(0, off[g], m));
+    });
+    return dw.scalar_type() == w_dtype ? dw : dw.to(w_dtype);
+  }
   std::vector<GemmProblem> problems;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t m = off[g + 1] - off[g];
