@@ -4,8 +4,24 @@
     model = AutoModelForCausalLM.from_pretrained("path/to/qwen3-moe")
 """
 
-from automoe.backend import BackendConfig
-from automoe.modeling import AutoModelForCausalLM, MoEForCausalLM
+import logging as _logging
+import os as _os
 
-__all__ = ["AutoModelForCausalLM", "BackendConfig", "MoEForCausalLM"]
+from automoe.backend import BackendConfig
+from automoe.cache import EngineCache
+from automoe.modeling import AutoModelForCausalLM
+from automoe.native import AutoMoEError
+
+__all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache"]
 __version__ = "0.1.0"
+
+# Which path a model takes (native engine / Transformers + AutoMoE kernels) is logged at INFO on the
+# "automoe" logger; like Transformers' own logger it prints to stderr unless the application
+# configured logging. AUTOMOE_VERBOSITY=warning (or error) quiets it.
+_logger = _logging.getLogger("automoe")
+if not _logger.handlers:
+    _handler = _logging.StreamHandler()
+    _handler.setFormatter(_logging.Formatter("%(message)s"))
+    _logger.addHandler(_handler)
+    _logger.setLevel(_os.environ.get("AUTOMOE_VERBOSITY", "info").upper())
+    _logger.propagate = False

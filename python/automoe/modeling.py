@@ -1,282 +1,234 @@
 """The Hugging Face drop-in: `from automoe import AutoModelForCausalLM`.
 
-The model's parameters live in the C++ engine. This module only wraps each of them in an
-`nn.Parameter` that aliases the engine's tensor (same storage, and the engine is handed the
-Parameter back), so that `model.parameters()`, `torch.optim`, `state_dict()` and `.grad` behave as
-they do for a Transformers model, under Transformers' parameter names.
+`from_pretrained` / `from_config` return Transformers' own model class for the checkpoint's
+`model_type`:
+
+- an architecture the engine implements (`automoe.native.NATIVE_CLASSES`) runs natively: the
+  returned model is a subclass of Transformers' class whose forward, backward, generation and
+  checkpoint I/O run in the C++ engine;
+- every other MoE type runs as Transformers' own model with AutoMoE's fused experts registered
+  through Transformers' `ExpertsInterface` and its fused RMSNorm where the module matches
+  (`automoe.fallback`); `force_transformers=True` picks this path for native types too.
+
+Either way the model logs which path it took and what is accelerated (`model.automoe_path`,
+`model.automoe_accelerated`). Transformers' keyword arguments are accepted; one that cannot apply
+is refused or warned about by name, never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import warnings
 from typing import Any
 
 import torch
-from torch import nn
 
+from automoe import _engine
 from automoe.backend import BackendConfig
+from automoe.native import NATIVE_CLASSES, AutoMoEError, dtype_name
+
+_C = _engine.load()
+logger = logging.getLogger("automoe")
+
+# from_pretrained arguments that concern only downloads from the Hub: meaningless for the local
+# directories AutoMoE reads.
+_HUB_ONLY = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies",
+             "mirror", "_from_pipeline", "_from_auto", "commit_hash", "_commit_hash",
+             "user_agent", "resume_download")
 
 
-def _load_engine():
-    """Imports automoe._C after checking it was compiled against the torch that is installed
-    (LibTorch's C++ ABI changes between releases: a mismatch would fail with undefined symbols)."""
+def _read_model_type(path: str) -> str:
+    config_path = os.path.join(path, "config.json")
     try:
-        from automoe._build_info import TORCH_VERSION as built_with
-    except ImportError as e:
-        raise ImportError("automoe: the engine is not built; run `make` (or `pip install .`)") from e
-    if built_with != torch.__version__:
-        raise ImportError(
-            f"automoe was compiled against torch {built_with} but torch {torch.__version__} is "
-            "installed; rebuild it against this torch: `make` in the repository, or "
-            "`pip install --no-build-isolation .`"
+        with open(config_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise OSError(f"{config_path}: cannot read the checkpoint's config ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise AutoMoEError(f"{config_path}: not valid JSON: {e}") from e
+    model_type = raw.get("model_type") if isinstance(raw, dict) else None
+    if not isinstance(model_type, str):
+        raise AutoMoEError(f"{config_path}: missing key \"model_type\"")
+    return model_type
+
+
+def _local_dir(path: str | os.PathLike, subfolder: str = "") -> str:
+    path = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
+    if not os.path.isdir(path):
+        raise OSError(
+            f"{path}: not a local checkpoint directory (AutoMoE loads local Hugging Face "
+            "directories; download with `huggingface-cli download` first)"
         )
-    from automoe import _C
-
-    return _C
+    return path
 
 
-_C = _load_engine()
-
-AutoMoEError = _C.AutoMoEError
-
-_DTYPES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float16: "float16",
-    torch.float64: "float64",
-}
-
-
-def _dtype_name(dtype: Any) -> str | None:
-    """None/"auto" -> None (the checkpoint's config dtype); torch.dtype or name -> engine name."""
-    if dtype is None or dtype == "auto":
+def _device(device_map: Any) -> torch.device | None:
+    """The one device a `device_map` names; splitting the model across devices is refused."""
+    if device_map is None:
         return None
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype: unsupported {dtype}; expected one of {list(_DTYPES)}")
-        return _DTYPES[dtype]
-    if isinstance(dtype, str):
-        return dtype.removeprefix("torch.")
-    raise TypeError(f"dtype: expected a torch.dtype or a string, got {type(dtype).__name__}")
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) != 1:
+            raise ValueError(
+                f"device_map={device_map!r}: AutoMoE keeps a model on one device (splitting it across "
+                "devices is expert parallelism's job, not device_map's)"
+            )
+        device_map = devices.pop()
+    if device_map == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    if device_map in ("balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r}: AutoMoE keeps a model on one device")
+    return torch.device(device_map)
 
 
-def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = size.strip().upper()
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+def _warn_ignored(where: str, ignored: dict[str, str]) -> None:
+    if ignored:
+        warnings.warn(f"{where}: arguments with no effect: "
+                      + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
 
 
-class _Container(nn.Module):
-    """A node of the parameter-name tree ("model", "layers", "0", ...); indexable like ModuleList."""
+def _native_config(path: str, config, kwargs: dict):
+    """The checkpoint's config with from_pretrained's config overrides applied, as Transformers
+    applies them (keys of the config); other leftover arguments are a TypeError naming them."""
+    from transformers import AutoConfig
 
-    def __getitem__(self, idx: int | str) -> nn.Module:
-        if isinstance(idx, int) and idx < 0:
-            idx += len(self._modules)
-        return self._modules[str(idx)]
+    if config is None:
+        config, unused = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    else:
+        unused = {}
+        for key, value in kwargs.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+            else:
+                unused[key] = value
+    if unused:
+        raise TypeError(f"from_pretrained(): arguments that are neither from_pretrained's nor keys of "
+                        f"the {config.model_type} config: {sorted(unused)}")
+    return config
 
-    def __len__(self) -> int:
-        return len(self._modules)
 
-    def __iter__(self):
-        return iter(self._modules.values())
+def _common_arguments(kwargs: dict, backend, attn_implementation, experts_implementation) -> BackendConfig:
+    """Transformers' attn_implementation / experts_implementation folded into a BackendConfig."""
+    cfg = BackendConfig.coerce(backend)
+    if attn_implementation is not None:
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation={attn_implementation!r}: the AutoMoE engine implements "
+                             "'sdpa' and 'eager'")
+        cfg.attn = attn_implementation
+    if experts_implementation is not None:
+        mapping = {"eager": "eager", "grouped_mm": "torch_mm", "automoe": "grouped"}
+        if experts_implementation not in mapping:
+            raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
+                             f"implements {sorted(mapping)}")
+        cfg.experts = mapping[experts_implementation]
+    return cfg
 
 
-class MoEForCausalLM(nn.Module):
-    """A causal LM whose forward, backward and checkpoint I/O run in the AutoMoE engine."""
+def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
+                torch_dtype=None, dtype=None, attn_implementation=None, experts_implementation=None,
+                config=None, device_map=None, subfolder: str = "", output_loading_info: bool = False,
+                low_cpu_mem_usage=None, trust_remote_code=None, use_safetensors=None,
+                force_transformers: bool = False, **kwargs):
+    """from_pretrained for an engine-backed class (see AutoModelForCausalLM.from_pretrained)."""
+    if model_args:
+        raise TypeError("from_pretrained(): positional model arguments are not supported by AutoMoE")
+    path = _local_dir(pretrained_model_name_or_path, subfolder)
+    ignored = {k: "only used to download from the Hub; AutoMoE reads local directories"
+               for k in _HUB_ONLY if kwargs.pop(k, None) is not None}
+    if low_cpu_mem_usage is not None:
+        ignored["low_cpu_mem_usage"] = ("AutoMoE always loads with low memory: safetensors are "
+                                        "memory-mapped and each tensor is read once")
+    if trust_remote_code:
+        ignored["trust_remote_code"] = f"{cls.__name__} runs AutoMoE's engine, not remote code"
+    if use_safetensors is False:
+        raise ValueError("from_pretrained(use_safetensors=False): AutoMoE reads safetensors checkpoints only")
+    for key in ("quantization_config", "key_mapping", "tp_plan", "tp_size", "device_mesh", "max_memory",
+                "offload_folder", "offload_state_dict", "offload_buffers", "gguf_file", "variant",
+                "adapter_name", "adapter_kwargs"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"from_pretrained({key}=...): not supported by AutoMoE's engine; "
+                             "load with force_transformers=True to use Transformers' loader")
+    if kwargs.pop("ignore_mismatched_sizes", False):
+        raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
+                         "whose tensors do not match their config")
+    _warn_ignored("from_pretrained()", ignored)
+    cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
+    config = _native_config(path, config, kwargs)
+    chosen = dtype if dtype is not None else torch_dtype
+    engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
+                                config_json=config.to_json_string(use_diff=False))
+    model = cls._automoe_build(engine, config, source_dir=path)
+    model.config._name_or_path = os.fspath(pretrained_model_name_or_path)
+    model.name_or_path = os.fspath(pretrained_model_name_or_path)
+    device = _device(device_map)
+    if device is not None and device.type != "cpu":
+        model.to(device)
+    logger.info("automoe: %s (%s) runs natively in the AutoMoE engine: %s", path, config.model_type,
+                ", ".join(f"{k}={v}" for k, v in engine.backend().items()))
+    if output_loading_info:
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                       "error_msgs": []}
+    return model
 
-    def __init__(self, engine: "_C.Model"):
-        super().__init__()
-        self._engine = engine
-        self._config = None
-        # (engine name, owning module, attribute, Parameter the engine holds)
-        self._bindings: list[tuple[str, nn.Module, str, nn.Parameter]] = []
-        for name, tensor in engine.named_parameters():
-            param = nn.Parameter(tensor, requires_grad=True)
-            # nn.Parameter makes a new tensor over the same storage; hand it to the engine so that
-            # the forward uses (and autograd fills .grad of) exactly this object.
-            engine.set_parameter(name, param)
-            module, leaf = self._owner(name)
-            module.register_parameter(leaf, param)
-            self._bindings.append((name, module, leaf, param))
-        if engine.spec["tie_word_embeddings"]:
-            # As in Transformers: lm_head.weight is the embedding Parameter under a second name
-            # (state_dict() has both keys; parameters() yields it once).
-            module, leaf = self._owner("lm_head.weight")
-            module.register_parameter(leaf, self.get_parameter("model.embed_tokens.weight"))
 
-    def _owner(self, name: str) -> tuple[nn.Module, str]:
-        *path, leaf = name.split(".")
-        module: nn.Module = self
-        for part in path:
-            child = module._modules.get(part)
-            if child is None:
-                child = _Container()
-                module.add_module(part, child)
-            module = child
-        return module, leaf
-
-    def _sync_parameters(self) -> None:
-        """Re-binds parameters that were replaced on the module (load_state_dict(assign=True),
-        PEFT/accelerate swapping tensors) so the engine computes with what the module holds."""
-        for i, (name, module, leaf, bound) in enumerate(self._bindings):
-            current = module._parameters.get(leaf)
-            if current is not bound:
-                if current is None:
-                    raise AutoMoEError(f"parameter {name} was removed from the model")
-                self._engine.set_parameter(name, current)
-                self._bindings[i] = (name, module, leaf, current)
-
-    # -- what Transformers users reach for --------------------------------------------------
-    @property
-    def config(self):
-        """The checkpoint's config as a Transformers `PretrainedConfig`."""
-        if self._config is None:
-            from transformers import AutoConfig
-
-            raw = json.loads(self._engine.config_json)
-            self._config = AutoConfig.for_model(**raw)
-        return self._config
-
-    @property
-    def spec(self) -> dict:
-        return self._engine.spec
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.parameters()).dtype
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.parameters()).device
-
-    @property
-    def layout(self) -> str:
-        """The experts layout of the checkpoint this model was loaded from."""
-        return self._engine.layout
-
-    @property
-    def backend(self) -> BackendConfig:
-        return BackendConfig.from_engine(self._engine.backend())
-
-    def set_backend(self, backend: BackendConfig | dict) -> None:
-        self._engine.set_backend(BackendConfig.coerce(backend).to_dict())
-
-    # Transformers' switch: each decoder layer keeps only its input and is recomputed in the
-    # backward pass (in training mode), reusing the forward's routing decisions.
-    is_gradient_checkpointing = False
-
-    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
-        self.is_gradient_checkpointing = True
-
-    def gradient_checkpointing_disable(self) -> None:
-        self.is_gradient_checkpointing = False
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        output_router_logits: bool | None = None,
-        num_items_in_batch: int | float | torch.Tensor | None = None,
-        return_dict: bool = True,
-        **kwargs: Any,
-    ):
-        from transformers.modeling_outputs import MoeCausalLMOutputWithPast
-
-        use_cache = kwargs.pop("use_cache", None)
-        # Transformers' arguments that AutoMoE accepts at their no-op values.
-        harmless = {"logits_to_keep": 0, "output_hidden_states": False, "output_attentions": False,
-                    "past_key_values": None, "inputs_embeds": None, "cache_position": None}
-        unsupported = sorted(k for k, v in kwargs.items() if k not in harmless or v not in (None, harmless[k]))
-        if unsupported:
-            raise TypeError(f"forward(): arguments not supported by AutoMoE: {unsupported}")
-        if use_cache is None:
-            use_cache = bool(getattr(self.config, "use_cache", True))
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = float(num_items_in_batch.item())
-        self._sync_parameters()
-        out = self._engine.forward(
-            input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            labels=labels,
-            output_router_logits=output_router_logits,
-            num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
-            # Transformers splits packed documents (position_ids restarting, no attention_mask)
-            # only when it runs without a KV cache.
-            split_packed_documents=not use_cache,
-            activation_checkpointing=self.is_gradient_checkpointing and self.training,
-        )
-        result = MoeCausalLMOutputWithPast(
-            loss=out["loss"],
-            aux_loss=out["aux_loss"],
-            logits=out["logits"],
-            router_logits=out["router_logits"],
-        )
-        return result if return_dict else result.to_tuple()
-
-    def save_pretrained(
-        self,
-        save_directory: str | os.PathLike,
-        layout: str | None = None,
-        max_shard_size: int | str = "50GB",
-        **kwargs: Any,
-    ) -> None:
-        """Writes a Hugging Face checkpoint directory (config, safetensors, tokenizer files).
-
-        layout: "per-expert" or "fused"; default, the layout the model was loaded from.
-        """
-        if kwargs:
-            raise TypeError(f"save_pretrained(): arguments not supported by AutoMoE: {sorted(kwargs)}")
-        self._sync_parameters()
-        self._engine.save_pretrained(os.fspath(save_directory), layout, _parse_size(max_shard_size))
-
-    def num_parameters(self) -> int:
-        return sum(p.numel() for p in self.parameters())
+def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=None,
+                       attn_implementation=None, experts_implementation=None, **kwargs):
+    """from_config for an engine-backed class: fresh parameters, initialised as Transformers does
+    (normal(0, initializer_range), ones for norms), drawn from torch's global generator's seed."""
+    kwargs.pop("trust_remote_code", None)
+    cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
+    for key, value in list(kwargs.items()):
+        if hasattr(config, key):
+            setattr(config, key, kwargs.pop(key))
+    if kwargs:
+        raise TypeError(f"from_config(): arguments not supported by AutoMoE: {sorted(kwargs)}")
+    chosen = dtype if dtype is not None else torch_dtype
+    name = dtype_name(chosen) or dtype_name(getattr(config, "dtype", None)) or "float32"
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    engine = _C.init_model(config.to_json_string(use_diff=False), name, cfg.to_dict(), seed)
+    return cls._automoe_build(engine, config)
 
 
 class AutoModelForCausalLM:
     """`from automoe import AutoModelForCausalLM` — the one changed import."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        raise OSError("AutoModelForCausalLM is a factory: use AutoModelForCausalLM.from_pretrained(path)")
+        raise OSError("AutoModelForCausalLM is a factory: use AutoModelForCausalLM.from_pretrained(path) "
+                      "or AutoModelForCausalLM.from_config(config)")
 
     @classmethod
-    def from_pretrained(
-        cls,
-        pretrained_model_name_or_path: str | os.PathLike,
-        torch_dtype: Any = None,
-        backend: BackendConfig | dict | None = None,
-        *,
-        dtype: Any = None,
-        attn_implementation: str | None = None,
-        **kwargs: Any,
-    ) -> MoEForCausalLM:
-        """Loads a local Hugging Face checkpoint directory into the AutoMoE engine.
+    def from_pretrained(cls, pretrained_model_name_or_path: str | os.PathLike, *model_args,
+                        backend: BackendConfig | dict | None = None,
+                        force_transformers: bool = False, **kwargs: Any):
+        """Loads a local Hugging Face checkpoint directory.
 
-        torch_dtype / dtype: None or "auto" loads in the config's dtype (as Transformers v5 does).
-        backend: a BackendConfig or dict choosing each component's implementation.
-        attn_implementation: "sdpa" or "eager", as in Transformers (overrides backend.attn).
+        Transformers' arguments apply as in `transformers.AutoModelForCausalLM.from_pretrained`
+        (dtype / torch_dtype: None or "auto" is the config's dtype; attn_implementation "sdpa" or
+        "eager"; keys of the config override it). backend: a BackendConfig or dict choosing each
+        component's implementation. force_transformers: run Transformers' own model (with
+        AutoMoE's kernels) even where the engine implements the architecture.
         """
-        if kwargs:
-            raise TypeError(f"from_pretrained(): arguments not supported by AutoMoE: {sorted(kwargs)}")
-        path = os.fspath(pretrained_model_name_or_path)
-        if not os.path.isdir(path):
-            raise OSError(
-                f"{path}: not a local checkpoint directory (AutoMoE loads local Hugging Face "
-                "directories; download with `huggingface-cli download` first)"
-            )
-        cfg = BackendConfig.coerce(backend)
-        if attn_implementation is not None:
-            cfg.attn = attn_implementation
-        chosen = dtype if dtype is not None else torch_dtype
-        engine = _C.load_pretrained(path, _dtype_name(chosen) or "auto", cfg.to_dict())
-        return MoEForCausalLM(engine)
+        subfolder = kwargs.get("subfolder", "")
+        path = _local_dir(pretrained_model_name_or_path, subfolder)
+        config = kwargs.get("config")
+        model_type = config.model_type if config is not None else _read_model_type(path)
+        if model_type in NATIVE_CLASSES and not force_transformers:
+            return load_native(NATIVE_CLASSES[model_type], pretrained_model_name_or_path, *model_args,
+                               backend=backend, **kwargs)
+        from automoe import fallback
 
+        return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, *, backend: BackendConfig | dict | None = None,
+                    force_transformers: bool = False, **kwargs: Any):
+        """A model with fresh parameters for a Transformers config (no checkpoint)."""
+        if config.model_type in NATIVE_CLASSES and not force_transformers:
+            return native_from_config(NATIVE_CLASSES[config.model_type], config, backend=backend, **kwargs)
+        from automoe import fallback
+
+        return fallback.from_config(config, backend=backend, **kwargs)

@@ -5,6 +5,7 @@
 
 #include "automoe/core/error.h"
 #include "automoe/model/decoder.h"
+#include "automoe/model/kv_cache.h"
 #include "automoe/moe/aux_loss.h"
 #include "tiny_spec.h"
 
@@ -112,6 +113,92 @@ TEST(Decoder, RejectsParametersOfTheWrongShape) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find(params[3].first), std::string::npos);
   }
+}
+
+}  // namespace
+}  // namespace automoe
+
+namespace automoe {
+namespace {
+
+using automoe::testing::tiny_spec;
+
+TEST(KVCache, AppendGrowsAndKeepsEveryPositionInOrder) {
+  KVCache cache(2);
+  EXPECT_EQ(cache.length(), 0);
+  EXPECT_FALSE(cache.keys(0).defined());
+  at::manual_seed(1);
+  std::vector<at::Tensor> parts;
+  for (int64_t s : {5, 1, 1, 200, 3}) {  // a prefill, decode steps, then a long chunk (regrowth)
+    const at::Tensor k = at::randn({2, 3, s, 4}), v = at::randn({2, 3, s, 4});
+    const auto [all_k, all_v] = cache.append(0, k, v);
+    parts.push_back(k);
+    EXPECT_TRUE(all_k.equal(at::cat(parts, 2)));
+    EXPECT_EQ(all_v.size(2), cache.length(0));
+  }
+  EXPECT_EQ(cache.length(0), 210);
+  EXPECT_EQ(cache.length(1), 0);
+  EXPECT_EQ(cache.batch_size(), 2);
+}
+
+TEST(KVCache, BatchReorderRepeatAndRemoveLast) {
+  KVCache cache(1);
+  const at::Tensor k = at::arange(2 * 6, at::kFloat).view({2, 1, 6, 1});
+  cache.append(0, k, k + 100);
+  cache.index_batch(at::tensor({1, 1, 0}, at::kLong));
+  EXPECT_TRUE(cache.keys(0).equal(k.index_select(0, at::tensor({1, 1, 0}, at::kLong))));
+  cache.repeat_interleave_batch(2);
+  EXPECT_EQ(cache.batch_size(), 6);
+  cache.remove_last(2);
+  EXPECT_EQ(cache.length(0), 4);
+  EXPECT_TRUE(cache.values(0).narrow(0, 0, 1).equal(k.narrow(0, 1, 1).narrow(2, 0, 4) + 100));
+  EXPECT_THROW(cache.index_batch(at::tensor({6}, at::kLong)), Error);
+  EXPECT_THROW(cache.append(0, at::zeros({6, 2, 1, 1}), at::zeros({6, 2, 1, 1})), Error);
+}
+
+TEST(Decoder, IncrementalDecodingWithTheCacheMatchesTheFullForward) {
+  const ModelSpec s = tiny_spec();
+  for (auto attn : {AttnBackend::kSdpa, AttnBackend::kEager}) {
+    BackendConfig backend;
+    backend.attn = attn;
+    const Decoder model = random_decoder(s, backend);
+    const at::Tensor ids = at::randint(0, s.vocab_size, {2, 9}, at::kLong);
+    at::Tensor mask = at::ones({2, 9}, at::kLong);
+    mask.narrow(1, 0, 3)[1].zero_();  // row 1 is left-padded
+    ForwardArgs full{ids, mask};
+    const at::Tensor expected = model.forward(full).logits;
+    KVCache cache(s.num_layers);
+    std::vector<at::Tensor> steps;
+    for (int64_t start : {0, 5, 6, 7, 8}) {  // prefill 5, then one token at a time
+      const int64_t len = start == 0 ? 5 : 1;
+      ForwardArgs a{ids.narrow(1, start, len), mask.narrow(1, 0, start + len)};
+      a.cache = &cache;
+      steps.push_back(model.forward(a).logits);
+    }
+    EXPECT_EQ(cache.length(), 9);
+    const at::Tensor real = mask.unsqueeze(-1).to(at::kBool).expand_as(expected);
+    EXPECT_LT(max_rel(at::cat(steps, 1).masked_select(real), expected.masked_select(real)), 1e-5);
+  }
+}
+
+TEST(Decoder, BackboneOnlyAndLogitsToKeep) {
+  const ModelSpec s = tiny_spec();
+  const Decoder model = random_decoder(s);
+  const at::Tensor ids = at::randint(0, s.vocab_size, {2, 6}, at::kLong);
+  ForwardArgs a{ids};
+  const ForwardResult full = model.forward(a);
+  a.lm_head = false;
+  a.output_hidden_states = true;
+  const ForwardResult hidden = model.forward(a);
+  EXPECT_FALSE(hidden.logits.defined());
+  EXPECT_TRUE(hidden.last_hidden_state.equal(full.last_hidden_state));
+  ASSERT_EQ(hidden.hidden_states.size(), static_cast<size_t>(s.num_layers + 1));
+  EXPECT_TRUE(hidden.hidden_states.back().equal(full.last_hidden_state));
+  ForwardArgs last{ids};
+  last.logits_to_keep = 1;
+  EXPECT_LT(max_rel(model.forward(last).logits, full.logits.narrow(1, 5, 1)), 1e-6);
+  last.labels = ids;
+  EXPECT_THROW(model.forward(last), Error);
 }
 
 }  // namespace

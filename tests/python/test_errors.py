@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 import automoe
 from automoe import AutoModelForCausalLM
-from automoe.modeling import AutoMoEError
+from automoe import AutoMoEError
 
 
 def copy_ckpt(src, dst):
@@ -26,10 +26,19 @@ def edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps(cfg))
 
 
-def test_unsupported_architecture_names_the_supported_ones(checkpoint_factory, tmp_path):
+def test_unknown_architecture_names_the_native_ones(checkpoint_factory, tmp_path):
     path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied"), tmp_path / "m")
-    edit_config(path, model_type="mixtral")
-    with pytest.raises(AutoMoEError, match=r"model_type \"mixtral\" is not implemented.*supported: qwen3_moe"):
+    edit_config(path, model_type="no_such_moe")
+    with pytest.raises(AutoMoEError, match=r"neither AutoMoE's engine \(native: \['qwen3_moe'\]\) nor Transformers"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_checkpoint_that_does_not_match_its_fallback_model_is_refused(checkpoint_factory, tmp_path):
+    """Qwen3-MoE weights under a Mixtral config: Transformers would initialise the missing weights at
+    random and warn; AutoMoE refuses and names them."""
+    path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied"), tmp_path / "m")
+    edit_config(path, model_type="mixtral", num_local_experts=5)
+    with pytest.raises(AutoMoEError, match=r"does not match Transformers' MixtralForCausalLM.*missing keys"):
         AutoModelForCausalLM.from_pretrained(path)
 
 
@@ -94,11 +103,20 @@ def test_corrupt_safetensors_file_is_reported_not_crashed(checkpoint_factory, tm
         AutoModelForCausalLM.from_pretrained(path)
 
 
-def test_not_a_directory_and_unknown_arguments(tmp_path):
+def test_not_a_directory_and_unknown_arguments(checkpoint_factory, tmp_path):
     with pytest.raises(OSError, match="not a local checkpoint directory"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "missing")
-    with pytest.raises(TypeError, match="device_map"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, device_map="auto")
+    with pytest.raises(OSError, match="config.json: cannot read the checkpoint's config"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    path = checkpoint_factory("e5_top2_gqa2_untied")
+    with pytest.raises(TypeError, match=r"neither from_pretrained's nor keys of the qwen3_moe config: \['not_an_argument'\]"):
+        AutoModelForCausalLM.from_pretrained(path, not_an_argument=1)
+    with pytest.raises(ValueError, match="device_map=.*one device"):
+        AutoModelForCausalLM.from_pretrained(path, device_map={"model": "cpu", "lm_head": "meta"})
+    with pytest.raises(ValueError, match="quantization_config"):
+        AutoModelForCausalLM.from_pretrained(path, quantization_config={"load_in_8bit": True})
+    with pytest.warns(UserWarning, match=r"revision \(only used to download.*low_cpu_mem_usage \(AutoMoE always loads with low memory"):
+        AutoModelForCausalLM.from_pretrained(path, low_cpu_mem_usage=True, revision="main")
 
 
 def test_unimplemented_backend_value_names_the_available_ones(checkpoint_factory):

@@ -1,7 +1,10 @@
 """Qwen3-MoE in AutoMoE matches Transformers v5 on checkpoints Transformers wrote.
 
-float32, a batch with left and right padding: logits, loss and aux loss to 1e-5 relative, every
-parameter's gradient after loss.backward() to 1e-4 relative; for every backend combination below.
+float32, a batch with left and right padding: logits (at every position, padding included), loss
+and aux loss to 1e-5 relative, every parameter's gradient after loss.backward() to 1e-4 relative;
+for every backend combination below, with Transformers' default attention (sdpa) against AutoMoE's
+sdpa and Transformers' eager against AutoMoE's eager. The left-padded row's first real token is
+predicted from a query that sees no key, where sdpa and eager differ: each side must follow its own.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ BACKENDS = {
 def run_both(path, attn="sdpa", backend=None, **forward_kwargs):
     from transformers import AutoModelForCausalLM as HFModel
 
-    hf = HFModel.from_pretrained(path, attn_implementation="eager")
+    hf = HFModel.from_pretrained(path, attn_implementation=attn)
     ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn,
                                                         backend=backend or FUSED)
     ids, mask, labels = padded_batch(hf.config.vocab_size)
@@ -46,21 +49,22 @@ def run_both(path, attn="sdpa", backend=None, **forward_kwargs):
     return hf, ours, ref, out, mask
 
 
-@pytest.mark.parametrize("layout, backend", [("per-expert", "all_torch"), ("fused", "all_torch"),
-                                             ("per-expert", "all_fused"), ("fused", "all_fused"),
-                                             ("fused", "torch_mm"),
-                                             ("fused", "grouped_torch_swiglu")])
+@pytest.mark.parametrize("layout, backend, attn", [
+    ("per-expert", "all_torch", "sdpa"), ("fused", "all_torch", "eager"),
+    ("per-expert", "all_fused", "eager"), ("fused", "all_fused", "sdpa"),
+    ("fused", "torch_mm", "sdpa"), ("fused", "grouped_torch_swiglu", "eager")])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_matches_transformers_logits_loss_aux_and_grads(checkpoint_factory, name, layout, backend):
+def test_matches_transformers_logits_loss_aux_and_grads(checkpoint_factory, name, layout, backend, attn):
     path = checkpoint_factory(name, layout)
-    hf, ours, ref, out, mask = run_both(path, backend=BACKENDS[backend], output_router_logits=True)
+    hf, ours, ref, out, mask = run_both(path, attn=attn, backend=BACKENDS[backend],
+                                        output_router_logits=True)
     assert ours.layout == layout
     if backend == "all_fused":
         assert ours(input_ids=torch.ones(1, 3, dtype=torch.long),
                     labels=torch.ones(1, 3, dtype=torch.long)).logits is None
 
     keep = mask.bool()
-    assert rel_err(out.logits[keep], ref.logits[keep]) <= 1e-5
+    assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.loss, ref.loss) <= 1e-5
     assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5
     assert len(out.router_logits) == len(ref.router_logits) == sum(ours.spec["layer_is_moe"])
@@ -76,11 +80,29 @@ def test_matches_transformers_logits_loss_aux_and_grads(checkpoint_factory, name
         assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
 
 
-def test_eager_attention_backend_matches_too(checkpoint_factory):
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_query_that_sees_no_key_follows_each_attention(checkpoint_factory, attn):
+    """Labels on the left-padded row's first real token: its prediction comes from a padding query
+    with no key to attend to. Transformers' sdpa (bool mask) and eager (finite mask) treat that row
+    differently; loss and every gradient must match the attention Transformers uses."""
     path = checkpoint_factory("e7_top4_sparse_step2_gqa4")
-    _, _, ref, out, mask = run_both(path, attn="eager", output_router_logits=True)
-    assert rel_err(out.logits[mask.bool()], ref.logits[mask.bool()]) <= 1e-5
+    from transformers import AutoModelForCausalLM as HFModel
+
+    hf = HFModel.from_pretrained(path, attn_implementation=attn)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn)
+    ids, mask, _ = padded_batch(hf.config.vocab_size)
+    labels = ids.clone()  # every position carries a label, padding included
+    ref, out = hf(input_ids=ids, attention_mask=mask, labels=labels), ours(input_ids=ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    out.loss.backward()
+    assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.loss, ref.loss) <= 1e-5
+    ref_params = dict(hf.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
+    # and the two attentions really differ there (so the test can tell them apart)
+    other = HFModel.from_pretrained(path, attn_implementation="eager" if attn == "sdpa" else "sdpa")
+    assert rel_err(other(input_ids=ids, attention_mask=mask, labels=labels).loss, ref.loss) > 1e-4
 
 
 def test_aux_loss_is_off_unless_router_logits_requested(checkpoint_factory):

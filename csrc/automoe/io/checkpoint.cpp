@@ -10,6 +10,7 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/model/init.h"
 
 namespace automoe {
 namespace fs = std::filesystem;
@@ -104,10 +105,45 @@ NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
   return out;
 }
 
+NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spec,
+                               const Architecture& arch) {
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& [name, t] : tensors) by_name[name] = t;
+  std::set<std::string> consumed;
+  std::map<std::string, at::Tensor> gathered;  // first consumed disk name -> in-memory tensor
+  std::map<std::string, std::string> gathered_name;
+  for (const auto& decl : parameter_layout(spec)) {
+    std::string prefix;
+    const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
+    if (!rule || by_name.count(decl.name)) continue;
+    const std::string first = disk_name(prefix, rule->parts.front(), 0);
+    if (!by_name.count(first)) continue;
+    at::Tensor t = gather_experts(*rule, prefix, spec.moe.num_experts, [&](const std::string& n) {
+      AUTOMOE_CHECK(by_name.count(n), "state dict: tensor ", n, " is missing (", decl.name,
+                    " in the per-expert layout needs every expert)");
+      consumed.insert(n);
+      return by_name.at(n);
+    });
+    gathered[first] = std::move(t);
+    gathered_name[first] = decl.name;
+  }
+  NamedTensors out;
+  for (const auto& [name, t] : tensors) {
+    if (gathered.count(name)) {
+      out.emplace_back(gathered_name.at(name), gathered.at(name));
+    } else if (!consumed.count(name)) {
+      out.emplace_back(name, t);
+    }
+  }
+  return out;
+}
+
 PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
-                                const BackendConfig& backend) {
+                                const BackendConfig& backend,
+                                const std::optional<std::string>& config_json) {
   PretrainedModel m;
-  m.config = load_config(dir);
+  m.config = config_json ? parse_config(*config_json, (fs::path(dir) / "config.json").string())
+                         : load_config(dir);
   m.source_dir = dir;
   const Architecture& arch = find_architecture(m.config.spec.model_type, m.config.path);
   SafetensorsCheckpoint ckpt(dir);
@@ -116,21 +152,84 @@ PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::Scala
   return m;
 }
 
+PretrainedModel init_pretrained(const std::string& config_json, const std::string& origin,
+                                c10::ScalarType dtype, const BackendConfig& backend,
+                                uint64_t seed) {
+  PretrainedModel m;
+  m.config = parse_config(config_json, origin);
+  // A new model is written as Transformers v5 writes one by default (its original format).
+  m.layout = find_architecture(m.config.spec.model_type, origin).per_expert_rules.empty()
+                 ? ExpertsLayout::kFused
+                 : ExpertsLayout::kPerExpert;
+  const double std = m.config.json->value("initializer_range", 0.02);
+  AUTOMOE_CHECK(std >= 0, origin, ": key \"initializer_range\": expected >= 0, got ", std);
+  m.decoder = std::make_unique<Decoder>(
+      m.config.spec, backend,
+      init_parameters(m.config.spec, dtype, c10::Device(c10::kCPU), seed, std));
+  return m;
+}
+
+namespace {
+
+// The tensors to save in parameter_layout order: the model's own, or `given` after checking that
+// it holds exactly those names and shapes (a tied LM head may be listed; it is the embedding).
+NamedTensors tensors_to_save(const PretrainedModel& model,
+                             const std::optional<NamedTensors>& given) {
+  const NamedTensors& params = model.decoder->named_parameters();
+  if (!given) return params;
+  const ModelSpec& spec = model.decoder->spec();
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& [name, t] : *given) {
+    AUTOMOE_CHECK(by_name.emplace(name, t).second, "state_dict: ", name, " is listed twice");
+  }
+  NamedTensors out;
+  for (const auto& [name, own] : params) {
+    auto it = by_name.find(name);
+    AUTOMOE_CHECK(it != by_name.end(), "state_dict: missing ", name,
+                  " (save_pretrained writes a whole checkpoint; every parameter is needed)");
+    AUTOMOE_CHECK(it->second.sizes() == own.sizes(), "state_dict: ", name, ": expected shape ",
+                  own.sizes(), ", got ", it->second.sizes());
+    AUTOMOE_CHECK(at::isFloatingType(it->second.scalar_type()), "state_dict: ", name,
+                  ": expected a floating-point tensor, got ", it->second.scalar_type());
+    out.emplace_back(name, it->second.detach().to(at::kCPU));
+    by_name.erase(it);
+  }
+  if (spec.tie_word_embeddings) by_name.erase("lm_head.weight");
+  if (!by_name.empty()) {
+    fail("state_dict: ", by_name.size(), " tensor(s) that this ", spec.model_type,
+         " model does not have, e.g. ", by_name.begin()->first);
+  }
+  return out;
+}
+
+}  // namespace
+
 void save_pretrained(const PretrainedModel& model, const std::string& dir,
-                     std::optional<ExpertsLayout> layout, uint64_t max_shard_bytes) {
+                     const SaveOptions& options) {
   std::error_code ec;
   fs::create_directories(dir, ec);
   AUTOMOE_CHECK(!ec, dir, ": cannot create output directory: ", ec.message());
   const ModelSpec& spec = model.decoder->spec();
   const Architecture& arch = find_architecture(spec.model_type, model.config.path);
-  const NamedTensors& params = model.decoder->named_parameters();
+  const NamedTensors params = tensors_to_save(model, options.tensors);
 
-  nlohmann::json config = *model.config.json;
-  config["dtype"] = dtype_to_name(params.front().second.scalar_type());
-  config.erase("torch_dtype");
-  save_sharded(dir, to_disk_tensors(params, spec, arch, layout.value_or(model.layout)),
-               max_shard_bytes);
-  write_file_atomic((fs::path(dir) / "config.json").string(), config.dump(2) + "\n");
+  std::string config_text;
+  if (options.config_json) {
+    config_text = *options.config_json;
+  } else {
+    nlohmann::json config = *model.config.json;
+    config["dtype"] = dtype_to_name(params.front().second.scalar_type());
+    config.erase("torch_dtype");
+    config_text = config.dump(2) + "\n";
+  }
+  save_sharded(dir, to_disk_tensors(params, spec, arch, options.layout.value_or(model.layout)),
+               options.max_shard_bytes);
+  write_file_atomic((fs::path(dir) / "config.json").string(), config_text);
+  for (const auto& [name, text] : options.extra_files) {
+    AUTOMOE_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "config.json",
+                  "save_pretrained: bad extra file name \"", name, "\"");
+    write_file_atomic((fs::path(dir) / name).string(), text);
+  }
 
   // Tokenizer, chat template, generation config: everything that is not weights or config.
   if (model.source_dir.empty() || !fs::is_directory(model.source_dir)) return;
@@ -139,8 +238,9 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
     if (!entry.is_regular_file()) continue;
     const std::string name = entry.path().filename().string();
     const std::string ext = entry.path().extension().string();
-    if (name == "config.json" || name.rfind('.', 0) == 0 || name.rfind("model", 0) == 0 ||
-        ext == ".safetensors" || ext == ".bin" || ext == ".pt" || ext == ".pth") {
+    if (name == "config.json" || options.extra_files.count(name) || name.rfind('.', 0) == 0 ||
+        name.rfind("model", 0) == 0 || ext == ".safetensors" || ext == ".bin" || ext == ".pt" ||
+        ext == ".pth") {
       continue;
     }
     std::ifstream in(entry.path(), std::ios::binary);

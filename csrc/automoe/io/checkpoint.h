@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,14 +39,47 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
 NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
                              const Architecture& arch, ExpertsLayout layout);
 
-PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
-                                const BackendConfig& backend = {});
+// The reverse for tensors named as in a checkpoint of either layout (a state dict read from
+// safetensors): per-expert tensors are stacked into the in-memory parameter (a copy); every other
+// entry, unknown names included, passes through unchanged and in order.
+NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spec,
+                               const Architecture& arch);
 
-// Writes config.json (the loaded config, "dtype" updated), the weights in `layout` (default: the
-// layout that was loaded), sharded at `max_shard_bytes`, and copies tokenizer/generation files
-// from the source directory. Every file is written atomically.
+// `config_json`: the config to build from instead of `dir`/config.json (a caller that changed it,
+// e.g. the drop-in applying from_pretrained's config overrides); errors still name `dir`.
+PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
+                                const BackendConfig& backend = {},
+                                const std::optional<std::string>& config_json = std::nullopt);
+
+// A model with fresh parameters for a config (Transformers' from_config): see init_parameters.
+PretrainedModel init_pretrained(const std::string& config_json, const std::string& origin,
+                                c10::ScalarType dtype, const BackendConfig& backend, uint64_t seed);
+
+struct SaveOptions {
+  std::optional<ExpertsLayout> layout;  // default: the layout that was loaded
+  uint64_t max_shard_bytes = 5ull << 30;
+  // config.json to write instead of the loaded config with "dtype" updated.
+  std::optional<std::string> config_json;
+  // Further files to write (name -> contents), e.g. generation_config.json; they take precedence
+  // over files of the same name copied from the source directory.
+  std::map<std::string, std::string> extra_files;
+  // Tensors to write instead of the model's parameters (Transformers'
+  // save_pretrained(state_dict=)): exactly the parameters' in-memory names and shapes, in any
+  // order.
+  std::optional<NamedTensors> tensors;
+};
+
+// Writes config.json, the weights in the chosen layout, sharded at `max_shard_bytes`, and copies
+// tokenizer/generation files from the source directory. Every file is written atomically.
 void save_pretrained(const PretrainedModel& model, const std::string& dir,
-                     std::optional<ExpertsLayout> layout = std::nullopt,
-                     uint64_t max_shard_bytes = 5ull << 30);
+                     const SaveOptions& options);
+inline void save_pretrained(const PretrainedModel& model, const std::string& dir,
+                            std::optional<ExpertsLayout> layout = std::nullopt,
+                            uint64_t max_shard_bytes = 5ull << 30) {
+  SaveOptions o;
+  o.layout = layout;
+  o.max_shard_bytes = max_shard_bytes;
+  save_pretrained(model, dir, o);
+}
 
 }  // namespace automoe

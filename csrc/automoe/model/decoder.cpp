@@ -5,9 +5,10 @@
 #include <torch/custom_class.h>
 
 #include <functional>
-#include <memory>
 #include <limits>
 #include <map>
+#include <memory>
+#include <tuple>
 
 #include "automoe/core/error.h"
 #include "automoe/moe/aux_loss.h"
@@ -80,6 +81,7 @@ Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
     const std::string pre = "model.layers." + std::to_string(l) + ".";
     const std::string att = pre + "self_attn.";
     LayerIdx L{};
+    L.index = l;
     L.input_norm = at_name(pre + "input_layernorm.weight");
     L.post_norm = at_name(pre + "post_attention_layernorm.weight");
     L.q = at_name(att + "q_proj.weight");
@@ -120,6 +122,38 @@ void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
   fail("set_parameter: no parameter named ", name);
 }
 
+void Decoder::rebind(const std::vector<std::optional<at::Tensor>>& tensors) {
+  AUTOMOE_CHECK(tensors.size() == params_.size(), "rebind: expected ", params_.size(),
+                " entries (one per parameter), got ", tensors.size());
+  const auto& embed = tensors[embed_];
+  if (embed && embed->dim() == 2 && embed->size(0) != spec_.vocab_size) {
+    resize_vocab(*embed, tensors[lm_head_]);
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i] || tensors[i]->is_same(params_[i].second)) continue;
+    AUTOMOE_CHECK(tensors[i]->sizes() == params_[i].second.sizes(), "parameter ", params_[i].first,
+                  ": expected shape ", params_[i].second.sizes(), ", got ", tensors[i]->sizes());
+    params_[i].second = *tensors[i];
+  }
+}
+
+void Decoder::resize_vocab(const at::Tensor& embed, const std::optional<at::Tensor>& lm_head) {
+  const int64_t H = spec_.hidden_size;
+  AUTOMOE_CHECK(embed.dim() == 2 && embed.size(1) == H && embed.size(0) > 0,
+                "resize_vocab: expected the embedding as [vocab, ", H, "], got ", embed.sizes());
+  if (spec_.tie_word_embeddings) {
+    AUTOMOE_CHECK(!lm_head || lm_head->is_same(embed),
+                  "resize_vocab: the LM head is tied to the embedding; got a separate tensor");
+  } else {
+    AUTOMOE_CHECK(lm_head && lm_head->sizes() == embed.sizes(),
+                  "resize_vocab: expected the LM head as [", embed.size(0), ", ", H,
+                  "] like the embedding, got ", lm_head ? lm_head->sizes() : at::IntArrayRef{});
+    params_[lm_head_].second = *lm_head;
+  }
+  params_[embed_].second = embed;
+  spec_.vocab_size = embed.size(0);
+}
+
 at::Tensor Decoder::rms_norm(const at::Tensor& x, int64_t weight) const {
   return backend_.fused_rms_norm ? ops::rmsnorm(x, p(weight), spec_.rms_norm_eps)
                                  : ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
@@ -140,73 +174,125 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t groups) {
 }
 
 void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
-  const at::Tensor& ids = a.input_ids;
-  AUTOMOE_CHECK(ids.defined() && ids.dim() == 2, "input_ids: expected a [batch, seq] tensor, got ",
-                ids.defined() ? ids.sizes() : at::IntArrayRef{});
-  AUTOMOE_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
-                "input_ids: expected integer token ids, got dtype ", ids.scalar_type());
-  AUTOMOE_CHECK(ids.size(0) > 0 && ids.size(1) > 0, "input_ids: empty batch ", ids.sizes());
-  const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
-  AUTOMOE_CHECK(lo >= 0 && hi < s.vocab_size, "input_ids: token ids must be in [0, ", s.vocab_size,
-                "), found values in [", lo, ", ", hi, "]");
+  AUTOMOE_CHECK(a.input_ids.defined() != a.inputs_embeds.has_value(),
+                "forward: pass exactly one of input_ids and inputs_embeds");
+  int64_t B = 0, S = 0;
+  if (a.inputs_embeds) {
+    const at::Tensor& e = *a.inputs_embeds;
+    AUTOMOE_CHECK(e.dim() == 3 && e.size(2) == s.hidden_size && e.size(0) > 0 && e.size(1) > 0,
+                  "inputs_embeds: expected a [batch, seq, ", s.hidden_size, "] tensor, got ",
+                  e.sizes());
+    AUTOMOE_CHECK(at::isFloatingType(e.scalar_type()),
+                  "inputs_embeds: expected floating-point values, got dtype ", e.scalar_type());
+    B = e.size(0);
+    S = e.size(1);
+  } else {
+    const at::Tensor& ids = a.input_ids;
+    AUTOMOE_CHECK(ids.dim() == 2, "input_ids: expected a [batch, seq] tensor, got ", ids.sizes());
+    AUTOMOE_CHECK(!at::isFloatingType(ids.scalar_type()) && ids.scalar_type() != at::kBool,
+                  "input_ids: expected integer token ids, got dtype ", ids.scalar_type());
+    AUTOMOE_CHECK(ids.size(0) > 0 && ids.size(1) > 0, "input_ids: empty batch ", ids.sizes());
+    const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+    AUTOMOE_CHECK(lo >= 0 && hi < s.vocab_size, "input_ids: token ids must be in [0, ",
+                  s.vocab_size, "), found values in [", lo, ", ", hi, "]");
+    B = ids.size(0);
+    S = ids.size(1);
+  }
+  const int64_t past = a.cache ? a.cache->length() : 0;
+  if (a.cache) {
+    AUTOMOE_CHECK(a.cache->num_layers() == s.num_layers, "past_key_values: a cache for ",
+                  a.cache->num_layers(), " layers; this model has ", s.num_layers);
+    AUTOMOE_CHECK(past == 0 || a.cache->batch_size() == B, "past_key_values: holds a batch of ",
+                  a.cache->batch_size(), " rows; the inputs have ", B);
+    AUTOMOE_CHECK(!a.document_ids, "document_ids cannot be combined with a KV cache");
+  }
   if (a.attention_mask) {
-    AUTOMOE_CHECK(a.attention_mask->sizes() == ids.sizes(), "attention_mask: expected shape ",
-                  ids.sizes(), " like input_ids, got ", a.attention_mask->sizes());
+    const auto& m = *a.attention_mask;
+    AUTOMOE_CHECK(m.dim() == 2 && m.size(0) == B && m.size(1) == past + S,
+                  "attention_mask: expected shape [", B, ", ", past + S, "] (",
+                  past ? "cached + new positions" : "like input_ids", "), got ", m.sizes());
   }
   if (a.document_ids) {
     AUTOMOE_CHECK(!a.attention_mask, "document_ids and attention_mask: pass one or the other");
-    AUTOMOE_CHECK(a.document_ids->sizes() == ids.sizes(), "document_ids: expected shape ",
-                  ids.sizes(), " like input_ids, got ", a.document_ids->sizes());
+    AUTOMOE_CHECK(
+        a.document_ids->dim() == 2 && a.document_ids->size(0) == B && a.document_ids->size(1) == S,
+        "document_ids: expected shape [", B, ", ", S, "], got ", a.document_ids->sizes());
     AUTOMOE_CHECK(!at::isFloatingType(a.document_ids->scalar_type()),
                   "document_ids: expected integer ids, got dtype ", a.document_ids->scalar_type());
   }
   if (a.position_ids) {
     const auto& pos = *a.position_ids;
-    AUTOMOE_CHECK(pos.dim() == 2 && (pos.size(0) == ids.size(0) || pos.size(0) == 1) &&
-                      pos.size(1) == ids.size(1),
-                  "position_ids: expected shape [", ids.size(0), " or 1, ", ids.size(1), "], got ",
-                  pos.sizes());
+    AUTOMOE_CHECK(pos.dim() == 2 && (pos.size(0) == B || pos.size(0) == 1) && pos.size(1) == S,
+                  "position_ids: expected shape [", B, " or 1, ", S, "], got ", pos.sizes());
     AUTOMOE_CHECK(!at::isFloatingType(pos.scalar_type()), "position_ids: expected integers, got ",
                   pos.scalar_type());
   }
   if (a.labels) {
     const auto& lab = *a.labels;
-    AUTOMOE_CHECK(lab.sizes() == ids.sizes(), "labels: expected shape ", ids.sizes(),
-                  " like input_ids, got ", lab.sizes());
+    AUTOMOE_CHECK(lab.dim() == 2 && lab.size(0) == B && lab.size(1) == S,
+                  "labels: expected shape [", B, ", ", S, "] like input_ids, got ", lab.sizes());
     const at::Tensor bad = lab.ne(-100).logical_and(lab.lt(0).logical_or(lab.ge(s.vocab_size)));
     AUTOMOE_CHECK(!bad.any().item<bool>(), "labels: expected token ids in [0, ", s.vocab_size,
                   ") or -100, found ", lab.masked_select(bad).slice(0, 0, 5));
+    AUTOMOE_CHECK(a.lm_head, "labels: the backbone alone (no LM head) computes no loss");
+    AUTOMOE_CHECK(a.logits_to_keep == 0 && !a.logits_indices,
+                  "labels: the loss needs the logits of every position; logits_to_keep must be 0");
   }
+  AUTOMOE_CHECK(a.logits_to_keep >= 0, "logits_to_keep: expected >= 0, got ", a.logits_to_keep);
+  if (a.logits_indices) {
+    AUTOMOE_CHECK(
+        a.logits_indices->dim() == 1 && !at::isFloatingType(a.logits_indices->scalar_type()),
+        "logits_to_keep: expected an int or a 1-D tensor of positions, got ",
+        a.logits_indices->sizes(), " ", a.logits_indices->scalar_type());
+  }
+  AUTOMOE_CHECK(!(a.cache && a.activation_checkpointing && at::GradMode::is_enabled()),
+                "activation checkpointing cannot be combined with a KV cache (use_cache=False, as "
+                "Transformers sets when gradient checkpointing is on)");
 }
 
-// Additive attention mask [B or 1, 1, S, S] (0 where a query may attend, the dtype's lowest value
-// elsewhere — finite, so a fully masked row gives uniform weights rather than NaN, as in
-// Transformers), or nullopt when plain causal attention is all that is needed. Sets
-// *fully_masked_rows when some query sees no key at all (a left-padded row's padding).
-std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos_BS,
-                                     int64_t sliding_window, c10::ScalarType dtype,
-                                     bool need_explicit, bool* fully_masked_rows) {
-  const int64_t S = a.input_ids.size(1);
-  const auto dev = a.input_ids.device();
-  const at::Tensor q_idx =
-      at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).view({S, 1});
-  const at::Tensor k_idx = q_idx.view({1, S});
-  at::Tensor allowed = k_idx.le(q_idx);  // [S, S]
-  bool plain = true;
+// The lowest finite value of `dtype`: what Transformers' eager mask puts where a query may not
+// look.
+double lowest_value(c10::ScalarType dtype) {
+  return dtype == at::kBFloat16 ? -3.3895313892515355e38
+         : dtype == at::kHalf   ? -65504.0
+         : dtype == at::kDouble ? std::numeric_limits<double>::lowest()
+                                : std::numeric_limits<float>::lowest();
+}
+
+struct AttentionMask {
+  std::optional<at::Tensor> mask;  // sdpa: bool; eager: additive in the model dtype
+  bool is_causal = false;          // sdpa without a mask: whether SDPA applies its causal mask
+};
+
+// Transformers' masks (masking_utils.create_causal_mask) for S queries after `past` cached keys:
+// the query at cache index past + i may see key j <= past + i, within the sliding window, of its
+// own document or packed sequence, and not padding. sdpa takes it as a bool [B, 1, S, past + S]
+// mask, or none at all where Transformers skips it (no padding and a plain causal pattern with
+// S == 1 or no cache; SDPA's is_causal then); eager always as an additive mask (0 / the lowest
+// value, so that a query that sees no key attends uniformly, as in Transformers).
+AttentionMask build_mask(const ForwardArgs& a, const at::Tensor& pos_BS, int64_t B, int64_t S,
+                         int64_t past, int64_t sliding_window, c10::ScalarType dtype, bool eager,
+                         c10::Device dev) {
+  const int64_t KV = past + S;
+  const auto long_opts = at::TensorOptions().dtype(at::kLong).device(dev);
+  const at::Tensor q_idx = (at::arange(S, long_opts) + past).view({S, 1});
+  const at::Tensor k_idx = at::arange(KV, long_opts).view({1, KV});
+  at::Tensor allowed = k_idx.le(q_idx);  // [S, KV]
+  bool plain = true;                     // nothing but the causal pattern
   if (sliding_window > 0) {
     allowed = allowed.logical_and((q_idx - k_idx).lt(sliding_window));
-    plain = false;
+    if (KV >= sliding_window) plain = false;  // Transformers keeps the mask once the window bites
   }
-  allowed = allowed.view({1, 1, S, S});
+  allowed = allowed.view({1, 1, S, KV});
   if (a.document_ids) {
     const at::Tensor doc_BS = a.document_ids->to(at::kLong);
     allowed = allowed.logical_and(doc_BS.view({-1, 1, S, 1}).eq(doc_BS.view({-1, 1, 1, S})));
     plain = false;
   } else if (a.attention_mask) {
-    const at::Tensor keep_B11S = a.attention_mask->ne(0).view({-1, 1, 1, S});
-    if (!keep_B11S.all().item<bool>()) plain = false;
-    allowed = allowed.logical_and(keep_B11S);
-  } else if (a.position_ids && a.split_packed_documents) {
+    const at::Tensor keep_B11K = a.attention_mask->ne(0).view({-1, 1, 1, KV});
+    if (!keep_B11K.all().item<bool>()) plain = false;
+    allowed = allowed.logical_and(keep_B11K);
+  } else if (a.position_ids && a.split_packed_documents && !a.cache) {
     // Packed sequences: a position that does not follow its predecessor by one starts a document;
     // tokens attend only within their document.
     const at::Tensor first = pos_BS.narrow(1, 0, 1) - 1;
@@ -216,21 +302,25 @@ std::optional<at::Tensor> build_mask(const ForwardArgs& a, const at::Tensor& pos
       plain = false;
     }
   }
-  if (plain && !need_explicit) return std::nullopt;
-  if (fully_masked_rows) *fully_masked_rows = !allowed.any(-1).all().item<bool>();
-  const double lowest = dtype == at::kBFloat16 ? -3.3895313892515355e38
-                        : dtype == at::kHalf   ? -65504.0
-                        : dtype == at::kDouble ? std::numeric_limits<double>::lowest()
-                                               : std::numeric_limits<float>::lowest();
-  return at::zeros(allowed.sizes(), at::TensorOptions().dtype(dtype).device(dev))
-      .masked_fill(allowed.logical_not(), lowest);
+  AttentionMask out;
+  if (!eager) {
+    if (plain && (S == 1 || KV == S)) {
+      out.is_causal = S > 1;
+      return out;
+    }
+    out.mask = allowed.expand({B, 1, S, KV});
+    return out;
+  }
+  out.mask = at::zeros(allowed.sizes(), at::TensorOptions().dtype(dtype).device(dev))
+                 .masked_fill(allowed.logical_not(), lowest_value(dtype))
+                 .expand({B, 1, S, KV});
+  return out;
 }
 
 }  // namespace
 
-at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const at::Tensor& cos_BSD,
-                              const at::Tensor& sin_BSD, const std::optional<at::Tensor>& mask,
-                              bool eager) const {
+at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
+                              const LayerContext& c) const {
   const int64_t B = x_BSH.size(0), S = x_BSH.size(1), D = spec_.head_dim;
   const int64_t N = spec_.num_heads, KV = spec_.num_kv_heads;
   auto project = [&](int64_t w, int64_t b, int64_t heads) {
@@ -238,7 +328,7 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
   };
   at::Tensor q_BSND = project(L.q, L.q_bias, N);
   at::Tensor k_BSND = project(L.k, L.k_bias, KV);
-  const at::Tensor v_BNSD = project(L.v, L.v_bias, KV).transpose(1, 2);
+  at::Tensor v_BNSD = project(L.v, L.v_bias, KV).transpose(1, 2);
   if (spec_.qk_norm) {
     q_BSND = rms_norm(q_BSND, L.q_norm);
     k_BSND = rms_norm(k_BSND, L.k_norm);
@@ -248,25 +338,31 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
     // The fused op reads the half-angle tables (both halves of cos_BSD are equal) and rotates
     // q and k in their projection layout [B, S, N, D].
     const int64_t half = D / 2;
-    const at::Tensor cos_BSh = cos_BSD.narrow(-1, 0, half), sin_BSh = sin_BSD.narrow(-1, 0, half);
+    const at::Tensor cos_BSh = c.cos_BSD.narrow(-1, 0, half);
+    const at::Tensor sin_BSh = c.sin_BSD.narrow(-1, 0, half);
     q_BNSD = ops::rope(q_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
     k_BNSD = ops::rope(k_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
   } else {
-    q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), cos_BSD, sin_BSD);
-    k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), cos_BSD, sin_BSD);
+    q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
+    k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
   }
+  if (c.cache) std::tie(k_BNSD, v_BNSD) = c.cache->append(L.index, k_BNSD, v_BNSD);
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   at::Tensor out_BNSD;
-  if (eager) {
+  if (c.eager) {
     const at::Tensor k = repeat_kv(k_BNSD, N / KV), v = repeat_kv(v_BNSD, N / KV);
     at::Tensor scores = at::matmul(q_BNSD, k.transpose(2, 3)) * scale;
-    if (mask) scores = scores + *mask;
+    if (c.mask) scores = scores + *c.mask;
     const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q_BNSD.scalar_type());
     out_BNSD = at::matmul(probs, v);
   } else {
-    out_BNSD = at::scaled_dot_product_attention(q_BNSD, k_BNSD, v_BNSD, mask, 0.0,
-                                                /*is_causal=*/!mask.has_value(), scale,
-                                                /*enable_gqa=*/N != KV);
+    // As Transformers' sdpa_attention_forward: grouped-query attention inside SDPA when there is
+    // no mask, key/value heads repeated otherwise.
+    const bool gqa_in_sdpa = !c.mask && D <= 256;
+    const at::Tensor k = gqa_in_sdpa ? k_BNSD : repeat_kv(k_BNSD, N / KV);
+    const at::Tensor v = gqa_in_sdpa ? v_BNSD : repeat_kv(v_BNSD, N / KV);
+    out_BNSD = at::scaled_dot_product_attention(q_BNSD, k, v, c.mask, 0.0, c.is_causal, scale,
+                                                /*enable_gqa=*/gqa_in_sdpa && N != KV);
   }
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
   return at::linear(out_BSH, p(L.o), opt_param(params_, L.o_bias));
@@ -274,35 +370,33 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH, const 
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
   check_inputs(a, spec_);
-  const int64_t B = a.input_ids.size(0), S = a.input_ids.size(1);
-  const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
-  const auto dev = a.input_ids.device();
-
   // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
-  at::Tensor h_BSH = at::embedding(p(embed_), a.input_ids.to(at::kLong), spec_.pad_token_id);
+  at::Tensor h_BSH = a.inputs_embeds
+                         ? *a.inputs_embeds
+                         : at::embedding(p(embed_), a.input_ids.to(at::kLong), spec_.pad_token_id);
+  const int64_t B = h_BSH.size(0), S = h_BSH.size(1);
+  const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
+  const auto dev = h_BSH.device();
   const c10::ScalarType dtype = h_BSH.scalar_type();
-  at::Tensor pos_BS =
+  const int64_t past = a.cache ? a.cache->length() : 0;
+  const at::Tensor pos_BS =
       a.position_ids
           ? a.position_ids->to(at::kLong).expand({B, S})
-          : at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)).expand({B, S});
-  bool fully_masked_rows = false;
-  const auto mask =
-      build_mask(a, pos_BS, spec_.sliding_window, dtype,
-                 /*need_explicit=*/backend_.attn == AttnBackend::kEager, &fully_masked_rows);
-  // Queries that see no key attend uniformly to every key in Transformers (its mask is finite).
-  // The fused SDPA kernels agree in the forward but not in the backward for such rows, so those
-  // batches take the reference path and gradients match Transformers exactly.
-  const bool eager_attn = backend_.attn == AttnBackend::kEager || fully_masked_rows;
+          : (at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)) + past).expand({B, S});
+  const bool eager_attn = backend_.attn == AttnBackend::kEager;
+  const AttentionMask mask =
+      build_mask(a, pos_BS, B, S, past, spec_.sliding_window, dtype, eager_attn, dev);
   const auto [cos_BSD, sin_BSD] = ops::rope_cos_sin(pos_BS, inv_freq_, dtype);
 
-  // Real (non-padding) tokens, flattened: what the aux loss and the expert counts look at.
-  std::optional<at::Tensor> token_mask_BS = a.attention_mask;
+  // Real (non-padding) tokens of this step, flattened: what the aux loss and the expert counts see.
+  std::optional<at::Tensor> token_mask_BS;
+  if (a.attention_mask) token_mask_BS = a.attention_mask->narrow(1, past, S);
   if (a.document_ids) token_mask_BS = a.document_ids->ge(0);
   std::optional<at::Tensor> token_mask_T;
   if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
 
   ForwardResult r;
-  const LayerContext ctx{cos_BSD, sin_BSD, mask, eager_attn};
+  const LayerContext ctx{cos_BSD, sin_BSD, mask.mask, mask.is_causal, eager_attn, a.cache};
   // Activation checkpointing applies only when something needs gradients.
   bool needs_grad = false;
   if (a.activation_checkpointing && at::GradMode::is_enabled()) {
@@ -312,10 +406,12 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   // spec, backend), not on `this`, which may be gone or re-bound by then.
   const std::shared_ptr<const Decoder> snapshot =
       needs_grad ? std::make_shared<const Decoder>(*this) : nullptr;
+  if (a.output_hidden_states) r.hidden_states.push_back(h_BSH);
   for (const LayerIdx& L : layers_) {
-    const LayerOutput out = needs_grad ? checkpointed_layer(L, h_BSH, ctx, snapshot)
-                                       : layer(L, h_BSH, ctx, nullptr);
+    const LayerOutput out =
+        needs_grad ? checkpointed_layer(L, h_BSH, ctx, snapshot) : layer(L, h_BSH, ctx, nullptr);
     h_BSH = out.h;
+    if (a.output_hidden_states) r.hidden_states.push_back(h_BSH);
     if (!L.moe) continue;
     if (want_router) r.router_logits.push_back(out.router_logits);
     if (a.output_expert_counts) {
@@ -326,9 +422,20 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
     }
   }
   h_BSH = rms_norm(h_BSH, final_norm_);
+  r.last_hidden_state = h_BSH;
+  if (a.output_hidden_states) r.hidden_states.back() = h_BSH;  // as Transformers: the normed one
   const bool fused_loss = a.labels && backend_.loss == LossBackend::kFusedLinearCE;
   // With the fused loss the [B, S, V] logits are never formed (r.logits stays undefined).
-  if (!fused_loss) r.logits = at::linear(h_BSH, p(lm_head_));
+  if (a.lm_head && !fused_loss) {
+    at::Tensor kept_BSH = h_BSH;
+    if (a.logits_indices) {
+      kept_BSH = h_BSH.index_select(1, a.logits_indices->to(dev, at::kLong));
+    } else if (a.logits_to_keep > 0) {
+      kept_BSH = h_BSH.narrow(1, std::max<int64_t>(S - a.logits_to_keep, 0),
+                              std::min(a.logits_to_keep, S));
+    }
+    r.logits = at::linear(kept_BSH, p(lm_head_));
+  }
 
   if (a.labels) {
     const auto ce = fused_loss ? fused_causal_lm_loss(h_BSH, *a.labels)
@@ -389,8 +496,7 @@ Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
                                     const LayerContext& c, const at::Tensor* fixed_idx) const {
   const int64_t B = h_in.size(0), S = h_in.size(1), H = spec_.hidden_size;
   LayerOutput out;
-  at::Tensor h_BSH =
-      h_in + attention(L, rms_norm(h_in, L.input_norm), c.cos_BSD, c.sin_BSD, c.mask, c.eager);
+  at::Tensor h_BSH = h_in + attention(L, rms_norm(h_in, L.input_norm), c);
   const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
   at::Tensor y_TH;
   if (L.moe) {

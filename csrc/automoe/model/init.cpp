@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
+#include <string>
+
 namespace automoe {
 
 NamedTensors init_parameters(const ModelSpec& spec, c10::ScalarType dtype, c10::Device device,
@@ -10,10 +12,19 @@ NamedTensors init_parameters(const ModelSpec& spec, c10::ScalarType dtype, c10::
   at::Generator gen = at::detail::createCPUGenerator(seed);
   NamedTensors out;
   for (const auto& d : parameter_layout(spec)) {
-    const bool is_norm =
-        d.name.size() >= 11 && d.name.compare(d.name.size() - 11, 11, "norm.weight") == 0;
+    auto ends_with = [&](const std::string& suffix) {
+      return d.name.size() >= suffix.size() &&
+             d.name.compare(d.name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    };
     // Drawn on the CPU in float32 (reproducible whatever the device), then cast and moved.
-    at::Tensor t = is_norm ? at::ones(d.shape) : at::normal(0.0, std, d.shape, gen);
+    at::Tensor t = ends_with("norm.weight") ? at::ones(d.shape)
+                   : ends_with(".bias")     ? at::zeros(d.shape)
+                                            : at::normal(0.0, std, d.shape, gen);
+    // As nn.Embedding(padding_idx=...): the pad token's row starts at zero.
+    if (d.name == "model.embed_tokens.weight" && spec.pad_token_id >= 0 &&
+        spec.pad_token_id < spec.vocab_size) {
+      t[spec.pad_token_id].zero_();
+    }
     out.emplace_back(d.name, t.to(device, dtype));
   }
   return out;

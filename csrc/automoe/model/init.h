@@ -1,6 +1,6 @@
 // Random parameters for a spec, as Transformers initialises a model from a config: normal(0, std)
-// for every matrix and bias, ones for RMSNorm weights. Used by benchmarks and tests that need a
-// model without a checkpoint.
+// for every matrix, zero biases, ones for RMSNorm weights, the pad token's embedding row zero.
+// Used by from_config, benchmarks and tests that need a model without a checkpoint.
 #pragma once
 
 #include <cstdint>

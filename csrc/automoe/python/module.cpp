@@ -10,6 +10,7 @@
 #include "automoe/core/error.h"
 #include "automoe/io/checkpoint.h"
 #include "automoe/model/arch/registry.h"
+#include "automoe/model/kv_cache.h"
 #include "automoe/train/recipe.h"
 
 namespace py = pybind11;
@@ -22,40 +23,56 @@ std::optional<c10::ScalarType> parse_dtype(const std::optional<std::string>& nam
   return dtype_from_name(*name, "dtype");
 }
 
-py::dict forward(const PretrainedModel& m, const at::Tensor& input_ids,
+py::dict forward(const PretrainedModel& m, std::optional<at::Tensor> input_ids,
                  std::optional<at::Tensor> attention_mask, std::optional<at::Tensor> position_ids,
                  std::optional<at::Tensor> labels, std::optional<bool> output_router_logits,
                  std::optional<double> num_items_in_batch, bool split_packed_documents,
-                 bool activation_checkpointing) {
-  ForwardArgs args{input_ids,
-                   std::move(attention_mask),
-                   std::move(position_ids),
-                   std::move(labels),
-                   output_router_logits,
-                   num_items_in_batch,
-                   split_packed_documents};
+                 bool activation_checkpointing, std::optional<at::Tensor> inputs_embeds,
+                 std::shared_ptr<KVCache> cache, bool lm_head, int64_t logits_to_keep,
+                 std::optional<at::Tensor> logits_indices, bool output_hidden_states,
+                 std::optional<double> router_aux_loss_coef) {
+  ForwardArgs args;
+  if (input_ids) args.input_ids = *input_ids;
+  args.attention_mask = std::move(attention_mask);
+  args.position_ids = std::move(position_ids);
+  args.labels = std::move(labels);
+  args.output_router_logits = output_router_logits;
+  args.num_items_in_batch = num_items_in_batch;
+  args.split_packed_documents = split_packed_documents;
   args.activation_checkpointing = activation_checkpointing;
+  args.inputs_embeds = std::move(inputs_embeds);
+  args.cache = cache.get();
+  args.lm_head = lm_head;
+  args.logits_to_keep = logits_to_keep;
+  args.logits_indices = std::move(logits_indices);
+  args.output_hidden_states = output_hidden_states;
+  args.router_aux_loss_coef = router_aux_loss_coef;
   ForwardResult r;
   {
     py::gil_scoped_release no_gil;
     r = m.decoder->forward(args);
   }
+  auto tensor_or_none = [](const at::Tensor& t) -> py::object {
+    return t.defined() ? py::cast(t) : py::none();
+  };
+  auto tuple_of = [](const std::vector<at::Tensor>& ts) {
+    py::tuple out(ts.size());
+    for (size_t i = 0; i < ts.size(); ++i) out[i] = ts[i];
+    return out;
+  };
   py::dict out;
-  // Undefined when the fused linear cross-entropy computed the loss without logits.
-  if (r.logits.defined()) {
-    out["logits"] = r.logits;
-  } else {
-    out["logits"] = py::none();
-  }
+  // Undefined when the fused linear cross-entropy computed the loss without logits, or when only
+  // the backbone ran.
+  out["logits"] = tensor_or_none(r.logits);
+  out["last_hidden_state"] = tensor_or_none(r.last_hidden_state);
   out["loss"] = r.loss ? py::cast(*r.loss) : py::none();
   out["aux_loss"] = r.aux_loss ? py::cast(*r.aux_loss) : py::none();
-  if (args.output_router_logits.value_or(m.decoder->spec().moe.output_router_logits)) {
-    py::tuple logits(r.router_logits.size());
-    for (size_t i = 0; i < r.router_logits.size(); ++i) logits[i] = r.router_logits[i];
-    out["router_logits"] = logits;
-  } else {
-    out["router_logits"] = py::none();
-  }
+  out["router_logits"] =
+      args.output_router_logits.value_or(m.decoder->spec().moe.output_router_logits)
+          ? py::object(tuple_of(r.router_logits))
+          : py::object(py::none());
+  out["hidden_states"] =
+      output_hidden_states ? py::object(tuple_of(r.hidden_states)) : py::object(py::none());
   return out;
 }
 
@@ -113,39 +130,117 @@ PYBIND11_MODULE(_C, m) {
            [](PretrainedModel& self, const std::map<std::string, std::string>& fields) {
              self.decoder->set_backend(BackendConfig::from_map(fields, "backend"));
            })
-      .def("forward", &forward, py::arg("input_ids"), py::arg("attention_mask") = py::none(),
-           py::arg("position_ids") = py::none(), py::arg("labels") = py::none(),
-           py::arg("output_router_logits") = py::none(), py::arg("num_items_in_batch") = py::none(),
-           py::arg("split_packed_documents") = true, py::arg("activation_checkpointing") = false)
+      .def("forward", &forward, py::arg("input_ids") = py::none(),
+           py::arg("attention_mask") = py::none(), py::arg("position_ids") = py::none(),
+           py::arg("labels") = py::none(), py::arg("output_router_logits") = py::none(),
+           py::arg("num_items_in_batch") = py::none(), py::arg("split_packed_documents") = true,
+           py::arg("activation_checkpointing") = false, py::arg("inputs_embeds") = py::none(),
+           py::arg("cache") = nullptr, py::arg("lm_head") = true, py::arg("logits_to_keep") = 0,
+           py::arg("logits_indices") = py::none(), py::arg("output_hidden_states") = false,
+           py::arg("router_aux_loss_coef") = py::none())
+      .def("rebind",
+           [](PretrainedModel& self, const std::vector<std::optional<at::Tensor>>& tensors) {
+             self.decoder->rebind(tensors);
+           })
+      .def(
+          "resize_vocab",
+          [](PretrainedModel& self, const at::Tensor& embed,
+             const std::optional<at::Tensor>& lm_head) {
+            self.decoder->resize_vocab(embed, lm_head);
+          },
+          py::arg("embed"), py::arg("lm_head") = py::none())
+      .def("__deepcopy__",
+           [](const PretrainedModel& self, py::dict /*memo*/) {
+             // The copy shares the parameter tensors until its owner re-binds its own copies.
+             PretrainedModel copy;
+             copy.config = self.config;
+             copy.layout = self.layout;
+             copy.source_dir = self.source_dir;
+             copy.decoder = std::make_unique<Decoder>(*self.decoder);
+             return copy;
+           })
+      .def("to_memory_tensors",
+           [](const PretrainedModel& self, const NamedTensors& tensors) {
+             const ModelSpec& spec = self.decoder->spec();
+             return to_memory_tensors(tensors, spec,
+                                      find_architecture(spec.model_type, "to_memory_tensors"));
+           })
       .def(
           "save_pretrained",
           [](const PretrainedModel& self, const std::string& dir,
-             const std::optional<std::string>& layout, uint64_t max_shard_bytes) {
-            std::optional<ExpertsLayout> l;
-            if (layout) l = layout_from_string(*layout, "layout");
+             const std::optional<std::string>& layout, uint64_t max_shard_bytes,
+             const std::optional<std::string>& config_json,
+             const std::map<std::string, std::string>& extra_files,
+             const std::optional<NamedTensors>& tensors) {
+            SaveOptions o;
+            if (layout) o.layout = layout_from_string(*layout, "layout");
+            o.max_shard_bytes = max_shard_bytes;
+            o.config_json = config_json;
+            o.extra_files = extra_files;
+            o.tensors = tensors;
             py::gil_scoped_release no_gil;
-            save_pretrained(self, dir, l, max_shard_bytes);
+            save_pretrained(self, dir, o);
           },
-          py::arg("dir"), py::arg("layout") = py::none(), py::arg("max_shard_bytes") = 5ull << 30);
+          py::arg("dir"), py::arg("layout") = py::none(), py::arg("max_shard_bytes") = 5ull << 30,
+          py::arg("config_json") = py::none(),
+          py::arg("extra_files") = std::map<std::string, std::string>{},
+          py::arg("tensors") = py::none());
+
+  py::class_<KVCache, std::shared_ptr<KVCache>>(m, "KVCache")
+      .def(py::init<int64_t>(), py::arg("num_layers"))
+      .def_property_readonly("num_layers", &KVCache::num_layers)
+      .def_property_readonly("batch_size", &KVCache::batch_size)
+      .def("length", &KVCache::length, py::arg("layer") = 0)
+      .def("keys",
+           [](const KVCache& c, int64_t layer) -> py::object {
+             const at::Tensor t = c.keys(layer);
+             return t.defined() ? py::cast(t) : py::none();
+           })
+      .def("values",
+           [](const KVCache& c, int64_t layer) -> py::object {
+             const at::Tensor t = c.values(layer);
+             return t.defined() ? py::cast(t) : py::none();
+           })
+      .def("append", [](KVCache& c, int64_t layer, const at::Tensor& k,
+                        const at::Tensor& v) { return c.append(layer, k, v); })
+      .def("index_batch", &KVCache::index_batch)
+      .def("repeat_interleave_batch", &KVCache::repeat_interleave_batch)
+      .def("remove_last", &KVCache::remove_last)
+      .def("reset", &KVCache::reset);
 
   m.def(
       "load_pretrained",
       [](const std::string& dir, const std::optional<std::string>& dtype,
-         const std::map<std::string, std::string>& backend) {
+         const std::map<std::string, std::string>& backend,
+         const std::optional<std::string>& config_json) {
         const BackendConfig cfg = BackendConfig::from_map(backend, "backend");
         // "auto" (Transformers v5's default): the dtype config.json names, else the stored one.
         std::optional<c10::ScalarType> dt;
         if (dtype && *dtype == "auto") {
-          const LoadedConfig cfg = load_config(dir);
+          const LoadedConfig cfg =
+              config_json ? parse_config(*config_json, dir + "/config.json") : load_config(dir);
           if (cfg.json->contains("dtype") || cfg.json->contains("torch_dtype")) dt = cfg.spec.dtype;
         } else {
           dt = parse_dtype(dtype);
         }
         py::gil_scoped_release no_gil;
-        return load_pretrained(dir, dt, cfg);
+        return load_pretrained(dir, dt, cfg, config_json);
       },
       py::arg("dir"), py::arg("dtype") = py::none(),
-      py::arg("backend") = std::map<std::string, std::string>{});
+      py::arg("backend") = std::map<std::string, std::string>{},
+      py::arg("config_json") = py::none());
+  m.def(
+      "init_model",
+      [](const std::string& config_json, const std::string& dtype,
+         const std::map<std::string, std::string>& backend, uint64_t seed) {
+        const BackendConfig cfg = BackendConfig::from_map(backend, "backend");
+        const c10::ScalarType dt = dtype_from_name(dtype, "dtype");
+        py::gil_scoped_release no_gil;
+        return init_pretrained(config_json, "from_config", dt, cfg, seed);
+      },
+      py::arg("config_json"), py::arg("dtype"),
+      py::arg("backend") = std::map<std::string, std::string>{}, py::arg("seed") = 0,
+      "A model with fresh parameters (Transformers' initialisation) for a config (JSON text).");
 
   m.def(
       "save_safetensors",

@@ -1,0 +1,51 @@
+// The engine's key/value cache for incremental decoding (what `generate` keeps between steps).
+// Per layer: keys and values after RoPE, [B, N_kv, capacity, D] buffers in the model's dtype, the
+// first `length` positions filled. Appending grows the buffers geometrically, so a decoding step
+// copies only its new positions (no re-concatenation of the prefix).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+namespace automoe {
+
+class KVCache {
+ public:
+  explicit KVCache(int64_t num_layers);
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+  int64_t length(int64_t layer = 0) const;  // positions cached in `layer` (0 when empty)
+  int64_t batch_size() const;               // 0 when empty
+
+  // Appends keys/values [B, N_kv, S_new, D] to `layer` and returns what attention reads: every
+  // cached position [B, N_kv, length + S_new, D]. The cache stores them detached. While gradients
+  // are recorded the returned tensors are past ⊕ new (so the new positions stay differentiable);
+  // otherwise they are views of the buffers (no copy of the prefix).
+  std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k_BNSD,
+                                           const at::Tensor& v_BNSD);
+
+  // Views [B, N_kv, length, D] of what `layer` holds; undefined tensors when it is empty.
+  at::Tensor keys(int64_t layer) const;
+  at::Tensor values(int64_t layer) const;
+
+  // Batch rearrangements used by generation (beam search reordering, expanding, selecting).
+  void index_batch(const at::Tensor& batch_idx);  // rows := rows[batch_idx]
+  void repeat_interleave_batch(int64_t repeats);
+  // Drops the last `n` positions of every layer (assisted decoding's rollback; Transformers' crop).
+  void remove_last(int64_t n);
+  void reset();
+
+ private:
+  struct Layer {
+    at::Tensor k, v;  // [B, N_kv, capacity, D]
+    int64_t length = 0;
+  };
+  Layer& at_layer(int64_t layer);
+  const Layer& at_layer(int64_t layer) const;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace automoe

@@ -1,0 +1,453 @@
+"""Native models: Transformers' own model classes whose compute runs in the AutoMoE engine.
+
+`Qwen3MoeForCausalLM` here *is* a `transformers.Qwen3MoeForCausalLM` (a subclass with the same name,
+module tree, config, generation config and methods), so Trainer, TRL, accelerate, `generate` and
+pipelines drive it unchanged. Its parameters are the engine's tensors: each `nn.Parameter` in the
+tree aliases an engine tensor and is handed back to the engine, so an optimizer step changes what
+the next forward uses. `forward` (and the backbone's) hands the whole computation to the engine;
+no submodule's forward ever runs. Before each forward the engine re-binds parameters that were
+replaced on the module tree (`load_state_dict(assign=True)`, `resize_token_embeddings`, a deep
+copy), and anything the engine cannot honour (a module swapped for an adapter, a hook on a
+submodule, an unsupported argument) is refused by name rather than silently skipped.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+
+from automoe import _engine
+from automoe.backend import BackendConfig
+from automoe.cache import EngineCache, export_new_positions, import_cache
+
+_C = _engine.load()
+AutoMoEError = _C.AutoMoEError
+logger = logging.getLogger("automoe")
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+           torch.float64: "float64"}
+
+# Keyword arguments of Transformers' forward that carry nothing for the engine: the varlen
+# boundaries that TRL's padding-free collator adds for flash-attention kernels (Transformers' own
+# sdpa and eager paths ignore them too and split packed documents by position_ids, as the engine
+# does), and cache_position, which Transformers 5 no longer reads.
+_IGNORED_FORWARD_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx",
+                           "cache_position")
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """None/"auto" -> None (the checkpoint's config dtype); torch.dtype or name -> engine name."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: unsupported {dtype}; expected one of {list(_DTYPES)}")
+        return _DTYPES[dtype]
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    raise TypeError(f"dtype: expected a torch.dtype or a string, got {type(dtype).__name__}")
+
+
+def _parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+    s = size.strip().upper()
+    for unit, mult in units.items():
+        if s.endswith(unit):
+            return int(float(s[: -len(unit)]) * mult)
+    return int(s)
+
+
+def _describe(module: nn.Module) -> str:
+    cls = type(module)
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class _EngineModule:
+    """What the causal LM and its backbone share: the engine, parameter binding and the forward."""
+
+    _automoe_prefix = ""  # the parameter-name prefix of this module inside the causal LM
+
+    def _automoe_params(self) -> list[torch.Tensor | None]:
+        """The tensors this module tree holds for each engine parameter (None: not under this
+        module), resolved by name through the module tree as it is now. A module on the path that
+        was replaced by something without the parameter (a PEFT adapter layer, say) is an error."""
+        out: list[torch.Tensor | None] = []
+        prefix = self._automoe_prefix
+        for name in self._automoe_names:
+            if not name.startswith(prefix):
+                out.append(None)
+                continue
+            *path, leaf = name[len(prefix):].split(".")
+            module: nn.Module = self
+            for i, part in enumerate(path):
+                child = module._modules.get(part)
+                if child is None:
+                    raise AutoMoEError(
+                        f"parameter {name}: module {prefix}{'.'.join(path[:i]) or '(root)'} "
+                        f"({_describe(module)}) has no submodule {part!r}; the AutoMoE engine computes "
+                        "with the module tree it was loaded with"
+                    )
+                module = child
+            param = module._parameters.get(leaf)
+            if param is None:
+                where = prefix + ".".join(path)
+                raise AutoMoEError(
+                    f"parameter {name} is gone: {where} is now a {_describe(module)}. The AutoMoE "
+                    "engine runs the model's own weights and cannot run adapters or replaced "
+                    "modules (LoRA on the engine is not built yet); load with "
+                    "AutoModelForCausalLM.from_pretrained(..., force_transformers=True) to run "
+                    "Transformers' own model instead"
+                )
+            out.append(param)
+        return out
+
+    def _automoe_check_hooks(self) -> bool:
+        """Refuses hooks on submodules (their forwards never run, so a hook would be skipped
+        silently). Hooks on the input embedding are honoured: the embedding then runs as a module
+        and the engine takes its output. Returns whether that is needed."""
+        embed = self.get_input_embeddings()
+        embed_hooked = False
+        for name, module in self.named_modules():
+            if module is self:
+                continue
+            hooks = (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                     or module._backward_pre_hooks)
+            if not hooks:
+                continue
+            if module is embed and not (module._backward_hooks or module._backward_pre_hooks):
+                embed_hooked = True
+                continue
+            raise AutoMoEError(
+                f"{self._automoe_prefix}{name} ({_describe(module)}) has a hook registered; the "
+                "AutoMoE engine runs the whole model at once, so hooks on submodules other than the "
+                "input embedding would never run. Remove the hook, or load with "
+                "force_transformers=True"
+            )
+        return embed_hooked
+
+    def _automoe_sync(self) -> "_C.Model":
+        engine = self._automoe_engine
+        engine.rebind(self._automoe_params())
+        attn = self.config._attn_implementation or "sdpa"
+        if engine.backend()["attn"] != attn:
+            if attn not in ("sdpa", "eager"):
+                raise AutoMoEError(
+                    f"attn_implementation={attn!r}: the AutoMoE engine implements 'sdpa' and 'eager'"
+                )
+            engine.set_backend({**engine.backend(), "attn": attn})
+        return engine
+
+    def _automoe_forward(self, *, lm_head: bool, input_ids=None, attention_mask=None,
+                         position_ids=None, past_key_values=None, inputs_embeds=None, labels=None,
+                         use_cache=None, output_router_logits=None, logits_to_keep=0,
+                         num_items_in_batch=None, kwargs: dict):
+        config = self.config
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = config.return_dict if return_dict is None else return_dict
+        output_hidden_states = kwargs.pop("output_hidden_states", None)
+        output_hidden_states = bool(config.output_hidden_states if output_hidden_states is None
+                                    else output_hidden_states)
+        if kwargs.pop("output_attentions", None) or config.output_attentions:
+            raise TypeError("forward(): output_attentions=True is not supported by the AutoMoE engine "
+                            "(its attention kernels do not form the attention weights)")
+        if kwargs.pop("shift_labels", None) is not None:
+            raise TypeError("forward(): shift_labels is not supported by the AutoMoE engine; pass labels")
+        for key in _IGNORED_FORWARD_KWARGS:
+            kwargs.pop(key, None)
+        if kwargs:
+            raise TypeError(f"forward(): arguments not supported by AutoMoE: {sorted(kwargs)}")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise TypeError(f"forward(): attention_mask must be 2-D [batch, seq] (1 = token, 0 = padding); "
+                            f"got {attention_mask.dim()}-D (custom 4-D masks are not supported)")
+        if output_router_logits is None:
+            output_router_logits = bool(getattr(config, "output_router_logits", False))
+
+        engine = self._automoe_sync()
+        if self._automoe_check_hooks() and inputs_embeds is None and input_ids is not None:
+            inputs_embeds, input_ids = self.get_input_embeddings()(input_ids), None
+
+        # Transformers' rule (merge_with_config_defaults): no cache under gradient checkpointing.
+        checkpointing = self.is_gradient_checkpointing and self.training
+        use_cache = config.use_cache if use_cache is None else use_cache
+        if checkpointing:
+            use_cache = False
+        cache = foreign = None
+        if past_key_values is not None:
+            if isinstance(past_key_values, EngineCache):
+                cache = past_key_values
+            elif isinstance(past_key_values, Cache):
+                if getattr(past_key_values, "offloading", False):
+                    raise TypeError("past_key_values: an offloaded cache is not supported by the AutoMoE engine")
+                foreign, cache = past_key_values, import_cache(past_key_values, config.num_hidden_layers)
+            else:
+                raise TypeError(f"past_key_values: expected a transformers Cache, got "
+                                f"{type(past_key_values).__name__} (tuples of tensors are not supported, "
+                                "as in Transformers 5)")
+        elif use_cache:
+            cache = EngineCache(config.num_hidden_layers)
+        past_length = cache.get_seq_length() if cache is not None else 0
+
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = float(num_items_in_batch.item())
+        logits_indices = None
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits_indices, logits_to_keep = logits_to_keep, 0
+        out = engine.forward(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            labels=labels,
+            output_router_logits=output_router_logits,
+            num_items_in_batch=None if num_items_in_batch is None else float(num_items_in_batch),
+            # Transformers splits packed documents (position_ids restarting, no attention_mask)
+            # only when it runs without a KV cache.
+            split_packed_documents=cache is None,
+            activation_checkpointing=checkpointing,
+            inputs_embeds=inputs_embeds,
+            cache=None if cache is None else cache.storage,
+            lm_head=lm_head,
+            logits_to_keep=int(logits_to_keep),
+            logits_indices=logits_indices,
+            output_hidden_states=output_hidden_states,
+            router_aux_loss_coef=getattr(self, "router_aux_loss_coef", None),
+        )
+        if foreign is not None:
+            export_new_positions(cache, foreign, past_length)
+            cache = foreign
+        if lm_head:
+            result = MoeCausalLMOutputWithPast(
+                loss=out["loss"], aux_loss=out["aux_loss"], logits=out["logits"],
+                past_key_values=cache, hidden_states=out["hidden_states"],
+                router_logits=out["router_logits"],
+            )
+        else:
+            result = MoeModelOutputWithPast(
+                last_hidden_state=out["last_hidden_state"], past_key_values=cache,
+                hidden_states=out["hidden_states"], router_logits=out["router_logits"],
+            )
+        return result if return_dict else result.to_tuple()
+
+
+class EngineBackbone(_EngineModule):
+    """The decoder without its LM head (`model.model`, `model.base_model`): hidden states."""
+
+    _automoe_prefix = "model."
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, output_router_logits=None, **kwargs):
+        return self._automoe_forward(
+            lm_head=False, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            use_cache=use_cache, output_router_logits=output_router_logits, kwargs=kwargs)
+
+
+class EngineCausalLM(_EngineModule):
+    """The causal LM: forward, loss, generation, checkpoints, all through the engine."""
+
+    _automoe_backbone_class: type
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def _automoe_build(cls, engine: "_C.Model", config, source_dir: str | None = None):
+        """Transformers' module tree for `config` (parameters never allocated), its parameters
+        bound to the engine's tensors."""
+        config = copy.deepcopy(config)
+        spec = engine.spec
+        params = engine.named_parameters()
+        config.dtype = params[0][1].dtype  # the dtype it was loaded in, as Transformers records it
+        config._attn_implementation = engine.backend()["attn"]
+        from transformers import initialization
+
+        with torch.device("meta"), initialization.no_init_weights(), initialization.no_tie_weights():
+            model = cls(config)
+        model.model.__class__ = cls._automoe_backbone_class
+        _materialize_buffers(model)
+        model._automoe_engine = engine
+        model.model._automoe_engine = engine
+        names = [name for name, _ in params]
+        model._automoe_names = model.model._automoe_names = names
+        for name, tensor in params:
+            *path, leaf = name.split(".")
+            module = model.get_submodule(".".join(path))
+            if leaf not in module._parameters:
+                raise AutoMoEError(f"engine parameter {name} is not a parameter of Transformers' "
+                                   f"{type(model).__name__}")
+            # nn.Parameter makes a new tensor over the same storage; hand it to the engine so that
+            # the forward uses (and autograd fills .grad of) exactly this object.
+            param = nn.Parameter(tensor, requires_grad=True)
+            engine.set_parameter(name, param)
+            module._parameters[leaf] = param
+        if spec["tie_word_embeddings"]:
+            model.lm_head._parameters["weight"] = model.model.embed_tokens._parameters["weight"]
+        missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
+        if missing:
+            raise AutoMoEError(f"Transformers' {type(model).__name__} has parameters the engine does not: "
+                               f"{missing[:5]}")
+        if source_dir is not None:
+            try:
+                model.generation_config = transformers.GenerationConfig.from_pretrained(source_dir)
+            except OSError:
+                pass  # no generation_config.json: the one derived from config stays
+        model.eval()  # as Transformers' from_pretrained
+        model.automoe_path = "native"
+        model.automoe_accelerated = {"everything": "AutoMoE engine (C++)", **engine.backend()}
+        return model
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        from automoe.modeling import load_native
+
+        return load_native(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+
+    @classmethod
+    def _from_config(cls, config, **kwargs):
+        from automoe.modeling import native_from_config
+
+        return native_from_config(cls, config, **kwargs)
+
+    # -- what the engine exposes ----------------------------------------------------------------
+    @property
+    def spec(self) -> dict:
+        return self._automoe_engine.spec
+
+    @property
+    def layout(self) -> str:
+        """The experts layout of the checkpoint this model was loaded from (what a save writes)."""
+        return self._automoe_engine.layout
+
+    @property
+    def backend(self) -> BackendConfig:
+        return BackendConfig.from_engine(self._automoe_engine.backend())
+
+    def set_backend(self, backend: BackendConfig | dict) -> None:
+        cfg = BackendConfig.coerce(backend)
+        self._automoe_engine.set_backend(cfg.to_dict())
+        self.config._attn_implementation = cfg.attn
+
+    # -- forward --------------------------------------------------------------------------------
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, output_router_logits=None,
+                logits_to_keep=0, **kwargs):
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        return self._automoe_forward(
+            lm_head=True, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+            labels=labels, use_cache=use_cache, output_router_logits=output_router_logits,
+            logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate() keeps the engine's cache between steps rather than a DynamicCache (what
+        Transformers would create; a cache the user passed is used as given)."""
+        super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if (type(cache) is DynamicCache and not getattr(cache, "_is_user_defined", False)
+                and not getattr(cache, "offloading", False) and cache.get_seq_length() == 0):
+            model_kwargs["past_key_values"] = EngineCache(self.config.num_hidden_layers)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """nn.Module.load_state_dict, also for a state dict named as on disk in either experts
+        layout (what Trainer's resume_from_checkpoint reads from a saved checkpoint)."""
+        own = self.state_dict(keep_vars=True).keys()
+        if any(k not in own for k in state_dict):
+            state_dict = dict(self._automoe_engine.to_memory_tensors(list(state_dict.items())))
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def save_pretrained(self, save_directory: str | os.PathLike, is_main_process: bool = True,
+                        state_dict: dict | None = None, push_to_hub: bool = False,
+                        max_shard_size: int | str = "50GB", variant: str | None = None,
+                        token: str | bool | None = None, save_peft_format: bool = True,
+                        save_original_format: bool | None = None,
+                        distributed_checkpoint: bool = False, layout: str | None = None, **kwargs):
+        """Writes a Hugging Face checkpoint directory from the engine: config.json,
+        generation_config.json, safetensors (sharded above `max_shard_size`, with
+        model.safetensors.index.json), tokenizer files copied from the source directory; every file
+        atomically.
+
+        layout: "per-expert" or "fused"; `save_original_format=True/False` means per-expert/fused
+        as in Transformers; default, the layout the model was loaded from.
+        """
+        if push_to_hub:
+            raise ValueError("save_pretrained(push_to_hub=True): AutoMoE writes local directories only; "
+                             "upload with `huggingface-cli upload` afterwards")
+        if variant is not None:
+            raise ValueError(f"save_pretrained(variant={variant!r}): weight-file variants are not supported "
+                             "by AutoMoE's writer")
+        if distributed_checkpoint:
+            raise ValueError("save_pretrained(distributed_checkpoint=True) is not supported: AutoMoE "
+                             "runs in one process and writes the whole checkpoint")
+        ignored = {}
+        if token is not None:
+            ignored["token"] = "only used to push to the Hub"
+        if not save_peft_format:
+            ignored["save_peft_format"] = "the model has no adapters"
+        if "save_function" in kwargs:
+            kwargs.pop("save_function")
+            ignored["save_function"] = ("Transformers v5 writes safetensors itself and does not call it "
+                                        "either; AutoMoE's engine writes them")
+        if kwargs.pop("safe_serialization", True) is False:
+            ignored["safe_serialization"] = "weights are always written as safetensors, as Transformers v5 does"
+        for key in sorted(kwargs):
+            ignored[key] = "only used by push_to_hub in Transformers"
+        if ignored:
+            warnings.warn("save_pretrained(): arguments with no effect: "
+                          + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=2)
+        if not is_main_process:
+            return  # as Transformers: only the main process writes
+        if layout is None and save_original_format is not None:
+            layout = "per-expert" if save_original_format else "fused"
+        self._automoe_sync()
+        tensors = None
+        if state_dict is not None:
+            tensors = [(k, v) for k, v in state_dict.items()]
+        # As Transformers' save_pretrained: the config records the dtype and the class.
+        self.config.dtype = str(self.dtype).split(".")[1]
+        self.config.architectures = [type(self).__name__]
+        extra = {}
+        if self.can_generate() and self.generation_config is not None:
+            extra["generation_config.json"] = self.generation_config.to_json_string(use_diff=True)
+        self._automoe_engine.save_pretrained(
+            os.fspath(save_directory), layout, _parse_size(max_shard_size),
+            config_json=self.config.to_json_string(use_diff=True), extra_files=extra,
+            tensors=tensors)
+
+
+def _materialize_buffers(model: nn.Module) -> None:
+    """Buffers created on the meta device get their values: RoPE's inverse frequencies are
+    recomputed as Transformers' own initialisation does; anything else is an error."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    for module_name, module in model.named_modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is None or not buf.is_meta:
+                continue
+            if "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq"):
+                fns = {"default": getattr(module, "compute_default_rope_parameters", None),
+                       **ROPE_INIT_FUNCTIONS}
+                value, _ = fns[module.rope_type](module.config)
+                module._buffers[name] = value.to("cpu")
+            else:
+                raise AutoMoEError(f"cannot materialise buffer {module_name}.{name} of {type(module).__name__}")
+
+
+class Qwen3MoeModel(EngineBackbone, transformers.Qwen3MoeModel):
+    pass
+
+
+class Qwen3MoeForCausalLM(EngineCausalLM, transformers.Qwen3MoeForCausalLM):
+    _automoe_backbone_class = Qwen3MoeModel
+
+
+# model_type -> the engine-backed causal-LM class
+NATIVE_CLASSES: dict[str, type] = {"qwen3_moe": Qwen3MoeForCausalLM}
