@@ -4,15 +4,18 @@
     python bench/compare_hf.py --preset cpu-small
     python bench/compare_hf.py --preset qwen3-30b-a3b-L4 --device cuda --fake-balanced-gate
 
-The model is a Qwen3-MoE with random weights whose config.json comes from `automoe bench
---print-config` (a named preset or --config FILE), so both sides build the same model. Each side
-runs in its own process (peak memory is per process): the same batch of random tokens, dtype and
-AdamW, warm-up steps then timed steps. Transformers runs with attn_implementation="sdpa" and each
-experts_implementation in --impls that runs; the best of them is the baseline.
+The model has random weights and a config.json from `automoe bench --print-config` (a named
+Qwen3-MoE preset) or --config FILE, so both sides build the same model. For a Qwen3-MoE the AutoMoE
+side is the native engine (`automoe bench`); for any other MoE type (bench/configs/*.json: Mixtral,
+OLMoE, Qwen2-MoE, DeepSeek-V3, ...) it is what `automoe.AutoModelForCausalLM` returns for that type:
+Transformers' model with AutoMoE's fused experts and RMSNorm. Each side runs in its own process
+(peak memory is per process): the same batch of random tokens, dtype and AdamW, warm-up steps then
+timed steps. Transformers runs with attn_implementation="sdpa" and each experts_implementation in
+--impls that runs; the best of them is the baseline.
 
 Reported per side: tokens/s = tokens / (forward + loss + backward) (NeMo AutoModel's definition),
 forward/backward/optimizer ms (medians over timed steps), TFLOP/s and MFU from one analytic FLOPs
-formula (csrc/automoe/train/flops.h, the same number for both sides), peak memory (GPU:
+formula (csrc/automoe/train/flops.h, the same number for both sides; Qwen3-MoE only), peak memory (GPU:
 max_memory_allocated; CPU: the process's peak RSS, and the part of it above the RSS before the
 model was built), and the ratios AutoMoE / baseline. MFU is against the bf16/fp32 matmul
 throughput measured in the same run (large at::mm), and on GPU against the datasheet peak too.
@@ -50,7 +53,7 @@ SIDE_FIELDS = (
 
 
 # ---------------------------------------------------------------------------------------------
-# The Transformers side (runs in a child process: `compare_hf.py --hf-side ...`)
+# The Python sides (each in a child process: `compare_hf.py --python-side transformers|automoe ...`)
 # ---------------------------------------------------------------------------------------------
 def _rss_now() -> int:
     with open("/proc/self/status") as f:
@@ -77,25 +80,44 @@ def _patch_round_robin_router() -> None:
     m.Qwen3MoeTopKRouter.forward = forward
 
 
-def run_hf_side(args) -> dict:
+def build_python_side(args, raw: dict):
+    """The model one Python-side process measures: Transformers' own (experts_implementation
+    args.impl), or AutoMoE's drop-in for the config's type (the Transformers-model path with
+    AutoMoE's kernels when the type has no native engine model)."""
+    import torch
+    from transformers import AutoConfig
+
+    raw = dict(raw)
+    model_type = raw.pop("model_type")
+    for key in ("architectures", "dtype", "transformers_version"):
+        raw.pop(key, None)
+    config = AutoConfig.for_model(model_type, **raw)
+    dtype = getattr(torch, args.dtype)
+    if args.python_side == "automoe":
+        sys.path.insert(0, str(REPO / "python"))  # this checkout's package, when not installed
+        import automoe
+
+        return automoe.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+                                            experts_implementation=args.impl)
+
+
+def run_python_side(args) -> dict:
     import statistics
 
     import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     raw = json.loads(Path(args.config).read_text())
-    for key in ("model_type", "architectures", "dtype", "transformers_version"):
-        raw.pop(key, None)
-    dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     if args.fake_balanced_gate:
+        if raw.get("model_type") != "qwen3_moe":
+            raise SystemExit("--fake-balanced-gate: implemented for Qwen3-MoE only")
         _patch_round_robin_router()
     rss_before = _rss_now()
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(
-        Qwen3MoeConfig(**raw), dtype=dtype, attn_implementation="sdpa",
-        experts_implementation=args.impl,
-    ).to(device)
+    model = build_python_side(args, raw).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
     if device.type == "cuda":
@@ -128,8 +150,13 @@ def run_hf_side(args) -> dict:
             optim.append((t3 - t2) * 1e3)
     f, b, o = statistics.median(fwd), statistics.median(bwd), statistics.median(optim)
     tokens = args.batch * args.seq
+    if args.python_side == "automoe":
+        report = getattr(model, "automoe_accelerated", {})
+        impl = f"automoe drop-in ({report.get('experts', 'native')}; rms_norm {report.get('rms_norm', 'native')})"
+    else:
+        impl = f"transformers {args.impl} (sdpa)"
     out = dict(
-        side="transformers", impl=f"transformers {args.impl} (sdpa)", device=args.device,
+        side=args.python_side, impl=impl, device=args.device,
         dtype=args.dtype, batch=args.batch, seq=args.seq, tokens_per_step=tokens,
         warmup=args.warmup, steps=args.steps, fake_balanced_gate=args.fake_balanced_gate,
         num_parameters=sum(p.numel() for p in model.parameters()), forward_ms=f, backward_ms=b,
@@ -175,7 +202,7 @@ def finish(record: dict, flops_per_token: float, peak_tflops: float | None,
            datasheet_tflops: float | None) -> dict:
     r = {k: None for k in SIDE_FIELDS}
     r.update(record)
-    if r.get("tokens_per_s"):
+    if r.get("tokens_per_s") and flops_per_token:
         r["train_flops_per_token"] = flops_per_token
         r["tflops"] = flops_per_token * r["tokens_per_s"] / 1e12
         r["mfu_measured"] = r["tflops"] / peak_tflops if peak_tflops else None
@@ -285,11 +312,17 @@ def orchestrate(args) -> dict:
     exe = str(args.automoe)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    source = ["--config", args.config] if args.config else ["--preset", args.preset]
-    described = run_json([exe, "bench", *source, "--seq", str(args.seq), "--print-config"], 60)
+    raw = json.loads(Path(args.config).read_text()) if args.config else None
+    native = raw is None or raw.get("model_type") == "qwen3_moe"
     config_path = out / "config.json"
-    config_path.write_text(json.dumps(described["config"], indent=2))
-    flops_per_token = described["train_flops_per_token"]
+    if native:
+        source = ["--config", args.config] if args.config else ["--preset", args.preset]
+        described = run_json([exe, "bench", *source, "--seq", str(args.seq), "--print-config"], 60)
+        config_path.write_text(json.dumps(described["config"], indent=2))
+        flops_per_token = described["train_flops_per_token"]
+    else:  # Transformers' model with AutoMoE's kernels on one side: no analytic FLOPs formula
+        config_path.write_text(json.dumps(raw, indent=2))
+        flops_per_token = None
     peak = run_json([exe, "bench", "--peak", "--device", args.device], 600)["matmul_peak"]
     peak_tflops = {k: v["tflops"] for k, v in peak.items()}
     gpu = gpu_name() if args.device == "cuda" else None
@@ -306,13 +339,18 @@ def orchestrate(args) -> dict:
 
     # AutoMoE first, then each Transformers implementation; the results files are rewritten after
     # every side, so a run cut short (a time limit on a lent GPU) still leaves what it measured.
-    runs = [("automoe", f"automoe (experts={b})",
-             [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
-            for b in args.automoe_experts.split(",")]
+    if native:
+        runs = [("automoe", f"automoe (experts={b})",
+                 [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
+                for b in args.automoe_experts.split(",")]
+    else:
+        runs = [("automoe", "automoe drop-in",
+                 [sys.executable, __file__, "--python-side", "automoe", "--config", str(config_path),
+                  *common_flags(args)])]
     for impl in args.impls.split(","):
         runs.append(("transformers", f"transformers {impl} (sdpa)",
-                     [sys.executable, __file__, "--hf-side", "--config", str(config_path),
-                      "--impl", impl, *common_flags(args)]))
+                     [sys.executable, __file__, "--python-side", "transformers", "--config",
+                      str(config_path), "--impl", impl, *common_flags(args)]))
     records: list[dict] = []
     result: dict = {}
     for side, impl, cmd in runs:
@@ -354,7 +392,8 @@ def summarize(records: list[dict], meta: dict, flops_per_token: float, peak: flo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-small")
-    p.add_argument("--config", help="a Qwen3-MoE config.json instead of a preset")
+    p.add_argument("--config", help="a config.json instead of a preset: a Qwen3-MoE runs on the engine, "
+                   "any other MoE type through AutoMoE's drop-in (bench/configs/)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--warmup", type=int, default=1)
@@ -369,13 +408,14 @@ def main(argv=None) -> int:
     p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
     p.add_argument("--record", help="also update this Markdown file (docs/performance.md)")
-    # internal: run one Transformers side and print its JSON
-    p.add_argument("--hf-side", action="store_true", help=argparse.SUPPRESS)
+    # internal: run one Python side ("transformers" or "automoe") and print its JSON
+    p.add_argument("--python-side", choices=["transformers", "automoe"], help=argparse.SUPPRESS)
     p.add_argument("--impl", default="eager", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    if args.hf_side:
+    if args.python_side:
         os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-        print(json.dumps(run_hf_side(args), indent=2))
+        os.environ.setdefault("AUTOMOE_VERBOSITY", "warning")
+        print(json.dumps(run_python_side(args), indent=2))
         return 0
     if not Path(args.automoe).exists():
         p.error(f"{args.automoe} not found: build AutoMoE first (make)")

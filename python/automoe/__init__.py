@@ -18,9 +18,26 @@ __version__ = "0.1.0"
 # Which path a model takes (native engine / Transformers + AutoMoE kernels) is logged at INFO on the
 # "automoe" logger; like Transformers' own logger it prints to stderr unless the application
 # configured logging. AUTOMOE_VERBOSITY=warning (or error) quiets it.
+class _StderrHandler(_logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted (not when the handler was made)."""
+
+    def __init__(self):
+        super().__init__()
+
+    @property
+    def stream(self):
+        import sys
+
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value):
+        pass
+
+
 _logger = _logging.getLogger("automoe")
 if not _logger.handlers:
-    _handler = _logging.StreamHandler()
+    _handler = _StderrHandler()
     _handler.setFormatter(_logging.Formatter("%(message)s"))
     _logger.addHandler(_handler)
     _logger.setLevel(_os.environ.get("AUTOMOE_VERBOSITY", "info").upper())

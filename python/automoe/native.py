@@ -167,6 +167,18 @@ class _EngineModule:
             kwargs.pop(key, None)
         if kwargs:
             raise TypeError(f"forward(): arguments not supported by AutoMoE: {sorted(kwargs)}")
+        cache = foreign = None
+        if past_key_values is not None:
+            if isinstance(past_key_values, EngineCache):
+                cache = past_key_values
+            elif isinstance(past_key_values, Cache):
+                if getattr(past_key_values, "offloading", False):
+                    raise TypeError("past_key_values: an offloaded cache is not supported by the AutoMoE engine")
+                foreign, cache = past_key_values, import_cache(past_key_values, config.num_hidden_layers)
+            else:
+                raise TypeError(f"past_key_values: expected a transformers Cache, got "
+                                f"{type(past_key_values).__name__} (tuples of tensors are not supported, "
+                                "as in Transformers 5)")
         if attention_mask is not None and attention_mask.dim() != 2:
             raise TypeError(f"forward(): attention_mask must be 2-D [batch, seq] (1 = token, 0 = padding); "
                             f"got {attention_mask.dim()}-D (custom 4-D masks are not supported)")
@@ -182,19 +194,7 @@ class _EngineModule:
         use_cache = config.use_cache if use_cache is None else use_cache
         if checkpointing:
             use_cache = False
-        cache = foreign = None
-        if past_key_values is not None:
-            if isinstance(past_key_values, EngineCache):
-                cache = past_key_values
-            elif isinstance(past_key_values, Cache):
-                if getattr(past_key_values, "offloading", False):
-                    raise TypeError("past_key_values: an offloaded cache is not supported by the AutoMoE engine")
-                foreign, cache = past_key_values, import_cache(past_key_values, config.num_hidden_layers)
-            else:
-                raise TypeError(f"past_key_values: expected a transformers Cache, got "
-                                f"{type(past_key_values).__name__} (tuples of tensors are not supported, "
-                                "as in Transformers 5)")
-        elif use_cache:
+        if cache is None and use_cache:
             cache = EngineCache(config.num_hidden_layers)
         past_length = cache.get_seq_length() if cache is not None else 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -114,3 +115,28 @@ def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
         raise AssertionError(f"automoe {' '.join(map(str, args))} failed:\n{proc.stderr}")
     return proc
+
+
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE written by Transformers with a byte-level BPE tokenizer and a ChatML chat
+    template saved beside it (what Trainer, TRL and pipelines need), router logits on."""
+    from automoe.demo import EXAMPLES, build_checkpoint, build_tokenizer
+
+    tokenizer = build_tokenizer(EXAMPLES / "data" / "corpus.txt", vocab_size=300)
+    path = tmp_path_factory.mktemp("chat") / "qwen3-moe-chat"
+    return build_checkpoint(path, tokenizer, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            num_experts=5, mlp_only_layers=[], output_router_logits=True,
+                            router_aux_loss_coef=0.02)
+
+
+def chat_rows(n: int, split: str = "train") -> list[dict]:
+    from automoe.demo import EXAMPLES
+
+    with open(EXAMPLES / "data" / f"chat_{split}.jsonl", encoding="utf-8") as f:
+        return [json.loads(line) for _, line in zip(range(n), f)]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()

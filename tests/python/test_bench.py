@@ -4,6 +4,7 @@ the FLOPs formula is the hand-counted one, and the JSON has every field."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -69,3 +70,26 @@ def test_bench_print_config_gives_the_exact_qwen3_30b_layer_geometry():
             cfg["vocab_size"], cfg["num_hidden_layers"]) == (2048, 32, 4, 128, 128, 8, 768, 151936, 4)
     bad = subprocess.run([str(AUTOMOE_BIN), "bench", "--preset", "nope"], capture_output=True, text=True)
     assert bad.returncode == 1 and "cpu-small" in bad.stderr
+
+
+def test_compare_hf_runs_a_fallback_type_through_the_drop_in(tmp_path):
+    """A Mixtral config: the AutoMoE side is Transformers' model with AutoMoE's kernels (the
+    drop-in's path for types without a native engine model), the same model on both sides."""
+    cfg = tmp_path / "mixtral.json"
+    cfg.write_text(json.dumps({"model_type": "mixtral", "vocab_size": 64, "hidden_size": 16,
+                               "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
+                               "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
+                               "num_experts_per_tok": 2}))
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "compare_hf.py"), "--config", str(cfg), "--batch", "2",
+         "--seq", "12", "--warmup", "0", "--steps", "1", "--dtype", "float32", "--impls", "grouped_mm",
+         "--out", str(out), "--automoe", str(AUTOMOE_BIN)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO / "python")},
+    )
+    assert proc.returncode == 0, proc.stderr
+    sides = {r["side"]: r for r in json.loads((out / "results.json").read_text())["sides"]}
+    assert sides["automoe"]["error"] is None and sides["transformers"]["error"] is None
+    assert "AutoMoE fused experts (2 modules)" in sides["automoe"]["impl"]
+    assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
+    assert sides["automoe"]["tokens_per_s"] > 0 and sides["automoe"]["tflops"] is None

@@ -1,6 +1,7 @@
 #include "automoe/model/decoder.h"
 
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
@@ -369,6 +370,25 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
 }
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
+  const c10::DeviceType device = p(embed_).device().type();
+  if (!at::autocast::is_autocast_enabled(device)) return forward_in_dtype(a);
+  const c10::ScalarType dtype = at::autocast::get_autocast_dtype(device);
+  Decoder cast(*this);
+  for (auto& [name, t] : cast.params_) {
+    if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype) t = t.to(dtype);
+  }
+  ForwardArgs b = a;
+  if (b.inputs_embeds) b.inputs_embeds = b.inputs_embeds->to(dtype);
+  // The engine's own ops run in `dtype` now; autocast's per-op casts would only undo that.
+  struct AutocastOff {
+    c10::DeviceType device;
+    ~AutocastOff() { at::autocast::set_autocast_enabled(device, true); }
+  } restore{device};
+  at::autocast::set_autocast_enabled(device, false);
+  return cast.forward_in_dtype(b);
+}
+
+ForwardResult Decoder::forward_in_dtype(const ForwardArgs& a) const {
   check_inputs(a, spec_);
   // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
   at::Tensor h_BSH = a.inputs_embeds

@@ -99,6 +99,9 @@ class Decoder {
   // count on the embedding resizes the vocabulary.
   void rebind(const std::vector<std::optional<at::Tensor>>& tensors);
 
+  // Under torch.autocast (mixed precision: float32 parameters, bfloat16/float16 compute) the
+  // forward runs on parameters cast to the autocast dtype; the casts are differentiable, so the
+  // gradients reach the parameters in their own dtype, as with autocast's own casts.
   ForwardResult forward(const ForwardArgs& args) const;
 
   // One decoder layer's results (used by the activation-checkpointing machinery).
@@ -129,6 +132,7 @@ class Decoder {
     KVCache* cache;  // incremental decoding, or null
   };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }
+  ForwardResult forward_in_dtype(const ForwardArgs& args) const;  // forward without autocast
   // `fixed_idx`: route to these experts instead of choosing (a checkpointed layer's recompute).
   LayerOutput layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
                     const at::Tensor* fixed_idx) const;

@@ -1,0 +1,116 @@
+"""MoE types without a native engine model load through the same import as Transformers' own model
+with AutoMoE's fused experts (ExpertsInterface) and RMSNorm: logits to 1e-5 and every gradient to
+1e-4 of Transformers' own (float32), on tiny checkpoints Transformers itself wrote, with a
+left-padded row in the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import rel_err
+
+import automoe
+
+COMMON = dict(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# Each small, odd where it can be, and covering the family's own MoE options (shared experts, dense
+# first layers, group-limited routing, sigmoid scoring, q/k norms, MLA attention).
+FAMILIES = {
+    "mixtral": dict(num_local_experts=5, num_experts_per_tok=2, head_dim=8),
+    "olmoe": dict(num_experts=5, num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen2_moe": dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
+                      shared_expert_intermediate_size=16),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+                        first_k_dense_replace=1, n_group=2, topk_group=1, kv_lora_rank=16, q_lora_rank=24,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+    "glm4_moe": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=8),
+    "granitemoe": dict(num_local_experts=5, num_experts_per_tok=2),
+    "phimoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "ernie4_5_moe": dict(moe_num_experts=5, moe_k=2, moe_intermediate_size=12, moe_layer_start_index=0,
+                         head_dim=8),
+    "hunyuan_v1_moe": dict(num_experts=5, moe_topk=2, head_dim=8),
+    "dots1": dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=12, n_shared_experts=1,
+                  first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=8),
+    "minimax_m2": dict(num_local_experts=5, num_experts_per_tok=2, head_dim=8),
+    "flex_olmo": dict(num_experts=5, num_experts_per_tok=2),
+    # biased, transposed, interleaved experts with a clamped gate: Transformers' grouped_mm runs them
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4,
+                    layer_types=["sliding_attention", "full_attention"]),
+}
+OWN_EXPERTS = {"gpt_oss"}  # families whose experts AutoMoE's kernel does not cover
+
+
+def write_family_checkpoint(path, model_type: str):
+    from transformers import AutoConfig
+    from transformers import AutoModelForCausalLM as HFModel
+
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
+    torch.manual_seed(0)
+    model = HFModel.from_config(config)
+    with torch.no_grad():  # spread wider than Transformers' init: decisive routing, signal everywhere
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1 if "bias" in name else 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_fallback_matches_transformers_logits_and_gradients(tmp_path, model_type):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = write_family_checkpoint(tmp_path / model_type, model_type)
+    ref = HFModel.from_pretrained(path)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert type(ours) is type(ref) and ours.automoe_path == "transformers"
+    report = ours.automoe_accelerated
+    if model_type in OWN_EXPERTS:
+        assert report["experts"].startswith("Transformers' grouped_mm (")
+    else:
+        assert report["experts"].startswith("AutoMoE fused experts")
+        assert ours.config._experts_implementation == "automoe"
+
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 61, (2, 9), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    labels = ids.masked_fill(mask == 0, -100)
+    ours.train()
+    ref.train()
+    got = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    want = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(got.logits, want.logits) <= 1e-5
+    assert rel_err(got.loss, want.loss) <= 1e-5
+    got.loss.backward()
+    want.loss.backward()
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        if ref_params[name].grad is None:
+            assert p.grad is None, name
+            continue
+        assert rel_err(p.grad, ref_params[name].grad) <= 1e-4, name
+
+
+def test_fallback_rmsnorm_is_fused_only_where_the_module_is_standard(tmp_path):
+    path = write_family_checkpoint(tmp_path / "flex", "flex_olmo")  # (weight * x).to(dtype): not standard
+    model = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert model.automoe_accelerated["rms_norm"] == "Transformers'"
+    path = write_family_checkpoint(tmp_path / "mixtral", "mixtral")
+    model = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert model.automoe_accelerated["rms_norm"] == "AutoMoE fused (5 modules)"
+    assert type(model.model.norm).__name__ == "MixtralRMSNorm"
+
+
+def test_fallback_backend_choices_and_refusals(tmp_path):
+    path = write_family_checkpoint(tmp_path / "olmoe", "olmoe")
+    eager = automoe.AutoModelForCausalLM.from_pretrained(path, backend={"experts": "eager", "rms_norm": "torch"})
+    assert eager.config._experts_implementation == "eager"
+    assert eager.automoe_accelerated == {"experts": "Transformers' eager", "rms_norm": "Transformers'",
+                                         "attention": "Transformers' sdpa", "loss": "Transformers'"}
+    with pytest.raises(ValueError, match="loss='fused_linear_ce'.*Transformers' own"):
+        automoe.AutoModelForCausalLM.from_pretrained(path, backend={"loss": "fused_linear_ce"})
