@@ -94,8 +94,11 @@ def build_python_side(args, raw: dict):
     config = AutoConfig.for_model(model_type, **raw)
     dtype = getattr(torch, args.dtype)
     if args.python_side == "automoe":
-        sys.path.insert(0, str(REPO / "python"))  # this checkout's package, when not installed
-        import automoe
+        try:
+            import automoe
+        except ImportError:  # not installed and not on PYTHONPATH: this checkout's package
+            sys.path.insert(0, str(REPO / "python"))
+            import automoe
 
         return automoe.AutoModelForCausalLM.from_config(config, dtype=dtype)
     from transformers import AutoModelForCausalLM
@@ -150,9 +153,11 @@ def run_python_side(args) -> dict:
             optim.append((t3 - t2) * 1e3)
     f, b, o = statistics.median(fwd), statistics.median(bwd), statistics.median(optim)
     tokens = args.batch * args.seq
-    if args.python_side == "automoe":
+    if args.python_side == "automoe" and getattr(model, "automoe_path", None) == "native":
+        impl = "automoe drop-in (native engine, loss=torch)"
+    elif args.python_side == "automoe":
         report = getattr(model, "automoe_accelerated", {})
-        impl = f"automoe drop-in ({report.get('experts', 'native')}; rms_norm {report.get('rms_norm', 'native')})"
+        impl = f"automoe drop-in ({report.get('experts')}; rms_norm {report.get('rms_norm')})"
     else:
         impl = f"transformers {args.impl} (sdpa)"
     out = dict(
@@ -339,14 +344,17 @@ def orchestrate(args) -> dict:
 
     # AutoMoE first, then each Transformers implementation; the results files are rewritten after
     # every side, so a run cut short (a time limit on a lent GPU) still leaves what it measured.
+    dropin = ("automoe", "automoe drop-in",
+              [sys.executable, __file__, "--python-side", "automoe", "--config", str(config_path),
+               *common_flags(args)])
     if native:
         runs = [("automoe", f"automoe (experts={b})",
                  [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
                 for b in args.automoe_experts.split(",")]
+        if args.dropin:
+            runs.append(dropin)
     else:
-        runs = [("automoe", "automoe drop-in",
-                 [sys.executable, __file__, "--python-side", "automoe", "--config", str(config_path),
-                  *common_flags(args)])]
+        runs = [dropin]
     for impl in args.impls.split(","):
         runs.append(("transformers", f"transformers {impl} (sdpa)",
                      [sys.executable, __file__, "--python-side", "transformers", "--config",
@@ -404,6 +412,8 @@ def main(argv=None) -> int:
     p.add_argument("--fake-balanced-gate", action="store_true")
     p.add_argument("--impls", default=",".join(HF_IMPLS), help="Transformers experts_implementation values")
     p.add_argument("--automoe-experts", default="grouped", help="AutoMoE experts backends to run (grouped,eager)")
+    p.add_argument("--dropin", action="store_true",
+                   help="Qwen3-MoE: also time the Python drop-in (automoe.AutoModelForCausalLM) on the engine")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")

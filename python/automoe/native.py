@@ -190,7 +190,7 @@ class _EngineModule:
             inputs_embeds, input_ids = self.get_input_embeddings()(input_ids), None
 
         # Transformers' rule (merge_with_config_defaults): no cache under gradient checkpointing.
-        checkpointing = self.is_gradient_checkpointing and self.training
+        checkpointing = self.training and self.is_gradient_checkpointing
         use_cache = config.use_cache if use_cache is None else use_cache
         if checkpointing:
             use_cache = False
