@@ -191,7 +191,7 @@ NamedTensors tensors_to_save(const PretrainedModel& model,
                   own.sizes(), ", got ", it->second.sizes());
     AUTOMOE_CHECK(at::isFloatingType(it->second.scalar_type()), "state_dict: ", name,
                   ": expected a floating-point tensor, got ", it->second.scalar_type());
-    out.emplace_back(name, it->second.detach().to(at::kCPU));
+    out.emplace_back(name, it->second.detach());  // the writer moves each to the CPU in turn
     by_name.erase(it);
   }
   if (spec.tie_word_embeddings) by_name.erase("lm_head.weight");
