@@ -140,3 +140,16 @@ def chat_rows(n: int, split: str = "train") -> list[dict]:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def autograd_node_names(loss: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes behind `loss` (which kernels really ran)."""
+    seen, stack, names = set(), [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(fn.name())
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return names

@@ -132,65 +132,68 @@ def test_trainer_checkpoints_load_in_transformers_and_resume_the_same_curve(chec
 
 def test_trainer_neftune_embedding_hook_is_honoured(checkpoint_factory, tmp_path):
     """NEFTune adds noise through a forward hook on the input embedding: the engine runs the
-    embedding module so the hook applies (same losses as Transformers, same seed)."""
+    embedding module so the hook applies (same losses as Transformers, same seed; and not the
+    losses without the noise)."""
     path = checkpoint_factory("e5_top2_gqa2_untied")
     train, collate = token_dataset(8, 97, seed=3), pad_collator(0)
     curves = []
     for model in both_models(path):
-        trainer = trainer_for(model, tmp_path, train, collate=collate, max_steps=2, neftune_noise_alpha=5.0)
+        trainer = trainer_for(model, tmp_path, train, collate=collate, max_steps=2, neftune_noise_alpha=20.0)
         trainer.train()
         curves.append(losses(trainer))
     assert_same_curve(*curves)
+    quiet = trainer_for(automoe.AutoModelForCausalLM.from_pretrained(path), tmp_path, train, collate=collate,
+                        max_steps=2)
+    quiet.train()
+    assert abs(losses(quiet)[1] - curves[0][1]) > 10 * LOSS_TOL * abs(curves[0][1])
+
+
+def sft_curves(checkpoint, out_dir, rows: int, **config) -> list[list[float]]:
+    """TRL SFTTrainer on chat messages, AutoMoE's model then Transformers' own: their loss curves."""
+    import datasets
+    from transformers import AutoModelForCausalLM as HFModel
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    data = datasets.Dataset.from_list([{"messages": r["messages"]} for r in chat_rows(rows)])
+    curves = []
+    for model in (automoe.AutoModelForCausalLM.from_pretrained(checkpoint), HFModel.from_pretrained(checkpoint)):
+        args = SFTConfig(output_dir=str(out_dir), per_device_train_batch_size=4, learning_rate=2e-3,
+                         logging_steps=1, report_to=[], seed=0, use_cpu=True, save_strategy="no",
+                         max_length=96, disable_tqdm=True, **config)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        trainer.train()
+        assert next(trainer.model.parameters()).dtype == torch.float32
+        curves.append(losses(trainer))
+    return curves
 
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_trl_sft_trainer_on_messages_matches_trl_on_transformers(chat_checkpoint, tmp_path, packing):
-    """TRL's SFTTrainer (chat template, assistant-only loss off, its fused LM head over our backbone,
-    the aux loss from router logits); with packing, TRL's padding-free batches (position_ids
-    restarting per document, no attention mask)."""
-    import datasets
-    from transformers import AutoModelForCausalLM as HFModel
-    from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
-
-    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
-    data = datasets.Dataset.from_list([{"messages": r["messages"]} for r in chat_rows(24)])
-    curves = []
-    for model in (automoe.AutoModelForCausalLM.from_pretrained(chat_checkpoint),
-                  HFModel.from_pretrained(chat_checkpoint)):
-        config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=3,
-                           learning_rate=2e-3, logging_steps=1, report_to=[], seed=0, use_cpu=True,
-                           save_strategy="no", packing=packing, max_length=96, bf16=False,
-                           disable_tqdm=True)
-        trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
-        trainer.train()
-        curves.append(losses(trainer))
-    assert_same_curve(*curves)
+    """TRL's SFTTrainer (chat template, its fused LM head over our backbone, the aux loss from router
+    logits); with packing, TRL's padding-free batches (position_ids restarting per document, no
+    attention mask)."""
+    assert_same_curve(*sft_curves(chat_checkpoint, tmp_path, 24, max_steps=3, packing=packing, bf16=False))
 
 
-def test_trl_default_bf16_autocast_runs_in_bfloat16(chat_checkpoint, tmp_path):
-    """TRL's default SFTConfig trains an fp32 model under bf16 autocast: the engine computes in
-    bfloat16 then (float32 parameters and gradients), close to Transformers under autocast."""
-    import datasets
-    from transformers import AutoModelForCausalLM as HFModel
-    from transformers import AutoTokenizer
-    from trl import SFTConfig, SFTTrainer
+def test_trl_default_bf16_autocast_runs_the_engine_in_bfloat16(chat_checkpoint, tmp_path):
+    """TRL's default SFTConfig (bf16=True) trains a float32 model under bf16 autocast: the engine
+    then computes in bfloat16 from float32 parameters, and lands close to Transformers."""
+    from trl import SFTConfig
 
-    tokenizer = AutoTokenizer.from_pretrained(chat_checkpoint)
-    data = datasets.Dataset.from_list([{"messages": r["messages"]} for r in chat_rows(16)])
-    curves = []
-    for model in (automoe.AutoModelForCausalLM.from_pretrained(chat_checkpoint),
-                  HFModel.from_pretrained(chat_checkpoint)):
-        config = SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2,
-                           learning_rate=2e-3, logging_steps=1, report_to=[], seed=0, use_cpu=True,
-                           save_strategy="no", max_length=96, disable_tqdm=True)
-        assert config.bf16
-        trainer = SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tokenizer)
-        trainer.train()
-        assert next(trainer.model.parameters()).dtype == torch.float32
-        curves.append(losses(trainer))
-    for a, b in zip(*curves):
+    assert SFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16
+    ours, ref = sft_curves(chat_checkpoint, tmp_path, 16, max_steps=2)
+    for a, b in zip(ours, ref):
         assert abs(a - b) <= 2e-2 * abs(b)
+    model = automoe.AutoModelForCausalLM.from_pretrained(chat_checkpoint)
+    ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16  # computed in bf16, as Transformers under autocast
+    out.loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
+    assert model(ids).logits.dtype == torch.float32  # and float32 again outside autocast
 
 
 def test_accelerate_prepare_train_and_save_with_its_state_dict(checkpoint_factory, tmp_path, monkeypatch):

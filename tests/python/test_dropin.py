@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from conftest import padded_batch, rel_err
+from conftest import autograd_node_names, padded_batch, rel_err
 from torch import nn
 
 import automoe
@@ -210,5 +210,36 @@ def test_unsupported_forward_arguments_are_refused(pair):
 
 
 def test_load_logs_the_path_taken(checkpoint_factory, capfd):
-    automoe.AutoModelForCausalLM.from_pretrained(checkpoint_factory("e5_top2_gqa2_untied"))
-    assert "runs natively in the AutoMoE engine" in capfd.readouterr().err
+    import logging
+
+    logger = logging.getLogger("automoe")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        path = checkpoint_factory("e5_top2_gqa2_untied")
+        automoe.AutoModelForCausalLM.from_pretrained(path)
+        assert "runs natively in the AutoMoE engine" in capfd.readouterr().err
+        automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=True)
+        assert ("runs as Transformers' Qwen3MoeForCausalLM with AutoMoE kernels: experts: AutoMoE fused "
+                "experts") in capfd.readouterr().err
+    finally:
+        logger.setLevel(level)
+
+
+def test_gradient_checkpointing_enable_reaches_the_engine(pair):
+    """Trainer's gradient_checkpointing_enable(gradient_checkpointing_kwargs=...): in training mode
+    each layer runs checkpointed in the engine (and the cache is off, as in Transformers)."""
+    ours, _, _ = pair
+    ids = torch.randint(0, 97, (2, 7))
+    ours.train()
+    plain = ours(ids, labels=ids)
+    ours.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert ours.is_gradient_checkpointing
+    checkpointed = ours(ids, labels=ids)
+    assert checkpointed.past_key_values is None and plain.past_key_values is not None
+    layer_fn = "CheckpointedLayerFn"
+    assert not any(layer_fn in n for n in autograd_node_names(plain.loss))
+    assert any(layer_fn in n for n in autograd_node_names(checkpointed.loss))
+    assert torch.equal(checkpointed.loss, plain.loss)
+    ours.eval()  # not in eval mode
+    assert not any(layer_fn in n for n in autograd_node_names(ours(ids, labels=ids).loss))

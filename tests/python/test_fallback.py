@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import autograd_node_names, rel_err
 
 import automoe
 
@@ -86,6 +86,12 @@ def test_fallback_matches_transformers_logits_and_gradients(tmp_path, model_type
     want = ref(input_ids=ids, attention_mask=mask, labels=labels)
     assert rel_err(got.logits, want.logits) <= 1e-5
     assert rel_err(got.loss, want.loss) <= 1e-5
+    # AutoMoE's kernels really ran: their backward nodes are in the graph
+    ran = {n.split("::")[-1].rstrip(">") for n in autograd_node_names(got.loss) if "automoe::ops" in n}
+    expected = {"RmsNormFn"} if "AutoMoE fused (" in report["rms_norm"] else set()
+    if model_type not in OWN_EXPERTS:
+        expected |= {"PermuteFn", "GroupedGemmFn", "SwigluFn", "UnpermuteFn"}
+    assert ran == expected
     got.loss.backward()
     want.loss.backward()
     ref_params = dict(ref.named_parameters())
