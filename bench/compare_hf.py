@@ -100,7 +100,8 @@ def build_python_side(args, raw: dict):
             sys.path.insert(0, str(REPO / "python"))
             import automoe
 
-        return automoe.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        backend = {"fake_balanced_gate": True} if args.fake_balanced_gate else None
+        return automoe.AutoModelForCausalLM.from_config(config, dtype=dtype, backend=backend)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",

@@ -75,6 +75,14 @@ class EngineCache(Cache):
     def storage(self) -> "_C.KVCache":
         return self._storage
 
+    def __deepcopy__(self, memo) -> "EngineCache":
+        """An independent copy (Transformers' prefix-reuse pattern: deepcopy a prompt's cache)."""
+        out = EngineCache.__new__(EngineCache)
+        out._storage = self._storage.clone()
+        Cache.__init__(out, layers=[EngineCacheLayer(out._storage, i) for i in range(len(self.layers))])
+        memo[id(self)] = out
+        return out
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         return self._storage.append(layer_idx, key_states, value_states)
 

@@ -63,8 +63,14 @@ def automoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    return torch.ops.automoe.moe_experts(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                                         self.down_proj, "grouped")
+    x, w_gate_up, w_down = hidden_states, self.gate_up_proj, self.down_proj
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # the GEMMs in autocast's dtype, as F.linear would run
+        dtype = torch.get_autocast_dtype(device)
+        x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
+    weights = top_k_weights if top_k_weights.dtype == x.dtype else top_k_weights.float()
+    out = torch.ops.automoe.moe_experts(x, top_k_index, weights, w_gate_up, w_down, "grouped")
+    return out.to(hidden_states.dtype)
 
 
 @functools.cache
@@ -100,6 +106,8 @@ def _fused_rmsnorm_class(cls: type) -> type | None:
         return None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hidden_states.dtype != self.weight.dtype:  # autocast: Transformers' promotion rules
+            return cls.forward(self, hidden_states)
         return torch.ops.automoe.rmsnorm(hidden_states, self.weight, float(self.variance_epsilon))
 
     return type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,

@@ -17,17 +17,17 @@ is refused or warned about by name, never silently dropped.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
-import warnings
 from typing import Any
 
 import torch
 
 from automoe import _engine
 from automoe.backend import BackendConfig
-from automoe.native import NATIVE_CLASSES, AutoMoEError, dtype_name
+from automoe.native import EXPERTS_IMPLEMENTATIONS, NATIVE_CLASSES, AutoMoEError, dtype_name, warn_ignored
 
 _C = _engine.load()
 logger = logging.getLogger("automoe")
@@ -85,12 +85,6 @@ def _device(device_map: Any) -> torch.device | None:
     return torch.device(device_map)
 
 
-def _warn_ignored(where: str, ignored: dict[str, str]) -> None:
-    if ignored:
-        warnings.warn(f"{where}: arguments with no effect: "
-                      + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
-
-
 def _native_config(path: str, config, kwargs: dict):
     """The checkpoint's config with from_pretrained's config overrides applied, as Transformers
     applies them (keys of the config); other leftover arguments are a TypeError naming them."""
@@ -99,6 +93,7 @@ def _native_config(path: str, config, kwargs: dict):
     if config is None:
         config, unused = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
     else:
+        config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
         unused = {}
         for key, value in kwargs.items():
             if hasattr(config, key):
@@ -120,11 +115,10 @@ def _common_arguments(kwargs: dict, backend, attn_implementation, experts_implem
                              "'sdpa' and 'eager'")
         cfg.attn = attn_implementation
     if experts_implementation is not None:
-        mapping = {"eager": "eager", "grouped_mm": "torch_mm", "automoe": "grouped"}
-        if experts_implementation not in mapping:
+        if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
-                             f"implements {sorted(mapping)}")
-        cfg.experts = mapping[experts_implementation]
+                             f"implements {sorted(EXPERTS_IMPLEMENTATIONS)}")
+        cfg.experts = EXPERTS_IMPLEMENTATIONS[experts_implementation]
     return cfg
 
 
@@ -134,6 +128,16 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                 low_cpu_mem_usage=None, trust_remote_code=None, use_safetensors=None,
                 force_transformers: bool = False, **kwargs):
     """from_pretrained for an engine-backed class (see AutoModelForCausalLM.from_pretrained)."""
+    if force_transformers:  # (Qwen3MoeForCausalLM.from_pretrained(..., force_transformers=True))
+        from automoe import fallback
+
+        given = dict(torch_dtype=torch_dtype, dtype=dtype, attn_implementation=attn_implementation,
+                     experts_implementation=experts_implementation, config=config, device_map=device_map,
+                     subfolder=subfolder or None, output_loading_info=output_loading_info or None,
+                     low_cpu_mem_usage=low_cpu_mem_usage, trust_remote_code=trust_remote_code,
+                     use_safetensors=use_safetensors)
+        return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend,
+                             **{k: v for k, v in given.items() if v is not None}, **kwargs)
     if model_args:
         raise TypeError("from_pretrained(): positional model arguments are not supported by AutoMoE")
     path = _local_dir(pretrained_model_name_or_path, subfolder)
@@ -155,7 +159,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
     if kwargs.pop("ignore_mismatched_sizes", False):
         raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
                          "whose tensors do not match their config")
-    _warn_ignored("from_pretrained()", ignored)
+    warn_ignored("from_pretrained()", ignored)
     cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
     config = _native_config(path, config, kwargs)
     chosen = dtype if dtype is not None else torch_dtype
@@ -181,6 +185,7 @@ def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=Non
     (normal(0, initializer_range), ones for norms), drawn from torch's global generator's seed."""
     kwargs.pop("trust_remote_code", None)
     cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
+    config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
     for key, value in list(kwargs.items()):
         if hasattr(config, key):
             setattr(config, key, kwargs.pop(key))

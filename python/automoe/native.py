@@ -36,6 +36,11 @@ logger = logging.getLogger("automoe")
 _DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
            torch.float64: "float64"}
 
+# Transformers' experts_implementation -> the engine's experts backend ("automoe" is AutoMoE's
+# fused experts, what the engine runs by default; see fallback.py for the same name there).
+EXPERTS_IMPLEMENTATIONS = {"automoe": "grouped", "grouped_mm": "torch_mm", "eager": "eager"}
+ENGINE_EXPERTS = {v: k for k, v in EXPERTS_IMPLEMENTATIONS.items()}
+
 # Keyword arguments of Transformers' forward that carry nothing for the engine: the varlen
 # boundaries that TRL's padding-free collator adds for flash-attention kernels (Transformers' own
 # sdpa and eager paths ignore them too and split packed documents by position_ids, as the engine
@@ -58,14 +63,17 @@ def dtype_name(dtype: Any) -> str | None:
 
 
 def _parse_size(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-    s = size.strip().upper()
-    for unit, mult in units.items():
-        if s.endswith(unit):
-            return int(float(s[: -len(unit)]) * mult)
-    return int(s)
+    """max_shard_size as Transformers' save_pretrained reads it (huggingface_hub's parser)."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    return size if isinstance(size, int) else parse_size_to_int(size)
+
+
+def warn_ignored(where: str, ignored: dict[str, str]) -> None:
+    """One warning naming every argument that has no effect, and why."""
+    if ignored:
+        warnings.warn(f"{where}: arguments with no effect: "
+                      + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
 
 
 def _describe(module: nn.Module) -> str:
@@ -137,15 +145,28 @@ class _EngineModule:
         return embed_hooked
 
     def _automoe_sync(self) -> "_C.Model":
+        """Brings the engine up to date with the module: parameters re-bound, and Transformers'
+        attn_implementation / experts_implementation (set_attn_implementation, ...) applied."""
+        if getattr(self, "_is_replica", False):
+            raise AutoMoEError("nn.DataParallel replicas share one AutoMoE engine and cannot run it "
+                               "concurrently; launch one process per device (torchrun / accelerate "
+                               "launch, as Transformers recommends) instead")
         engine = self._automoe_engine
         engine.rebind(self._automoe_params())
+        backend = engine.backend()
+        wanted = dict(backend)
         attn = self.config._attn_implementation or "sdpa"
-        if engine.backend()["attn"] != attn:
-            if attn not in ("sdpa", "eager"):
-                raise AutoMoEError(
-                    f"attn_implementation={attn!r}: the AutoMoE engine implements 'sdpa' and 'eager'"
-                )
-            engine.set_backend({**engine.backend(), "attn": attn})
+        if attn not in ("sdpa", "eager"):
+            raise AutoMoEError(f"attn_implementation={attn!r}: the AutoMoE engine implements 'sdpa' and 'eager'")
+        wanted["attn"] = attn
+        experts = getattr(self.config, "_experts_implementation", None)
+        if experts is not None:
+            if experts not in EXPERTS_IMPLEMENTATIONS:
+                raise AutoMoEError(f"experts_implementation={experts!r}: the AutoMoE engine implements "
+                                   f"{sorted(EXPERTS_IMPLEMENTATIONS)}")
+            wanted["experts"] = EXPERTS_IMPLEMENTATIONS[experts]
+        if wanted != backend:
+            engine.set_backend(wanted)
         return engine
 
     def _automoe_forward(self, *, lm_head: bool, input_ids=None, attention_mask=None,
@@ -158,7 +179,8 @@ class _EngineModule:
         output_hidden_states = kwargs.pop("output_hidden_states", None)
         output_hidden_states = bool(config.output_hidden_states if output_hidden_states is None
                                     else output_hidden_states)
-        if kwargs.pop("output_attentions", None) or config.output_attentions:
+        output_attentions = kwargs.pop("output_attentions", None)
+        if config.output_attentions if output_attentions is None else output_attentions:
             raise TypeError("forward(): output_attentions=True is not supported by the AutoMoE engine "
                             "(its attention kernels do not form the attention weights)")
         if kwargs.pop("shift_labels", None) is not None:
@@ -267,11 +289,15 @@ class EngineCausalLM(_EngineModule):
         params = engine.named_parameters()
         config.dtype = params[0][1].dtype  # the dtype it was loaded in, as Transformers records it
         config._attn_implementation = engine.backend()["attn"]
+        from automoe.fallback import register
+
+        register()  # "automoe" is a valid experts_implementation for Transformers' checks
         from transformers import initialization
 
         with torch.device("meta"), initialization.no_init_weights(), initialization.no_tie_weights():
             model = cls(config)
         model.model.__class__ = cls._automoe_backbone_class
+        model.config._experts_implementation_internal = ENGINE_EXPERTS[engine.backend()["experts"]]
         _materialize_buffers(model)
         model._automoe_engine = engine
         model.model._automoe_engine = engine
@@ -305,6 +331,10 @@ class EngineCausalLM(_EngineModule):
         return model
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        return True  # set_experts_implementation() switches the engine's experts backend
+
+    @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
         from automoe.modeling import load_native
 
@@ -334,6 +364,7 @@ class EngineCausalLM(_EngineModule):
         cfg = BackendConfig.coerce(backend)
         self._automoe_engine.set_backend(cfg.to_dict())
         self.config._attn_implementation = cfg.attn
+        self.config._experts_implementation_internal = ENGINE_EXPERTS[cfg.experts]
 
     # -- forward --------------------------------------------------------------------------------
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
@@ -400,9 +431,7 @@ class EngineCausalLM(_EngineModule):
             ignored["safe_serialization"] = "weights are always written as safetensors, as Transformers v5 does"
         for key in sorted(kwargs):
             ignored[key] = "only used by push_to_hub in Transformers"
-        if ignored:
-            warnings.warn("save_pretrained(): arguments with no effect: "
-                          + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=2)
+        warn_ignored("save_pretrained()", ignored)
         if not is_main_process:
             return  # as Transformers: only the main process writes
         if layout is None and save_original_format is not None:

@@ -203,3 +203,25 @@ TEST(Decoder, BackboneOnlyAndLogitsToKeep) {
 
 }  // namespace
 }  // namespace automoe
+
+namespace automoe {
+namespace {
+
+TEST(KVCache, FirstFillBorrowsAndLaterWritesNeverTouchTheCallersTensors) {
+  KVCache cache(1);
+  const at::Tensor k = at::randn({1, 2, 4, 3}), v = at::randn({1, 2, 4, 3});
+  const at::Tensor k_before = k.clone();
+  cache.append(0, k, v);
+  EXPECT_EQ(cache.keys(0).data_ptr(), k.data_ptr());  // no copy for the first fill
+  cache.remove_last(2);
+  cache.append(0, at::zeros({1, 2, 3, 3}), at::zeros({1, 2, 3, 3}));  // would overwrite k in place
+  EXPECT_TRUE(k.equal(k_before));
+  EXPECT_EQ(cache.length(0), 5);
+  KVCache copy = cache.clone();
+  cache.append(0, at::ones({1, 2, 1, 3}), at::ones({1, 2, 1, 3}));
+  EXPECT_EQ(copy.length(0), 5);
+  EXPECT_TRUE(copy.keys(0).equal(cache.keys(0).narrow(2, 0, 5)));
+}
+
+}  // namespace
+}  // namespace automoe

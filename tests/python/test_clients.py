@@ -179,18 +179,25 @@ def test_trl_sft_trainer_on_messages_matches_trl_on_transformers(chat_checkpoint
 
 def test_trl_default_bf16_autocast_runs_the_engine_in_bfloat16(chat_checkpoint, tmp_path):
     """TRL's default SFTConfig (bf16=True) trains a float32 model under bf16 autocast: the engine
-    then computes in bfloat16 from float32 parameters, and lands close to Transformers."""
+    runs the matmuls in bfloat16 from float32 parameters, as Transformers does. The first step's
+    loss agrees closely; later ones drift a little, because the router stays float32 in AutoMoE
+    (Transformers runs it in bf16 under autocast) and Adam amplifies the small router-gradient
+    differences."""
     from trl import SFTConfig
 
     assert SFTConfig(output_dir=str(tmp_path), use_cpu=True).bf16
     ours, ref = sft_curves(chat_checkpoint, tmp_path, 16, max_steps=2)
-    for a, b in zip(ours, ref):
-        assert abs(a - b) <= 2e-2 * abs(b)
+    assert abs(ours[0] - ref[0]) <= 1e-4 * abs(ref[0])
+    assert abs(ours[1] - ref[1]) <= 1e-2 * abs(ref[1])
+    from transformers import AutoModelForCausalLM as HFModel
+
     model = automoe.AutoModelForCausalLM.from_pretrained(chat_checkpoint)
+    ref = HFModel.from_pretrained(chat_checkpoint, experts_implementation="eager")
     ids = torch.randint(0, 300, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(ids, labels=ids)
-    assert out.logits.dtype == torch.bfloat16  # computed in bf16, as Transformers under autocast
+        out, want = model(ids, labels=ids), ref(ids, labels=ids)
+    assert out.logits.dtype == torch.bfloat16  # bf16 matmuls, as Transformers under autocast
+    assert rel_err(out.loss, want.loss) <= 1e-3
     out.loss.backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters() if p.grad is not None)
     assert model(ids).logits.dtype == torch.float32  # and float32 again outside autocast

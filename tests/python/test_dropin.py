@@ -243,3 +243,53 @@ def test_gradient_checkpointing_enable_reaches_the_engine(pair):
     assert torch.equal(checkpointed.loss, plain.loss)
     ours.eval()  # not in eval mode
     assert not any(layer_fn in n for n in autograd_node_names(ours(ids, labels=ids).loss))
+
+
+def test_transformers_implementation_switches_reach_the_engine(pair):
+    """set_experts_implementation / set_attn_implementation (Transformers' API) choose the engine's
+    backends; a value the engine does not implement is refused at the next forward."""
+    ours, _, _ = pair
+    ids = torch.randint(0, 97, (1, 6))
+    assert ours.config._experts_implementation == "automoe" and ours.backend.experts == "grouped"
+    ours.set_experts_implementation("eager")
+    ours.set_attn_implementation("eager")
+    ours(ids)
+    assert ours.backend.experts == "eager" and ours.backend.attn == "eager"
+    ours.config._experts_implementation_internal = "batched_mm"
+    with pytest.raises(AutoMoEError, match=r"experts_implementation='batched_mm'"):
+        ours(ids)
+
+
+def test_data_parallel_replicas_are_refused(pair):
+    ours, _, _ = pair
+    ours._is_replica = True  # what nn.DataParallel's replicate() marks its copies with
+    with pytest.raises(AutoMoEError, match="DataParallel"):
+        ours(torch.randint(0, 97, (1, 4)))
+
+
+def test_dtype_auto_without_a_config_dtype_keeps_the_stored_dtype(checkpoint_factory, tmp_path):
+    """A config.json without "dtype": weights load in the dtype they are stored in (Transformers'
+    rule for dtype="auto"), not float32."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "bf16"
+    shutil.copytree(checkpoint_factory("e5_top2_gqa2_untied"), path)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("dtype", None)
+    cfg.pop("torch_dtype", None)
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert automoe.AutoModelForCausalLM.from_pretrained(path, dtype="auto").dtype == torch.bfloat16
+
+
+def test_from_pretrained_does_not_modify_the_config_passed_in(checkpoint_factory):
+    from transformers import AutoConfig
+
+    path = checkpoint_factory("e5_top2_gqa2_untied")
+    config = AutoConfig.from_pretrained(path)
+    model = automoe.AutoModelForCausalLM.from_pretrained(path, config=config, output_router_logits=True)
+    assert model.config.output_router_logits and not config.output_router_logits

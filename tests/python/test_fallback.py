@@ -120,3 +120,18 @@ def test_fallback_backend_choices_and_refusals(tmp_path):
                                          "attention": "Transformers' sdpa", "loss": "Transformers'"}
     with pytest.raises(ValueError, match="loss='fused_linear_ce'.*Transformers' own"):
         automoe.AutoModelForCausalLM.from_pretrained(path, backend={"loss": "fused_linear_ce"})
+
+
+def test_fallback_under_bf16_autocast_follows_transformers(tmp_path):
+    """OLMoE's q/k norms see bf16 projections under autocast while their weights are float32: the
+    fused RMSNorm hands such calls to Transformers' own promotion rules."""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = write_family_checkpoint(tmp_path / "olmoe", "olmoe")
+    ours, ref = automoe.AutoModelForCausalLM.from_pretrained(path), HFModel.from_pretrained(path)
+    ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    assert got.logits.dtype == want.logits.dtype == torch.bfloat16
+    assert rel_err(got.loss, want.loss) <= 1e-3
+    got.loss.backward()

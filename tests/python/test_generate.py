@@ -89,6 +89,25 @@ def test_manual_decoding_with_past_key_values_matches_the_full_forward(models):
         assert rel_err(second.logits[real[:, 5:]], full[:, 5:][real[:, 5:]]) <= 1e-5
 
 
+def test_deep_copied_prompt_cache_is_reused_for_two_continuations(models):
+    """Transformers' prefix-reuse pattern: a prompt's cache is computed once and deep-copied for
+    each continuation; the copies are independent and give what a fresh generate gives."""
+    import copy
+
+    ours, _ = models
+    ids, mask = prompts(ours.config.vocab_size)
+    prompt, prompt_mask = ids[:1, :5], mask[:1, :5]
+    with torch.no_grad():
+        cache = ours(prompt, attention_mask=prompt_mask).past_key_values
+    for tail in (ids[:1, 5:6], ids[:1, 5:7]):
+        full = torch.cat([prompt, tail], 1)
+        fresh = ours.generate(full, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        reused = ours.generate(full, max_new_tokens=4, do_sample=False, pad_token_id=0,
+                               past_key_values=copy.deepcopy(cache))
+        assert torch.equal(reused, fresh)
+    assert cache.get_seq_length() == 5  # the original was never extended
+
+
 def test_caches_the_engine_cannot_read_are_refused_by_name(models):
     ours, _ = models
     ids, mask = prompts(ours.config.vocab_size)

@@ -10,14 +10,10 @@ namespace {
 // field -> the values this build implements (the first is the default).
 const std::map<std::string, std::vector<std::string>>& implemented() {
   static const std::map<std::string, std::vector<std::string>> fields = {
-      {"attn", {"sdpa", "eager"}},
-      {"experts", {"grouped", "torch_mm", "eager"}},
-      {"rms_norm", {"fused", "torch"}},
-      {"rope", {"fused", "torch"}},
-      {"swiglu", {"fused", "torch"}},
-      {"loss", {"torch", "fused_linear_ce"}},
-      {"dispatcher", {"local"}},
-      {"fake_balanced_gate", {"false", "true"}},
+      {"attn", {"sdpa", "eager"}},      {"experts", {"grouped", "torch_mm", "eager"}},
+      {"rms_norm", {"fused", "torch"}}, {"rope", {"fused", "torch"}},
+      {"swiglu", {"fused", "torch"}},   {"loss", {"torch", "fused_linear_ce"}},
+      {"dispatcher", {"local"}},        {"fake_balanced_gate", {"false", "true"}},
   };
   return fields;
 }

@@ -14,9 +14,9 @@ enum class LossBackend { kTorch, kFusedLinearCE };
 struct BackendConfig {
   AttnBackend attn = AttnBackend::kSdpa;
   ExpertsBackend experts = ExpertsBackend::kGrouped;  // fused ops (ops/ops.h)
-  bool fused_rms_norm = true;                          // rms_norm: "fused" | "torch"
-  bool fused_rope = true;                              // rope: "fused" | "torch"
-  bool fused_swiglu = true;                            // swiglu: "fused" | "torch"
+  bool fused_rms_norm = true;                         // rms_norm: "fused" | "torch"
+  bool fused_rope = true;                             // rope: "fused" | "torch"
+  bool fused_swiglu = true;                           // swiglu: "fused" | "torch"
   // "torch": full logits, then cross-entropy; "fused_linear_ce": chunked LM head + loss, and
   // no logits are returned when labels are given (what keeps [T, V] out of memory).
   LossBackend loss = LossBackend::kTorch;

@@ -1,7 +1,6 @@
 #include "automoe/model/decoder.h"
 
 #include <ATen/ATen.h>
-#include <ATen/autocast_mode.h>
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
@@ -11,6 +10,7 @@
 #include <memory>
 #include <tuple>
 
+#include "automoe/core/autocast.h"
 #include "automoe/core/error.h"
 #include "automoe/moe/aux_loss.h"
 #include "automoe/moe/experts.h"
@@ -156,8 +156,11 @@ void Decoder::resize_vocab(const at::Tensor& embed, const std::optional<at::Tens
 }
 
 at::Tensor Decoder::rms_norm(const at::Tensor& x, int64_t weight) const {
-  return backend_.fused_rms_norm ? ops::rmsnorm(x, p(weight), spec_.rms_norm_eps)
-                                 : ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
+  // Mixed dtypes (a bf16 projection under autocast, a float32 weight) take the reference, which
+  // promotes as Transformers' RMSNorm does.
+  return backend_.fused_rms_norm && x.scalar_type() == p(weight).scalar_type()
+             ? ops::rmsnorm(x, p(weight), spec_.rms_norm_eps)
+             : ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
 }
 
 namespace {
@@ -335,7 +338,8 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
     k_BSND = rms_norm(k_BSND, L.k_norm);
   }
   at::Tensor q_BNSD, k_BNSD;
-  if (backend_.fused_rope) {
+  if (backend_.fused_rope && q_BSND.scalar_type() == c.cos_BSD.scalar_type() &&
+      k_BSND.scalar_type() == c.cos_BSD.scalar_type()) {
     // The fused op reads the half-angle tables (both halves of cos_BSD are equal) and rotates
     // q and k in their projection layout [B, S, N, D].
     const int64_t half = D / 2;
@@ -343,7 +347,7 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
     const at::Tensor sin_BSh = c.sin_BSD.narrow(-1, 0, half);
     q_BNSD = ops::rope(q_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
     k_BNSD = ops::rope(k_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
-  } else {
+  } else {  // (also mixed dtypes under autocast: the reference promotes as Transformers does)
     q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
     k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
   }
@@ -370,25 +374,6 @@ at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
 }
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
-  const c10::DeviceType device = p(embed_).device().type();
-  if (!at::autocast::is_autocast_enabled(device)) return forward_in_dtype(a);
-  const c10::ScalarType dtype = at::autocast::get_autocast_dtype(device);
-  Decoder cast(*this);
-  for (auto& [name, t] : cast.params_) {
-    if (at::isFloatingType(t.scalar_type()) && t.scalar_type() != dtype) t = t.to(dtype);
-  }
-  ForwardArgs b = a;
-  if (b.inputs_embeds) b.inputs_embeds = b.inputs_embeds->to(dtype);
-  // The engine's own ops run in `dtype` now; autocast's per-op casts would only undo that.
-  struct AutocastOff {
-    c10::DeviceType device;
-    ~AutocastOff() { at::autocast::set_autocast_enabled(device, true); }
-  } restore{device};
-  at::autocast::set_autocast_enabled(device, false);
-  return cast.forward_in_dtype(b);
-}
-
-ForwardResult Decoder::forward_in_dtype(const ForwardArgs& a) const {
   check_inputs(a, spec_);
   // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
   at::Tensor h_BSH = a.inputs_embeds
@@ -416,7 +401,8 @@ ForwardResult Decoder::forward_in_dtype(const ForwardArgs& a) const {
   if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
 
   ForwardResult r;
-  const LayerContext ctx{cos_BSD, sin_BSD, mask.mask, mask.is_causal, eager_attn, a.cache};
+  const LayerContext ctx{
+      cos_BSD, sin_BSD, mask.mask, mask.is_causal, eager_attn, a.cache, autocast_dtype(dev.type())};
   // Activation checkpointing applies only when something needs gradients.
   bool needs_grad = false;
   if (a.activation_checkpointing && at::GradMode::is_enabled()) {
@@ -458,7 +444,7 @@ ForwardResult Decoder::forward_in_dtype(const ForwardArgs& a) const {
   }
 
   if (a.labels) {
-    const auto ce = fused_loss ? fused_causal_lm_loss(h_BSH, *a.labels)
+    const auto ce = fused_loss ? fused_causal_lm_loss(h_BSH, *a.labels, ctx.autocast)
                                : ops::causal_lm_cross_entropy_reference(r.logits, *a.labels);
     if (a.num_items_in_batch) {
       AUTOMOE_CHECK(*a.num_items_in_batch > 0, "num_items_in_batch: expected > 0, got ",
@@ -481,8 +467,15 @@ ForwardResult Decoder::forward_in_dtype(const ForwardArgs& a) const {
   return r;
 }
 
-at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
-                            const at::Tensor& w_gate_up, const at::Tensor& w_down) const {
+at::Tensor Decoder::experts(const at::Tensor& x_in, const moe::Routing& routing,
+                            const at::Tensor& w_gate_up_in, const at::Tensor& w_down_in,
+                            std::optional<c10::ScalarType> compute_dtype) const {
+  if (compute_dtype && *compute_dtype != x_in.scalar_type()) {
+    return experts(x_in.to(*compute_dtype), routing, w_gate_up_in.to(*compute_dtype),
+                   w_down_in.to(*compute_dtype), std::nullopt)
+        .to(x_in.scalar_type());
+  }
+  const at::Tensor &x_TH = x_in, &w_gate_up = w_gate_up_in, &w_down = w_down_in;
   switch (backend_.experts) {
     case ExpertsBackend::kEager:
       return moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
@@ -500,15 +493,20 @@ at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
   return moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
 }
 
-ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH,
-                                           const at::Tensor& labels_BS) const {
+ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
+                                           std::optional<c10::ScalarType> compute_dtype) const {
   // Position s predicts labels[s + 1]; the last position of each row predicts nothing.
   const int64_t ignore = -100;
   const at::Tensor shifted_BS = at::constant_pad_nd(labels_BS.to(at::kLong), {0, 1}, ignore)
                                     .narrow(1, 1, labels_BS.size(1))
                                     .to(h_BSH.device());
-  const auto r = ops::linear_cross_entropy(h_BSH.reshape({-1, h_BSH.size(-1)}), p(lm_head_),
-                                           shifted_BS.reshape({-1}), ignore);
+  // Under autocast the LM head runs in the autocast dtype, as an ATen linear would.
+  const at::Tensor x_NH = h_BSH.reshape({-1, h_BSH.size(-1)});
+  const auto r =
+      compute_dtype
+          ? ops::linear_cross_entropy(x_NH.to(*compute_dtype), p(lm_head_).to(*compute_dtype),
+                                      shifted_BS.reshape({-1}), ignore)
+          : ops::linear_cross_entropy(x_NH, p(lm_head_), shifted_BS.reshape({-1}), ignore);
   return {r.sum, r.count};
 }
 
@@ -530,7 +528,7 @@ Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
       routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe,
                                         /*fused=*/backend_.experts != ExpertsBackend::kEager);
     }
-    y_TH = experts(x_TH, routing, p(L.gate_up), p(L.down));
+    y_TH = experts(x_TH, routing, p(L.gate_up), p(L.down), c.autocast);
     out.router_logits = routing.logits_TE;
     out.idx = routing.idx_TK;
   } else {
@@ -632,6 +630,8 @@ Decoder::LayerOutput Decoder::checkpointed_layer(const LayerIdx& L, const at::Te
   auto rec = c10::make_intrusive<LayerRecompute>();
   for (int64_t i : L.all_params) rec->params.push_back(p(i));
   rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
+    // The backward runs outside torch.autocast: recompute under the forward's autocast state.
+    const AutocastGuard autocast(h.device().type(), c.autocast);
     return self->layer(L, h, c, idx);
   };
   const std::vector<at::Tensor> params = rec->params;

@@ -99,9 +99,10 @@ class Decoder {
   // count on the embedding resizes the vocabulary.
   void rebind(const std::vector<std::optional<at::Tensor>>& tensors);
 
-  // Under torch.autocast (mixed precision: float32 parameters, bfloat16/float16 compute) the
-  // forward runs on parameters cast to the autocast dtype; the casts are differentiable, so the
-  // gradients reach the parameters in their own dtype, as with autocast's own casts.
+  // Under torch.autocast (float32 parameters, bfloat16/float16 matmuls) the forward follows
+  // Transformers' modules under autocast: ATen's matmuls take autocast's casts, the residual
+  // stream, norms and RoPE stay in the parameters' dtype, the experts' grouped GEMMs run in the
+  // autocast dtype, and the router stays float32 (our rule, autocast or not).
   ForwardResult forward(const ForwardArgs& args) const;
 
   // One decoder layer's results (used by the activation-checkpointing machinery).
@@ -130,9 +131,11 @@ class Decoder {
     bool is_causal;
     bool eager;
     KVCache* cache;  // incremental decoding, or null
+    // torch.autocast's dtype when it was on for the forward (a checkpointed layer's recompute in
+    // the backward, where autocast is off, restores it), else nullopt.
+    std::optional<c10::ScalarType> autocast;
   };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }
-  ForwardResult forward_in_dtype(const ForwardArgs& args) const;  // forward without autocast
   // `fixed_idx`: route to these experts instead of choosing (a checkpointed layer's recompute).
   LayerOutput layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
                     const at::Tensor* fixed_idx) const;
@@ -140,10 +143,13 @@ class Decoder {
                                  const std::shared_ptr<const Decoder>& self) const;
   at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const LayerContext& c) const;
   at::Tensor rms_norm(const at::Tensor& x, int64_t weight) const;
+  // `compute_dtype`: run the expert GEMMs in this dtype (autocast), the result in x's dtype.
   at::Tensor experts(const at::Tensor& x_TH, const moe::Routing& routing,
-                     const at::Tensor& w_gate_up, const at::Tensor& w_down) const;
+                     const at::Tensor& w_gate_up, const at::Tensor& w_down,
+                     std::optional<c10::ScalarType> compute_dtype) const;
   // Cross-entropy sum and count of the causal shift through the fused LM head + loss.
-  ops::LossSum fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS) const;
+  ops::LossSum fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
+                                    std::optional<c10::ScalarType> compute_dtype) const;
 
   ModelSpec spec_;
   BackendConfig backend_;

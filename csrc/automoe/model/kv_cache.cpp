@@ -53,25 +53,30 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tenso
   const at::Tensor past_k = keys(layer), past_v = values(layer);
   {
     at::NoGradGuard no_grad;
-    const int64_t capacity = L.k.defined() ? L.k.size(2) : 0;
-    if (needed > capacity) {
-      // The first fill is exact (a training forward with use_cache should not pay for headroom);
-      // later growth is geometric so that decoding copies each position a bounded number of times.
-      const int64_t grown = capacity == 0
-                                ? needed
-                                : std::max(needed, capacity + std::max<int64_t>(capacity / 4, 128));
-      auto resize = [&](const at::Tensor& old, const at::Tensor& like) {
-        at::Tensor buf =
-            at::empty({like.size(0), like.size(1), grown, like.size(3)}, like.options());
-        if (L.length > 0) buf.narrow(2, 0, L.length).copy_(old.narrow(2, 0, L.length));
-        return buf;
-      };
-      L.k = resize(L.k, k);
-      L.v = resize(L.v, v);
+    if (L.length == 0) {
+      L.k = k.detach();
+      L.v = v.detach();
+      L.length = S;
+      L.borrowed = true;
+    } else {
+      const int64_t capacity = L.k.size(2);
+      if (needed > capacity || L.borrowed) {
+        // Growth is geometric, so that decoding copies each position a bounded number of times.
+        const int64_t grown = std::max(needed, capacity + std::max<int64_t>(capacity / 4, 128));
+        auto resize = [&](const at::Tensor& old, const at::Tensor& like) {
+          at::Tensor buf =
+              at::empty({like.size(0), like.size(1), grown, like.size(3)}, like.options());
+          buf.narrow(2, 0, L.length).copy_(old.narrow(2, 0, L.length));
+          return buf;
+        };
+        L.k = resize(L.k, k);
+        L.v = resize(L.v, v);
+        L.borrowed = false;
+      }
+      L.k.narrow(2, L.length, S).copy_(k);
+      L.v.narrow(2, L.length, S).copy_(v);
+      L.length = needed;
     }
-    L.k.narrow(2, L.length, S).copy_(k);
-    L.v.narrow(2, L.length, S).copy_(v);
-    L.length = needed;
   }
   if (at::GradMode::is_enabled() && (k.requires_grad() || v.requires_grad())) {
     if (!past_k.defined()) return {k, v};
@@ -105,6 +110,7 @@ void KVCache::index_batch(const at::Tensor& batch_idx) {
     }
     L.k = L.k.index_select(0, idx);
     L.v = L.v.index_select(0, idx);
+    L.borrowed = false;
   }
 }
 
@@ -115,6 +121,7 @@ void KVCache::repeat_interleave_batch(int64_t repeats) {
     if (!L.k.defined()) continue;
     L.k = L.k.repeat_interleave(repeats, 0);
     L.v = L.v.repeat_interleave(repeats, 0);
+    L.borrowed = false;
   }
 }
 
@@ -125,6 +132,18 @@ void KVCache::remove_last(int64_t n) {
 
 void KVCache::reset() {
   for (Layer& L : layers_) L = Layer{};
+}
+
+KVCache KVCache::clone() const {
+  KVCache out(num_layers());
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    if (layers_[i].length == 0) continue;
+    out.layers_[i].k = keys(i).clone();
+    out.layers_[i].v = values(i).clone();
+    out.layers_[i].length = layers_[i].length;
+  }
+  return out;
 }
 
 }  // namespace automoe

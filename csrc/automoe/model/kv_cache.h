@@ -23,7 +23,9 @@ class KVCache {
   // Appends keys/values [B, N_kv, S_new, D] to `layer` and returns what attention reads: every
   // cached position [B, N_kv, length + S_new, D]. The cache stores them detached. While gradients
   // are recorded the returned tensors are past ⊕ new (so the new positions stay differentiable);
-  // otherwise they are views of the buffers (no copy of the prefix).
+  // otherwise they are views of the buffers (no copy of the prefix). The first append to an empty
+  // layer keeps the given tensors themselves (no copy: a training forward with use_cache pays
+  // nothing); any later write into them reallocates first, so they are never modified.
   std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k_BNSD,
                                            const at::Tensor& v_BNSD);
 
@@ -37,11 +39,14 @@ class KVCache {
   // Drops the last `n` positions of every layer (assisted decoding's rollback; Transformers' crop).
   void remove_last(int64_t n);
   void reset();
+  // An independent copy (what copy.deepcopy of Transformers' caches gives: prefix reuse).
+  KVCache clone() const;
 
  private:
   struct Layer {
     at::Tensor k, v;  // [B, N_kv, capacity, D]
     int64_t length = 0;
+    bool borrowed = false;  // k/v are the caller's tensors: reallocate before writing into them
   };
   Layer& at_layer(int64_t layer);
   const Layer& at_layer(int64_t layer) const;

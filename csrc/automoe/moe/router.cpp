@@ -2,13 +2,23 @@
 
 #include <ATen/ATen.h>
 
+#include "automoe/core/autocast.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::moe {
+namespace {
+
+// Router logits in float32 whatever the model dtype, torch.autocast included.
+at::Tensor router_logits(const at::Tensor& x_TH, const at::Tensor& w_router_EH) {
+  const AutocastGuard no_autocast(x_TH.device().type(), std::nullopt);
+  return at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+}
+
+}  // namespace
 
 Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                            const MoESpec& moe, bool fused) {
-  at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
   if (fused) {
     ops::RouterParams p;
     p.top_k = moe.top_k;
@@ -31,7 +41,7 @@ Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_E
     Routing r = route_topk_softmax(x_TH, w_router_EH, moe, /*fused=*/true);
     if (at::equal(r.idx_TK, idx_TK)) return r;
   }
-  at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
   const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
   at::Tensor top_TK = probs_TE.gather(1, idx_TK);
   if (moe.norm_topk_prob) top_TK = top_TK / top_TK.sum(-1, /*keepdim=*/true);
@@ -41,9 +51,11 @@ Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_E
 Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                           const MoESpec& moe) {
   const int64_t T = x_TH.size(0), K = moe.top_k, E = moe.num_experts;
-  at::Tensor logits_TE = at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
   const at::Tensor idx_TK =
-      at::arange(T * K, at::TensorOptions().dtype(at::kLong).device(x_TH.device())).remainder(E).view({T, K});
+      at::arange(T * K, at::TensorOptions().dtype(at::kLong).device(x_TH.device()))
+          .remainder(E)
+          .view({T, K});
   // 1/K, tied to the logits so that the router still receives a (zero) gradient.
   const at::Tensor weights_TK = (logits_TE.narrow(1, 0, 1) * 0 + 1.0 / K).expand({T, K});
   return {logits_TE, weights_TK.to(x_TH.scalar_type()).contiguous(), idx_TK};

@@ -206,7 +206,8 @@ PYBIND11_MODULE(_C, m) {
       .def("index_batch", &KVCache::index_batch)
       .def("repeat_interleave_batch", &KVCache::repeat_interleave_batch)
       .def("remove_last", &KVCache::remove_last)
-      .def("reset", &KVCache::reset);
+      .def("reset", &KVCache::reset)
+      .def("clone", &KVCache::clone);
 
   m.def(
       "load_pretrained",
@@ -219,7 +220,12 @@ PYBIND11_MODULE(_C, m) {
         if (dtype && *dtype == "auto") {
           const LoadedConfig cfg =
               config_json ? parse_config(*config_json, dir + "/config.json") : load_config(dir);
-          if (cfg.json->contains("dtype") || cfg.json->contains("torch_dtype")) dt = cfg.spec.dtype;
+          // A key that is absent or null (Transformers writes "dtype": null): each tensor's own.
+          auto present = [&](const char* key) {
+            const auto it = cfg.json->find(key);
+            return it != cfg.json->end() && !it->is_null();
+          };
+          if (present("dtype") || present("torch_dtype")) dt = cfg.spec.dtype;
         } else {
           dt = parse_dtype(dtype);
         }
