@@ -6,6 +6,9 @@
    of packed chat fine-tuning, checkpoints, metrics, and a Hugging Face export.
 3. Loads the export in Transformers and in AutoMoE, and shows that both give the same loss on a
    held-out batch (examples/data/chat_valid.jsonl), and how far it fell from the start.
+
+`python -m automoe.demo --model deepseek_v3` (or glm4_moe) does the same for a tiny DeepSeek-V3
+(GLM-4.5) with examples/deepseek_v3.yaml (glm4_moe.yaml).
 """
 
 from __future__ import annotations
@@ -45,6 +48,26 @@ DEMO_CONFIG = dict(
     router_aux_loss_coef=0.01,
 )
 DEMO_VERSION = "qwen3-moe-tiny-chat-v1"
+# The other natively implemented families, as tiny chat models of about the same size:
+# model_type -> (Transformers config class, config, cache directory name, the recipe to train).
+FAMILY_DEMOS = {
+    "qwen3_moe": ("Qwen3MoeConfig", DEMO_CONFIG, DEMO_VERSION, "demo.yaml"),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48, kv_lora_rank=32,
+        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+        num_experts_per_tok=2, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, max_position_embeddings=512,
+        rope_parameters={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}),
+        "deepseek-v3-tiny-chat-v1", "deepseek_v3.yaml"),
+    "glm4_moe": ("Glm4MoeConfig", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
+        attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
+        max_position_embeddings=512), "glm4-moe-tiny-chat-v1", "glm4_moe.yaml"),
+}
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -68,15 +91,18 @@ def build_tokenizer(corpus: Path, vocab_size: int = 1024):
     return fast
 
 
-def build_checkpoint(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
-    """A randomly initialised Qwen3-MoE written by Transformers, with `tokenizer` saved beside."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+def build_checkpoint(path: Path, tokenizer, seed: int = 0, family: str = "qwen3_moe", **overrides) -> Path:
+    """A randomly initialised model of `family` (Qwen3-MoE by default) written by Transformers,
+    with `tokenizer` saved beside."""
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    cfg = dict(DEMO_CONFIG, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+    config_class, config, _, _ = FAMILY_DEMOS[family]
+    cfg = dict(config, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     cfg.update(overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**cfg))
+    model = AutoModelForCausalLM.from_config(getattr(transformers, config_class)(**cfg))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent))
     model.save_pretrained(tmp)
@@ -87,10 +113,10 @@ def build_checkpoint(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def demo_checkpoint(cache: Path) -> Path:
-    path = cache / DEMO_VERSION
+def demo_checkpoint(cache: Path, family: str = "qwen3_moe") -> Path:
+    path = cache / FAMILY_DEMOS[family][2]
     if not (path / "config.json").exists():
-        build_checkpoint(path, build_tokenizer(EXAMPLES / "data" / "corpus.txt"))
+        build_checkpoint(path, build_tokenizer(EXAMPLES / "data" / "corpus.txt"), family=family)
     return path
 
 
@@ -118,6 +144,8 @@ def heldout_batch(model_path: Path, n: int = 16):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache", default=os.environ.get("AUTOMOE_CACHE", ".cache/automoe"))
+    parser.add_argument("--model", default="qwen3_moe", choices=sorted(FAMILY_DEMOS),
+                        help="which model family to build and fine-tune (default: qwen3_moe)")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=50")
     args = parser.parse_args()
     cache = Path(args.cache).resolve()
@@ -130,18 +158,21 @@ def main() -> None:
 
     transformers.utils.logging.disable_progress_bar()
     t0 = time.perf_counter()
-    ckpt = demo_checkpoint(cache)
-    run = cache / "demo-run"
+    ckpt = demo_checkpoint(cache, args.model)
+    recipe = FAMILY_DEMOS[args.model][3]
+    run = cache / ("demo-run" if args.model == "qwen3_moe" else f"demo-run-{args.model}")
     if run.exists():
         shutil.rmtree(run)  # the demo always fine-tunes from scratch
-    print(f"model       {ckpt} (tiny Qwen3-MoE, {DEMO_CONFIG['num_experts']} experts, "
-          f"top-{DEMO_CONFIG['num_experts_per_tok']}; ready in {time.perf_counter() - t0:.1f} s)")
+    config = json.loads((ckpt / "config.json").read_text())
+    experts = config.get("num_experts", config.get("n_routed_experts"))
+    print(f"model       {ckpt} (tiny {config['model_type']}, {experts} experts, "
+          f"top-{config['num_experts_per_tok']}; ready in {time.perf_counter() - t0:.1f} s)")
 
     ids, mask, labels = heldout_batch(ckpt)
     with torch.no_grad():
         before = HFModel.from_pretrained(ckpt)(input_ids=ids, attention_mask=mask, labels=labels).loss.item()
 
-    cmd = [sys.executable, "-m", "automoe.cli", "train", str(EXAMPLES / "demo.yaml"),
+    cmd = [sys.executable, "-m", "automoe.cli", "train", str(EXAMPLES / recipe),
            f"model.path={ckpt}", f"checkpoint.dir={run}", f"data.cache_dir={cache / 'datasets'}",
            *args.overrides]
     print("train       " + " ".join(["automoe", *cmd[3:]]), flush=True)

@@ -109,6 +109,8 @@ class _EngineModule:
                 module = child
             param = module._parameters.get(leaf)
             if param is None:
+                param = module._buffers.get(leaf)
+            if param is None:
                 where = prefix + ".".join(path)
                 raise AutoMoEError(
                     f"parameter {name} is gone: {where} is now a {_describe(module)}. The AutoMoE "
@@ -298,7 +300,6 @@ class EngineCausalLM(_EngineModule):
             model = cls(config)
         model.model.__class__ = cls._automoe_backbone_class
         model.config._experts_implementation_internal = ENGINE_EXPERTS[engine.backend()["experts"]]
-        _materialize_buffers(model)
         model._automoe_engine = engine
         model.model._automoe_engine = engine
         names = [name for name, _ in params]
@@ -306,6 +307,11 @@ class EngineCausalLM(_EngineModule):
         for name, tensor in params:
             *path, leaf = name.split(".")
             module = model.get_submodule(".".join(path))
+            if leaf in module._buffers:
+                # A buffer saved with the weights (the routers' e_score_correction_bias): the
+                # module holds the engine's tensor itself; it takes no gradient.
+                module._buffers[leaf] = tensor
+                continue
             if leaf not in module._parameters:
                 raise AutoMoEError(f"engine parameter {name} is not a parameter of Transformers' "
                                    f"{type(model).__name__}")
@@ -314,6 +320,7 @@ class EngineCausalLM(_EngineModule):
             param = nn.Parameter(tensor, requires_grad=True)
             engine.set_parameter(name, param)
             module._parameters[leaf] = param
+        _materialize_buffers(model)
         if spec["tie_word_embeddings"]:
             model.lm_head._parameters["weight"] = model.model.embed_tokens._parameters["weight"]
         missing = [n for n, p in model.named_parameters(remove_duplicate=False) if p.is_meta]
@@ -478,5 +485,25 @@ class Qwen3MoeForCausalLM(EngineCausalLM, transformers.Qwen3MoeForCausalLM):
     _automoe_backbone_class = Qwen3MoeModel
 
 
+class DeepseekV3Model(EngineBackbone, transformers.DeepseekV3Model):
+    pass
+
+
+class DeepseekV3ForCausalLM(EngineCausalLM, transformers.DeepseekV3ForCausalLM):
+    _automoe_backbone_class = DeepseekV3Model
+
+
+class Glm4MoeModel(EngineBackbone, transformers.Glm4MoeModel):
+    pass
+
+
+class Glm4MoeForCausalLM(EngineCausalLM, transformers.Glm4MoeForCausalLM):
+    _automoe_backbone_class = Glm4MoeModel
+
+
 # model_type -> the engine-backed causal-LM class
-NATIVE_CLASSES: dict[str, type] = {"qwen3_moe": Qwen3MoeForCausalLM}
+NATIVE_CLASSES: dict[str, type] = {
+    "qwen3_moe": Qwen3MoeForCausalLM,
+    "deepseek_v3": DeepseekV3ForCausalLM,
+    "glm4_moe": Glm4MoeForCausalLM,
+}

@@ -5,10 +5,17 @@
 #include <nlohmann/json.hpp>
 
 #include "automoe/core/error.h"
-#include "automoe/io/hf_config.h"
+#include "automoe/model/config.h"
 
 namespace automoe {
 namespace {
+
+std::vector<bool> moe_layers(const ModelSpec& s) {
+  std::vector<bool> out;
+  for (int64_t l = 0; l < s.num_layers; ++l) out.push_back(s.is_moe(l));
+  return out;
+}
+
 
 nlohmann::json base_config() {
   return {{"model_type", "qwen3_moe"},
@@ -51,8 +58,8 @@ TEST(Config, ReadsEveryKeyThatChangesTheMath) {
   const ModelSpec s = parse(j);
   EXPECT_EQ(s.model_type, "qwen3_moe");
   EXPECT_EQ(s.vocab_size, 97);
-  EXPECT_EQ(s.num_kv_heads, 2);
-  EXPECT_EQ(s.head_dim, 8);
+  EXPECT_EQ(s.attn.num_kv_heads, 2);
+  EXPECT_EQ(s.attn.head_dim, 8);
   EXPECT_EQ(s.moe.num_experts, 5);
   EXPECT_EQ(s.moe.top_k, 2);
   EXPECT_EQ(s.moe.intermediate_size, 12);
@@ -60,11 +67,12 @@ TEST(Config, ReadsEveryKeyThatChangesTheMath) {
   EXPECT_DOUBLE_EQ(s.moe.router_aux_loss_coef, 0.02);
   EXPECT_TRUE(s.moe.output_router_logits);
   EXPECT_TRUE(s.tie_word_embeddings);
-  EXPECT_TRUE(s.attention_bias);
+  EXPECT_TRUE(s.attn.qkv_bias);
+  EXPECT_TRUE(s.attn.o_bias);
   EXPECT_DOUBLE_EQ(s.rms_norm_eps, 1e-5);
   EXPECT_DOUBLE_EQ(s.rope.theta, 1000.0);
   EXPECT_EQ(s.dtype, c10::kBFloat16);
-  EXPECT_EQ(s.sliding_window, 0);
+  EXPECT_EQ(s.layers[0].sliding_window, 0);
 }
 
 TEST(Config, AcceptsNumExpertsSpellingAndLegacyRopeKeys) {
@@ -88,24 +96,24 @@ TEST(Config, PlacesMoeLayersBySparseStepAndMlpOnlyLayers) {
   auto j = base_config();
   j["decoder_sparse_step"] = 2;
   j["mlp_only_layers"] = {3};
-  EXPECT_EQ(parse(j).layer_is_moe, (std::vector<bool>{false, true, false, false}));
+  EXPECT_EQ(moe_layers(parse(j)), (std::vector<bool>{false, true, false, false}));
   j["decoder_sparse_step"] = 1;
   j["mlp_only_layers"] = {0, 2};
-  EXPECT_EQ(parse(j).layer_is_moe, (std::vector<bool>{false, true, false, true}));
+  EXPECT_EQ(moe_layers(parse(j)), (std::vector<bool>{false, true, false, true}));
 }
 
 TEST(Config, HeadDimDefaultsToHiddenOverHeads) {
   auto j = base_config();
   j.erase("head_dim");
-  EXPECT_EQ(parse(j).head_dim, 6);
+  EXPECT_EQ(parse(j).attn.head_dim, 6);
 }
 
 TEST(Config, SlidingWindowOnlyWhenEnabled) {
   auto j = base_config();
   j["sliding_window"] = 16;
-  EXPECT_EQ(parse(j).sliding_window, 0);
+  EXPECT_EQ(parse(j).layers[1].sliding_window, 0);
   j["use_sliding_window"] = true;
-  EXPECT_EQ(parse(j).sliding_window, 16);
+  EXPECT_EQ(parse(j).layers[1].sliding_window, 16);
 }
 
 TEST(Config, RejectsUnsupportedArchitectureNamingSupportedOnes) {
@@ -119,8 +127,8 @@ TEST(Config, RejectsValuesTheEngineDoesNotImplement) {
   j["hidden_act"] = "gelu";
   expect_error(j, {"cfg.json", "hidden_act", "gelu"});
   j = base_config();
-  j["rope_parameters"]["rope_type"] = "yarn";
-  expect_error(j, {"rope_parameters.rope_type", "yarn"});
+  j["rope_parameters"]["rope_type"] = "longrope";
+  expect_error(j, {"rope_parameters.rope_type", "longrope"});
   j = base_config();
   j["quantization_config"] = {{"quant_method", "fp8"}};
   expect_error(j, {"quantization_config"});

@@ -10,12 +10,12 @@ TEST(Flops, MatchesHandCountForTinyConfig) {
   ModelSpec s;
   s.vocab_size = 10;
   s.hidden_size = 4;
-  s.num_heads = 2;
-  s.num_kv_heads = 1;
-  s.head_dim = 3;
+  s.attn.num_heads = 2;
+  s.attn.num_kv_heads = 1;
+  s.attn.head_dim = 3;
   s.intermediate_size = 5;
   s.num_layers = 2;
-  s.layer_is_moe = {true, false};
+  s.set_moe_layers({true, false});
   s.moe.num_experts = 6;
   s.moe.top_k = 2;
   s.moe.intermediate_size = 7;

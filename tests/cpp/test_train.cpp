@@ -293,7 +293,7 @@ using automoe::testing::tiny_spec;
 
 TEST(DocumentIds, PackedDocumentsGiveTheLogitsOfSeparateForwards) {
   ModelSpec s = tiny_spec();
-  s.layer_is_moe = {true, true};
+  s.set_moe_layers({true, true});
   at::manual_seed(0);
   NamedTensors params;
   for (const auto& d : parameter_layout(s)) params.emplace_back(d.name, at::randn(d.shape) * 0.3);

@@ -22,7 +22,7 @@
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
-#include "automoe/io/hf_config.h"
+#include "automoe/model/config.h"
 #include "automoe/model/init.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
@@ -225,10 +225,13 @@ int bench(const Args& args) {
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
   std::vector<at::Tensor> leaves;
   int64_t num_params = 0;
-  for (auto& [name, t] : params) {
+  const std::vector<ParamDecl> layout = parameter_layout(spec);
+  for (size_t i = 0; i < params.size(); ++i) {
+    at::Tensor& t = params[i].second;
+    num_params += t.numel();
+    if (!layout[i].trainable) continue;  // buffers (the routers' correction bias)
     t.requires_grad_(true);
     leaves.push_back(t);
-    num_params += t.numel();
   }
   const Decoder model(spec, backend, std::move(params));
   torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));

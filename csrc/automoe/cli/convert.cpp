@@ -7,7 +7,7 @@
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
-#include "automoe/io/checkpoint.h"
+#include "automoe/model/checkpoint.h"
 
 namespace automoe::cli {
 namespace {

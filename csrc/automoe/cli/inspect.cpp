@@ -5,7 +5,8 @@
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
-#include "automoe/io/checkpoint.h"
+#include "automoe/model/checkpoint.h"
+#include "automoe/model/config.h"
 
 namespace automoe::cli {
 namespace {
@@ -60,14 +61,30 @@ int inspect(const Args& args) {
             << "architecture   " << s.model_type << " (" << arch.hf_class << ")\n"
             << "layers         " << s.num_layers << " (" << s.num_moe_layers() << " MoE, "
             << s.num_layers - s.num_moe_layers() << " dense)\n"
-            << "hidden         " << s.hidden_size << ", heads " << s.num_heads << " (kv "
-            << s.num_kv_heads << ", head_dim " << s.head_dim << "), vocab " << s.vocab_size
+            << "hidden         " << s.hidden_size << ", vocab " << s.vocab_size
             << (s.tie_word_embeddings ? ", tied embeddings" : "") << "\n";
+  const AttentionSpec& at = s.attn;
+  if (at.kind == AttentionKind::kMLA) {
+    std::cout << "attention      latent (MLA), " << at.num_heads << " heads, q_lora_rank "
+              << at.q_lora_rank << ", kv_lora_rank " << at.kv_lora_rank << ", qk "
+              << at.qk_nope_head_dim << "+" << at.qk_rope_head_dim << ", v " << at.v_head_dim
+              << "\n";
+  } else {
+    std::cout << "attention      grouped-query, " << at.num_heads << " heads (kv "
+              << at.num_kv_heads << ", head_dim " << at.head_dim << ", rotary " << s.rope.dim
+              << ")\n";
+  }
   if (s.num_moe_layers() > 0) {
     std::cout << "experts        " << s.moe.num_experts << " per layer, top-" << s.moe.top_k
               << ", expert intermediate " << s.moe.intermediate_size
-              << (s.moe.norm_topk_prob ? ", top-k renormalised" : "") << ", aux coef "
-              << s.moe.router_aux_loss_coef << "\n";
+              << (s.moe.norm_topk_prob ? ", top-k renormalised" : "")
+              << (s.moe.score == RouterScore::kSigmoid ? ", sigmoid scores" : ", softmax scores");
+    if (s.moe.n_group > 1) std::cout << ", " << s.moe.topk_group << " of " << s.moe.n_group << " groups";
+    if (s.moe.shared_intermediate_size > 0) {
+      std::cout << ", shared experts " << s.moe.shared_intermediate_size << " wide";
+    }
+    if (s.moe.aux_loss) std::cout << ", aux coef " << s.moe.router_aux_loss_coef;
+    std::cout << "\n";
   }
   std::cout << "parameters     " << human(total) << " total (" << total << "), " << human(active)
             << " active per token, " << human(experts) << " in experts\n"

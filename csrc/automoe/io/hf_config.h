@@ -1,5 +1,5 @@
-// Reading a Hugging Face config.json: typed, key-checked access (ConfigReader) and the entry point
-// that turns a checkpoint's config into a ModelSpec through the architecture registry.
+// Reading a Hugging Face config.json: typed, key-checked access. (model/config.h turns a config
+// into a ModelSpec through the architecture registry.)
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,6 @@
 #include <string>
 #include <vector>
 
-#include "automoe/model/spec.h"
 
 namespace automoe {
 
@@ -45,15 +44,5 @@ class ConfigReader {
   std::string path_;
   std::string prefix_;  // "rope_parameters." for a child reader
 };
-
-// Parses `<dir>/config.json` (or a config.json path) and the architecture its model_type names.
-struct LoadedConfig {
-  ModelSpec spec;
-  std::shared_ptr<const nlohmann::json> json;  // the config as read, kept to write it back on save
-  std::string path;
-};
-LoadedConfig load_config(const std::string& dir_or_file);
-// The same from JSON text (what tests and the Python front use); `origin` names it in errors.
-LoadedConfig parse_config(const std::string& json_text, const std::string& origin);
 
 }  // namespace automoe

@@ -1,8 +1,13 @@
 #include "automoe/model/backend.h"
 
+#include <ATen/ATen.h>
+
 #include <vector>
 
 #include "automoe/core/error.h"
+#include "automoe/moe/experts.h"
+#include "automoe/ops/ops.h"
+#include "automoe/ops/rmsnorm/rmsnorm.h"
 
 namespace automoe {
 namespace {
@@ -71,6 +76,89 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   out["loss"] = loss == LossBackend::kFusedLinearCE ? "fused_linear_ce" : "torch";
   out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
   return out;
+}
+
+namespace {
+
+// [B, N_kv, S, D] -> [B, N_kv * groups, S, D], each kv head repeated for its query group.
+at::Tensor repeat_kv(const at::Tensor& x, int64_t groups) {
+  if (groups == 1) return x;
+  const auto B = x.size(0), Nkv = x.size(1), S = x.size(2), D = x.size(3);
+  return x.unsqueeze(2).expand({B, Nkv, groups, S, D}).reshape({B, Nkv * groups, S, D});
+}
+
+// Transformers' eager_attention_forward: scores in the model dtype, softmax in float32.
+at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                           const std::optional<at::Tensor>& mask, bool /*is_causal*/,
+                           double scale) {
+  const int64_t groups = q.size(1) / k_in.size(1);
+  const at::Tensor k = repeat_kv(k_in, groups), v = repeat_kv(v_in, groups);
+  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
+  if (mask) scores = scores + *mask;
+  const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
+  return at::matmul(probs, v);
+}
+
+// Transformers' sdpa_attention_forward: grouped-query attention inside SDPA when there is no mask,
+// key/value heads repeated otherwise.
+at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
+                          const std::optional<at::Tensor>& mask, bool is_causal, double scale) {
+  const int64_t groups = q.size(1) / k_in.size(1);
+  const bool gqa_in_sdpa = !mask && q.size(3) <= 256;
+  const at::Tensor k = gqa_in_sdpa ? k_in : repeat_kv(k_in, groups);
+  const at::Tensor v = gqa_in_sdpa ? v_in : repeat_kv(v_in, groups);
+  return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale,
+                                          /*enable_gqa=*/gqa_in_sdpa && groups != 1);
+}
+
+}  // namespace
+
+ComponentOps resolve(const BackendConfig& b) {
+  ComponentOps o;
+  if (b.fused_rms_norm) {
+    o.rms_norm = [](const at::Tensor& x, const at::Tensor& w, double eps) {
+      return x.scalar_type() == w.scalar_type() ? ops::rmsnorm(x, w, eps)
+                                                : ops::rms_norm_reference(x, w, eps);
+    };
+  } else {
+    o.rms_norm = &ops::rms_norm_reference;
+  }
+  if (b.fused_rope) {
+    o.rope = [](const at::Tensor& x, const at::Tensor& c, const at::Tensor& s, bool interleaved) {
+      // Mixed dtypes (a bf16 projection under autocast) take the reference, which promotes.
+      return x.scalar_type() == c.scalar_type() ? ops::rope(x, c, s, interleaved)
+                                                : ops::rope_reference(x, c, s, interleaved);
+    };
+  } else {
+    o.rope = &ops::rope_reference;
+  }
+  if (b.fused_swiglu) {
+    o.mlp = [](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u, const at::Tensor& d) {
+      return at::linear(ops::swiglu(at::linear(x, at::cat({g, u}, 0))), d);
+    };
+  } else {
+    o.mlp = [](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u, const at::Tensor& d) {
+      return at::linear(at::silu(at::linear(x, g)) * at::linear(x, u), d);
+    };
+  }
+  switch (b.experts) {
+    case ExpertsBackend::kEager:
+      o.experts = &moe::experts_eager;
+      break;
+    case ExpertsBackend::kTorchMM:
+      o.experts = &moe::experts_torch_mm;
+      break;
+    case ExpertsBackend::kGrouped:
+      o.experts = b.fused_swiglu ? &moe::experts_grouped : &moe::experts_grouped_reference_swiglu;
+      break;
+  }
+  // The eager experts keep Transformers' semantics end to end, the router's reference included.
+  o.router_fused = b.experts != ExpertsBackend::kEager;
+  o.router = o.router_fused ? &ops::router : &ops::router_reference;
+  o.eager_attention = b.attn == AttnBackend::kEager;
+  o.attention = o.eager_attention ? &eager_attention : &sdpa_attention;
+  o.fused_loss = b.loss == LossBackend::kFusedLinearCE;
+  return o;
 }
 
 }  // namespace automoe

@@ -2,8 +2,14 @@
 // DESIGN.md). Values that this build does not implement are refused with the ones it does.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
+#include <functional>
 #include <map>
+#include <optional>
 #include <string>
+
+#include "automoe/ops/ops.h"
 
 namespace automoe {
 
@@ -30,5 +36,41 @@ struct BackendConfig {
                                 const std::string& origin);
   std::map<std::string, std::string> to_map() const;
 };
+
+// The functions the components call, resolved once from a BackendConfig (Decoder holds one; the
+// forward has no backend branches). Each is an op of ops/ops.h or its reference.
+struct ComponentOps {
+  // y = RMSNorm(x) * weight; mixed dtypes (autocast) take the reference, which promotes as
+  // Transformers' RMSNorm does.
+  std::function<at::Tensor(const at::Tensor& x, const at::Tensor& weight, double eps)> rms_norm;
+  // x [B, S, N, D] rotated by half-angle tables [B, S, D/2] (ops::rope / ops::rope_reference).
+  std::function<at::Tensor(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
+                           const at::Tensor& sin_BSh, bool interleaved)>
+      rope;
+  // down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
+  std::function<at::Tensor(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
+                           const at::Tensor& w_down)>
+      mlp;
+  // The routed experts (moe/experts.h), fused weights [E, 2I, H] and [E, H, I].
+  std::function<at::Tensor(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                           const at::Tensor& weights_TK, const at::Tensor& w_gate_up,
+                           const at::Tensor& w_down)>
+      experts;
+  // Scores, top-k and combine weights from float32 router logits (ops::router / _reference).
+  std::function<ops::RouterResult(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
+                                  const ops::RouterParams& p)>
+      router;
+  bool router_fused = false;  // whether `router` is the fused op (deterministic: re-run to recompute)
+  // Attention core over [B, N, S, D] queries and [B, N_kv, S_kv, D] keys / values (N_kv divides N):
+  // sdpa (a bool mask or is_causal) or eager (an additive mask), as Transformers' interfaces.
+  std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const std::optional<at::Tensor>& mask, bool is_causal, double scale)>
+      attention;
+  bool eager_attention = false;  // masks are additive (eager) rather than bool (sdpa)
+  // true: the LM head and the loss run fused (ops::linear_cross_entropy) and no logits are formed.
+  bool fused_loss = false;
+};
+
+ComponentOps resolve(const BackendConfig& backend);
 
 }  // namespace automoe

@@ -4,6 +4,7 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <cmath>
 #include <functional>
 #include <limits>
 #include <map>
@@ -16,100 +17,39 @@
 #include "automoe/moe/experts.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
+#include "automoe/model/rope.h"
 #include "automoe/ops/ops.h"
-#include "automoe/ops/rmsnorm/rmsnorm.h"
-#include "automoe/ops/rope/rope.h"
 
 namespace automoe {
 
-std::vector<ParamDecl> parameter_layout(const ModelSpec& s) {
-  const int64_t H = s.hidden_size, D = s.head_dim, N = s.num_heads, KV = s.num_kv_heads;
-  std::vector<ParamDecl> out;
-  out.push_back({"model.embed_tokens.weight", {s.vocab_size, H}});
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    const std::string att = pre + "self_attn.";
-    out.push_back({att + "q_proj.weight", {N * D, H}});
-    if (s.attention_bias) out.push_back({att + "q_proj.bias", {N * D}});
-    out.push_back({att + "k_proj.weight", {KV * D, H}});
-    if (s.attention_bias) out.push_back({att + "k_proj.bias", {KV * D}});
-    out.push_back({att + "v_proj.weight", {KV * D, H}});
-    if (s.attention_bias) out.push_back({att + "v_proj.bias", {KV * D}});
-    out.push_back({att + "o_proj.weight", {H, N * D}});
-    if (s.attention_bias) out.push_back({att + "o_proj.bias", {H}});
-    if (s.qk_norm) {
-      out.push_back({att + "q_norm.weight", {D}});
-      out.push_back({att + "k_norm.weight", {D}});
-    }
-    if (s.layer_is_moe[l]) {
-      const int64_t E = s.moe.num_experts, I = s.moe.intermediate_size;
-      out.push_back({pre + "mlp.experts.gate_up_proj", {E, 2 * I, H}});
-      out.push_back({pre + "mlp.experts.down_proj", {E, H, I}});
-      out.push_back({pre + "mlp.gate.weight", {E, H}});
-    } else {
-      const int64_t I = s.intermediate_size;
-      out.push_back({pre + "mlp.gate_proj.weight", {I, H}});
-      out.push_back({pre + "mlp.up_proj.weight", {I, H}});
-      out.push_back({pre + "mlp.down_proj.weight", {H, I}});
-    }
-    out.push_back({pre + "input_layernorm.weight", {H}});
-    out.push_back({pre + "post_attention_layernorm.weight", {H}});
-  }
-  out.push_back({"model.norm.weight", {H}});
-  if (!s.tie_word_embeddings) out.push_back({"lm_head.weight", {s.vocab_size, H}});
-  return out;
-}
-
 Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
-    : spec_(std::move(spec)), backend_(backend), params_(std::move(params)) {
-  const auto layout = parameter_layout(spec_);
+    : spec_(std::move(spec)), backend_(backend), ops_(resolve(backend)), params_(std::move(params)) {
+  std::vector<ParamDecl> layout;
+  slots_ = declare_model(spec_, &layout);
   AUTOMOE_CHECK(layout.size() == params_.size(), "decoder: expected ", layout.size(),
                 " parameters for this config, got ", params_.size());
-  std::map<std::string, int64_t> index;
   for (size_t i = 0; i < layout.size(); ++i) {
     AUTOMOE_CHECK(params_[i].first == layout[i].name, "decoder: parameter ", i, " should be ",
                   layout[i].name, ", got ", params_[i].first);
     AUTOMOE_CHECK(params_[i].second.sizes() == at::IntArrayRef(layout[i].shape), "parameter ",
                   layout[i].name, ": expected shape ", at::IntArrayRef(layout[i].shape), ", found ",
                   params_[i].second.sizes());
-    index[layout[i].name] = static_cast<int64_t>(i);
+    trainable_.push_back(layout[i].trainable);
   }
-  auto at_name = [&](const std::string& n) { return index.count(n) ? index.at(n) : -1; };
-  embed_ = at_name("model.embed_tokens.weight");
-  final_norm_ = at_name("model.norm.weight");
-  lm_head_ = spec_.tie_word_embeddings ? embed_ : at_name("lm_head.weight");
-  for (int64_t l = 0; l < spec_.num_layers; ++l) {
-    const std::string pre = "model.layers." + std::to_string(l) + ".";
-    const std::string att = pre + "self_attn.";
-    LayerIdx L{};
-    L.index = l;
-    L.input_norm = at_name(pre + "input_layernorm.weight");
-    L.post_norm = at_name(pre + "post_attention_layernorm.weight");
-    L.q = at_name(att + "q_proj.weight");
-    L.k = at_name(att + "k_proj.weight");
-    L.v = at_name(att + "v_proj.weight");
-    L.o = at_name(att + "o_proj.weight");
-    L.q_bias = at_name(att + "q_proj.bias");
-    L.k_bias = at_name(att + "k_proj.bias");
-    L.v_bias = at_name(att + "v_proj.bias");
-    L.o_bias = at_name(att + "o_proj.bias");
-    L.q_norm = at_name(att + "q_norm.weight");
-    L.k_norm = at_name(att + "k_norm.weight");
-    L.moe = spec_.layer_is_moe[l];
-    L.router = at_name(pre + "mlp.gate.weight");
-    L.gate_up = at_name(pre + "mlp.experts.gate_up_proj");
-    L.down = at_name(pre + "mlp.experts.down_proj");
-    L.mlp_gate = at_name(pre + "mlp.gate_proj.weight");
-    L.mlp_up = at_name(pre + "mlp.up_proj.weight");
-    L.mlp_down = at_name(pre + "mlp.down_proj.weight");
-    // Every parameter of this layer, by name: what a checkpointed layer asks gradients for.
-    for (size_t i = 0; i < layout.size(); ++i) {
-      if (layout[i].name.rfind(pre, 0) == 0) L.all_params.push_back(static_cast<int64_t>(i));
-    }
-    layers_.push_back(L);
-  }
-  inv_freq_ = ops::rope_inv_freq(spec_.head_dim, spec_.rope.theta,
-                                 spec_.rope.type == RopeType::kLinear ? spec_.rope.factor : 1.0);
+  inv_freq_ = rope_inv_freq(spec_.rope);
+  scale_ = spec_.attn.softmax_scale > 0 ? spec_.attn.softmax_scale
+                                        : 1.0 / std::sqrt(static_cast<double>(spec_.attn.head_dim));
+  router_.top_k = spec_.moe.top_k;
+  router_.sigmoid = spec_.moe.score == RouterScore::kSigmoid;
+  router_.n_group = spec_.moe.n_group;
+  router_.topk_group = spec_.moe.topk_group;
+  router_.norm_topk_prob = spec_.moe.norm_topk_prob;
+  router_.scaling = spec_.moe.routed_scaling_factor;
+}
+
+void Decoder::set_backend(BackendConfig backend) {
+  backend_ = backend;
+  ops_ = resolve(backend);
 }
 
 void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
@@ -126,9 +66,9 @@ void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
 void Decoder::rebind(const std::vector<std::optional<at::Tensor>>& tensors) {
   AUTOMOE_CHECK(tensors.size() == params_.size(), "rebind: expected ", params_.size(),
                 " entries (one per parameter), got ", tensors.size());
-  const auto& embed = tensors[embed_];
+  const auto& embed = tensors[slots_.embed];
   if (embed && embed->dim() == 2 && embed->size(0) != spec_.vocab_size) {
-    resize_vocab(*embed, tensors[lm_head_]);
+    resize_vocab(*embed, tensors[slots_.lm_head]);
   }
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (!tensors[i] || tensors[i]->is_same(params_[i].second)) continue;
@@ -149,18 +89,10 @@ void Decoder::resize_vocab(const at::Tensor& embed, const std::optional<at::Tens
     AUTOMOE_CHECK(lm_head && lm_head->sizes() == embed.sizes(),
                   "resize_vocab: expected the LM head as [", embed.size(0), ", ", H,
                   "] like the embedding, got ", lm_head ? lm_head->sizes() : at::IntArrayRef{});
-    params_[lm_head_].second = *lm_head;
+    params_[slots_.lm_head].second = *lm_head;
   }
-  params_[embed_].second = embed;
+  params_[slots_.embed].second = embed;
   spec_.vocab_size = embed.size(0);
-}
-
-at::Tensor Decoder::rms_norm(const at::Tensor& x, int64_t weight) const {
-  // Mixed dtypes (a bf16 projection under autocast, a float32 weight) take the reference, which
-  // promotes as Transformers' RMSNorm does.
-  return backend_.fused_rms_norm && x.scalar_type() == p(weight).scalar_type()
-             ? ops::rmsnorm(x, p(weight), spec_.rms_norm_eps)
-             : ops::rms_norm_reference(x, p(weight), spec_.rms_norm_eps);
 }
 
 namespace {
@@ -168,13 +100,6 @@ namespace {
 std::optional<at::Tensor> opt_param(const NamedTensors& params, int64_t i) {
   if (i < 0) return std::nullopt;
   return params[i].second;
-}
-
-// [B, N_kv, S, D] -> [B, N_kv * groups, S, D], each kv head repeated for its query group.
-at::Tensor repeat_kv(const at::Tensor& x, int64_t groups) {
-  if (groups == 1) return x;
-  const auto B = x.size(0), Nkv = x.size(1), S = x.size(2), D = x.size(3);
-  return x.unsqueeze(2).expand({B, Nkv, groups, S, D}).reshape({B, Nkv * groups, S, D});
 }
 
 void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
@@ -323,54 +248,82 @@ AttentionMask build_mask(const ForwardArgs& a, const at::Tensor& pos_BS, int64_t
 
 }  // namespace
 
-at::Tensor Decoder::attention(const LayerIdx& L, const at::Tensor& x_BSH,
-                              const LayerContext& c) const {
-  const int64_t B = x_BSH.size(0), S = x_BSH.size(1), D = spec_.head_dim;
-  const int64_t N = spec_.num_heads, KV = spec_.num_kv_heads;
+at::Tensor Decoder::norm(const at::Tensor& x, int64_t weight) const {
+  return ops_.rms_norm(x, p(weight), spec_.rms_norm_eps);
+}
+
+at::Tensor Decoder::rotate(const at::Tensor& x_BSND, const LayerContext& c) const {
+  const int64_t D = x_BSND.size(3), rot = spec_.rope.dim;
+  if (rot == D) return ops_.rope(x_BSND, c.cos_BSh, c.sin_BSh, spec_.rope.interleaved);
+  // Partial rotary: the first `rot` dimensions rotate, the rest pass through.
+  return at::cat({ops_.rope(x_BSND.narrow(3, 0, rot), c.cos_BSh, c.sin_BSh, spec_.rope.interleaved),
+                  x_BSND.narrow(3, rot, D - rot)},
+                 3);
+}
+
+at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::Tensor& x_BSH,
+                              const LayerContext& c, const LayerContext::Attention& m) const {
+  const int64_t B = x_BSH.size(0), S = x_BSH.size(1);
+  const AttentionSpec& a = spec_.attn;
+  const int64_t N = a.num_heads, KV = a.num_kv_heads, D = a.head_dim;
   auto project = [&](int64_t w, int64_t b, int64_t heads) {
     return at::linear(x_BSH, p(w), opt_param(params_, b)).view({B, S, heads, D});
   };
-  at::Tensor q_BSND = project(L.q, L.q_bias, N);
-  at::Tensor k_BSND = project(L.k, L.k_bias, KV);
-  at::Tensor v_BNSD = project(L.v, L.v_bias, KV).transpose(1, 2);
-  if (spec_.qk_norm) {
-    q_BSND = rms_norm(q_BSND, L.q_norm);
-    k_BSND = rms_norm(k_BSND, L.k_norm);
+  at::Tensor q_BSND = project(A.q, A.q_bias, N);
+  at::Tensor k_BSND = project(A.k, A.k_bias, KV);
+  at::Tensor v_BNSD = project(A.v, A.v_bias, KV).transpose(1, 2);
+  if (a.qk_norm) {
+    q_BSND = norm(q_BSND, A.q_norm);
+    k_BSND = norm(k_BSND, A.k_norm);
   }
-  at::Tensor q_BNSD, k_BNSD;
-  if (backend_.fused_rope && q_BSND.scalar_type() == c.cos_BSD.scalar_type() &&
-      k_BSND.scalar_type() == c.cos_BSD.scalar_type()) {
-    // The fused op reads the half-angle tables (both halves of cos_BSD are equal) and rotates
-    // q and k in their projection layout [B, S, N, D].
-    const int64_t half = D / 2;
-    const at::Tensor cos_BSh = c.cos_BSD.narrow(-1, 0, half);
-    const at::Tensor sin_BSh = c.sin_BSD.narrow(-1, 0, half);
-    q_BNSD = ops::rope(q_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
-    k_BNSD = ops::rope(k_BSND, cos_BSh, sin_BSh, /*interleaved=*/false).transpose(1, 2);
-  } else {  // (also mixed dtypes under autocast: the reference promotes as Transformers does)
-    q_BNSD = ops::apply_rope_reference(q_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
-    k_BNSD = ops::apply_rope_reference(k_BSND.transpose(1, 2), c.cos_BSD, c.sin_BSD);
-  }
-  if (c.cache) std::tie(k_BNSD, v_BNSD) = c.cache->append(L.index, k_BNSD, v_BNSD);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  at::Tensor out_BNSD;
-  if (c.eager) {
-    const at::Tensor k = repeat_kv(k_BNSD, N / KV), v = repeat_kv(v_BNSD, N / KV);
-    at::Tensor scores = at::matmul(q_BNSD, k.transpose(2, 3)) * scale;
-    if (c.mask) scores = scores + *c.mask;
-    const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q_BNSD.scalar_type());
-    out_BNSD = at::matmul(probs, v);
-  } else {
-    // As Transformers' sdpa_attention_forward: grouped-query attention inside SDPA when there is
-    // no mask, key/value heads repeated otherwise.
-    const bool gqa_in_sdpa = !c.mask && D <= 256;
-    const at::Tensor k = gqa_in_sdpa ? k_BNSD : repeat_kv(k_BNSD, N / KV);
-    const at::Tensor v = gqa_in_sdpa ? v_BNSD : repeat_kv(v_BNSD, N / KV);
-    out_BNSD = at::scaled_dot_product_attention(q_BNSD, k, v, c.mask, 0.0, c.is_causal, scale,
-                                                /*enable_gqa=*/gqa_in_sdpa && N != KV);
-  }
+  const at::Tensor q_BNSD = rotate(q_BSND, c).transpose(1, 2);
+  at::Tensor k_BNSD = rotate(k_BSND, c).transpose(1, 2);
+  if (c.cache) std::tie(k_BNSD, v_BNSD) = c.cache->append(layer, k_BNSD, v_BNSD);
+  const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_);
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
-  return at::linear(out_BSH, p(L.o), opt_param(params_, L.o_bias));
+  return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
+}
+
+at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
+                                     const at::Tensor& x_BSH, const LayerContext& c,
+                                     const LayerContext::Attention& m) const {
+  const int64_t B = x_BSH.size(0), S = x_BSH.size(1);
+  const AttentionSpec& a = spec_.attn;
+  const int64_t N = a.num_heads, Dn = a.qk_nope_head_dim, Dr = a.qk_rope_head_dim;
+  const int64_t Dv = a.v_head_dim, R = a.kv_lora_rank;
+  const at::Tensor q_flat =
+      A.q >= 0 ? at::linear(x_BSH, p(A.q))
+               : at::linear(norm(at::linear(x_BSH, p(A.q_a), opt_param(params_, A.q_a_bias)),
+                                 A.q_a_norm),
+                            p(A.q_b));
+  const at::Tensor q_BSND = q_flat.view({B, S, N, Dn + Dr});
+  const at::Tensor compressed = at::linear(x_BSH, p(A.kv_a), opt_param(params_, A.kv_a_bias));
+  // The compressed latent (normed) and the single rotary key head: what the KV cache holds, as
+  // Transformers' cache does ([B, 1, S, R] and [B, 1, S, Dr]).
+  at::Tensor kv_B1SR = norm(compressed.narrow(2, 0, R), A.kv_a_norm).unsqueeze(1);
+  at::Tensor k_rot_BSND = rotate(compressed.narrow(2, R, Dr).unsqueeze(2), c);
+  at::Tensor q_rot_BSND = rotate(q_BSND.narrow(3, Dn, Dr), c);
+  if (spec_.rope.interleaved) {
+    // The rope op keeps the pairs in place; Transformers writes the rotated even elements first,
+    // then the odd ones. Same dot products either way; this keeps the cached keys Transformers'.
+    auto split_pairs = [&](const at::Tensor& t) {
+      return t.unflatten(3, {Dr / 2, 2}).transpose(3, 4).flatten(3);
+    };
+    k_rot_BSND = split_pairs(k_rot_BSND);
+    q_rot_BSND = split_pairs(q_rot_BSND);
+  }
+  at::Tensor k_rot_B1SD = k_rot_BSND.transpose(1, 2);
+  if (c.cache) std::tie(kv_B1SR, k_rot_B1SD) = c.cache->append(layer, kv_B1SR, k_rot_B1SD);
+  const int64_t Skv = kv_B1SR.size(2);
+  const at::Tensor q_BNSD = at::cat({q_BSND.narrow(3, 0, Dn), q_rot_BSND}, 3).transpose(1, 2);
+  const at::Tensor kv_BNSD =
+      at::linear(kv_B1SR.squeeze(1), p(A.kv_b)).view({B, Skv, N, Dn + Dv}).transpose(1, 2);
+  const at::Tensor k_BNSD =
+      at::cat({kv_BNSD.narrow(3, 0, Dn), k_rot_B1SD.expand({B, N, Skv, Dr})}, 3);
+  const at::Tensor v_BNSD = kv_BNSD.narrow(3, Dn, Dv);
+  const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_);
+  const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * Dv});
+  return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
 }
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
@@ -378,9 +331,11 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
   at::Tensor h_BSH = a.inputs_embeds
                          ? *a.inputs_embeds
-                         : at::embedding(p(embed_), a.input_ids.to(at::kLong), spec_.pad_token_id);
+                         : at::embedding(p(slots_.embed), a.input_ids.to(at::kLong), spec_.pad_token_id);
   const int64_t B = h_BSH.size(0), S = h_BSH.size(1);
-  const bool want_router = a.output_router_logits.value_or(spec_.moe.output_router_logits);
+  // Router logits and the aux loss exist only for types whose Transformers model computes one.
+  const bool want_router =
+      spec_.moe.aux_loss && a.output_router_logits.value_or(spec_.moe.output_router_logits);
   const auto dev = h_BSH.device();
   const c10::ScalarType dtype = h_BSH.scalar_type();
   const int64_t past = a.cache ? a.cache->length() : 0;
@@ -388,10 +343,16 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
       a.position_ids
           ? a.position_ids->to(at::kLong).expand({B, S})
           : (at::arange(S, at::TensorOptions().dtype(at::kLong).device(dev)) + past).expand({B, S});
-  const bool eager_attn = backend_.attn == AttnBackend::kEager;
-  const AttentionMask mask =
-      build_mask(a, pos_BS, B, S, past, spec_.sliding_window, dtype, eager_attn, dev);
-  const auto [cos_BSD, sin_BSD] = ops::rope_cos_sin(pos_BS, inv_freq_, dtype);
+  // One mask per distinct sliding window among the layers.
+  std::map<int64_t, AttentionMask> masks;
+  for (const LayerSpec& l : spec_.layers) {
+    if (!masks.count(l.sliding_window)) {
+      masks[l.sliding_window] = build_mask(a, pos_BS, B, S, past, l.sliding_window, dtype,
+                                           ops_.eager_attention, dev);
+    }
+  }
+  const auto [cos_BSh, sin_BSh] =
+      rope_tables(pos_BS, inv_freq_, spec_.rope.attention_factor, dtype);
 
   // Real (non-padding) tokens of this step, flattened: what the aux loss and the expert counts see.
   std::optional<at::Tensor> token_mask_BS;
@@ -401,8 +362,11 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
 
   ForwardResult r;
-  const LayerContext ctx{
-      cos_BSD, sin_BSD, mask.mask, mask.is_causal, eager_attn, a.cache, autocast_dtype(dev.type())};
+  LayerContext ctx{cos_BSh, sin_BSh, {}, {}, a.cache, autocast_dtype(dev.type())};
+  for (const LayerSpec& l : spec_.layers) {
+    ctx.mask.push_back(masks.at(l.sliding_window).mask);
+    ctx.is_causal.push_back(masks.at(l.sliding_window).is_causal);
+  }
   // Activation checkpointing applies only when something needs gradients.
   bool needs_grad = false;
   if (a.activation_checkpointing && at::GradMode::is_enabled()) {
@@ -413,7 +377,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   const std::shared_ptr<const Decoder> snapshot =
       needs_grad ? std::make_shared<const Decoder>(*this) : nullptr;
   if (a.output_hidden_states) r.hidden_states.push_back(h_BSH);
-  for (const LayerIdx& L : layers_) {
+  for (const LayerSlots& L : slots_.layers) {
     const LayerOutput out =
         needs_grad ? checkpointed_layer(L, h_BSH, ctx, snapshot) : layer(L, h_BSH, ctx, nullptr);
     h_BSH = out.h;
@@ -427,10 +391,10 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
           at::bincount(idx.reshape({-1}), {}, spec_.moe.num_experts).to(at::kLong));
     }
   }
-  h_BSH = rms_norm(h_BSH, final_norm_);
+  h_BSH = norm(h_BSH, slots_.final_norm);
   r.last_hidden_state = h_BSH;
   if (a.output_hidden_states) r.hidden_states.back() = h_BSH;  // as Transformers: the normed one
-  const bool fused_loss = a.labels && backend_.loss == LossBackend::kFusedLinearCE;
+  const bool fused_loss = a.labels && ops_.fused_loss;
   // With the fused loss the [B, S, V] logits are never formed (r.logits stays undefined).
   if (a.lm_head && !fused_loss) {
     at::Tensor kept_BSH = h_BSH;
@@ -440,7 +404,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
       kept_BSH = h_BSH.narrow(1, std::max<int64_t>(S - a.logits_to_keep, 0),
                               std::min(a.logits_to_keep, S));
     }
-    r.logits = at::linear(kept_BSH, p(lm_head_));
+    r.logits = at::linear(kept_BSH, p(slots_.lm_head));
   }
 
   if (a.labels) {
@@ -467,30 +431,17 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   return r;
 }
 
-at::Tensor Decoder::experts(const at::Tensor& x_in, const moe::Routing& routing,
-                            const at::Tensor& w_gate_up_in, const at::Tensor& w_down_in,
+
+at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
+                            const at::Tensor& w_gate_up, const at::Tensor& w_down,
                             std::optional<c10::ScalarType> compute_dtype) const {
-  if (compute_dtype && *compute_dtype != x_in.scalar_type()) {
-    return experts(x_in.to(*compute_dtype), routing, w_gate_up_in.to(*compute_dtype),
-                   w_down_in.to(*compute_dtype), std::nullopt)
-        .to(x_in.scalar_type());
+  if (compute_dtype && *compute_dtype != x_TH.scalar_type()) {
+    return ops_
+        .experts(x_TH.to(*compute_dtype), routing.idx_TK, routing.weights_TK,
+                 w_gate_up.to(*compute_dtype), w_down.to(*compute_dtype))
+        .to(x_TH.scalar_type());
   }
-  const at::Tensor &x_TH = x_in, &w_gate_up = w_gate_up_in, &w_down = w_down_in;
-  switch (backend_.experts) {
-    case ExpertsBackend::kEager:
-      return moe::experts_eager(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
-    case ExpertsBackend::kTorchMM:
-      return moe::experts_torch_mm(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
-    case ExpertsBackend::kGrouped:
-      break;
-  }
-  if (!backend_.fused_swiglu) {  // the fused dispatch and GEMMs around ATen's SwiGLU
-    const ops::DispatchPlan plan = ops::dispatch_plan(routing.idx_TK, w_gate_up.size(0));
-    const at::Tensor gu = ops::grouped_gemm(ops::permute(x_TH, plan), w_gate_up, plan.offsets);
-    return ops::unpermute(ops::grouped_gemm(ops::swiglu_reference(gu), w_down, plan.offsets), plan,
-                          routing.weights_TK);
-  }
-  return moe::experts_grouped(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
+  return ops_.experts(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
 }
 
 ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
@@ -504,41 +455,46 @@ ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Te
   const at::Tensor x_NH = h_BSH.reshape({-1, h_BSH.size(-1)});
   const auto r =
       compute_dtype
-          ? ops::linear_cross_entropy(x_NH.to(*compute_dtype), p(lm_head_).to(*compute_dtype),
+          ? ops::linear_cross_entropy(x_NH.to(*compute_dtype), p(slots_.lm_head).to(*compute_dtype),
                                       shifted_BS.reshape({-1}), ignore)
-          : ops::linear_cross_entropy(x_NH, p(lm_head_), shifted_BS.reshape({-1}), ignore);
+          : ops::linear_cross_entropy(x_NH, p(slots_.lm_head), shifted_BS.reshape({-1}), ignore);
   return {r.sum, r.count};
 }
 
-Decoder::LayerOutput Decoder::layer(const LayerIdx& L, const at::Tensor& h_in,
+
+Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
                                     const LayerContext& c, const at::Tensor* fixed_idx) const {
   const int64_t B = h_in.size(0), S = h_in.size(1), H = spec_.hidden_size;
   LayerOutput out;
-  at::Tensor h_BSH = h_in + attention(L, rms_norm(h_in, L.input_norm), c);
-  const at::Tensor x_TH = rms_norm(h_BSH, L.post_norm).reshape({B * S, H});
+  const LayerContext::Attention ac{c.mask[L.index], c.is_causal[L.index]};
+  const at::Tensor x_BSH = norm(h_in, L.input_norm);
+  const at::Tensor attn = spec_.attn.kind == AttentionKind::kMLA
+                              ? latent_attention(L.attn, L.index, x_BSH, c, ac)
+                              : attention(L.attn, L.index, x_BSH, c, ac);
+  const at::Tensor h_BSH = h_in + attn;
+  const at::Tensor x_TH = norm(h_BSH, L.post_norm).reshape({B * S, H});
   at::Tensor y_TH;
   if (L.moe) {
+    const MoESlots& M = L.experts;
+    const std::optional<at::Tensor> bias =
+        M.correction_bias >= 0 ? std::optional<at::Tensor>(p(M.correction_bias)) : std::nullopt;
     moe::Routing routing;
     if (backend_.fake_balanced_gate) {
-      routing = moe::route_round_robin(x_TH, p(L.router), spec_.moe);
+      routing = moe::route_round_robin(x_TH, p(M.router), spec_.moe.top_k);
     } else if (fixed_idx) {
-      routing = moe::route_softmax_given(x_TH, p(L.router), spec_.moe, *fixed_idx,
-                                         /*fused=*/backend_.experts != ExpertsBackend::kEager);
+      routing = moe::route_given(x_TH, p(M.router), bias, router_, *fixed_idx, ops_.router,
+                                 ops_.router_fused);
     } else {
-      routing = moe::route_topk_softmax(x_TH, p(L.router), spec_.moe,
-                                        /*fused=*/backend_.experts != ExpertsBackend::kEager);
+      routing = moe::route(x_TH, p(M.router), bias, router_, ops_.router);
     }
-    y_TH = experts(x_TH, routing, p(L.gate_up), p(L.down), c.autocast);
+    y_TH = experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
+    if (spec_.moe.shared_intermediate_size > 0) {
+      y_TH = y_TH + ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
+    }
     out.router_logits = routing.logits_TE;
     out.idx = routing.idx_TK;
   } else {
-    if (backend_.fused_swiglu) {
-      const at::Tensor gate_up = at::cat({p(L.mlp_gate), p(L.mlp_up)}, 0);
-      y_TH = at::linear(ops::swiglu(at::linear(x_TH, gate_up)), p(L.mlp_down));
-    } else {
-      y_TH = at::linear(at::silu(at::linear(x_TH, p(L.mlp_gate))) * at::linear(x_TH, p(L.mlp_up)),
-                        p(L.mlp_down));
-    }
+    y_TH = ops_.mlp(x_TH, p(L.mlp.gate), p(L.mlp.up), p(L.mlp.down));
   }
   out.h = h_BSH + y_TH.view({B, S, H});
   return out;
@@ -624,11 +580,11 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
 
 }  // namespace
 
-Decoder::LayerOutput Decoder::checkpointed_layer(const LayerIdx& L, const at::Tensor& h_in,
+Decoder::LayerOutput Decoder::checkpointed_layer(const LayerSlots& L, const at::Tensor& h_in,
                                                  const LayerContext& c,
                                                  const std::shared_ptr<const Decoder>& self) const {
   auto rec = c10::make_intrusive<LayerRecompute>();
-  for (int64_t i : L.all_params) rec->params.push_back(p(i));
+  for (int64_t i : L.all) rec->params.push_back(p(i));
   rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
     // The backward runs outside torch.autocast: recompute under the forward's autocast state.
     const AutocastGuard autocast(h.device().type(), c.autocast);

@@ -1,4 +1,5 @@
-// The generic MoE decoder: one implementation, parameterised by a ModelSpec, holding its
+// The generic MoE decoder: one implementation that runs the components a ModelSpec names
+// (model/components.h) with the functions its BackendConfig resolved to (ComponentOps), holding its
 // parameters under Transformers v5's in-memory names and shapes (so state dicts compare 1:1).
 #pragma once
 
@@ -11,22 +12,13 @@
 #include <vector>
 
 #include "automoe/model/backend.h"
+#include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/model/spec.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 
 namespace automoe {
-
-struct ParamDecl {
-  std::string name;
-  std::vector<int64_t> shape;
-};
-
-// Every parameter the spec implies, in Transformers' named_parameters() order.
-std::vector<ParamDecl> parameter_layout(const ModelSpec& spec);
-
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct ForwardArgs {
   at::Tensor input_ids;  // [B, S] integer token ids (undefined with inputs_embeds)
@@ -81,13 +73,17 @@ struct ForwardResult {
 
 class Decoder {
  public:
-  // `params` must hold exactly parameter_layout(spec), same names and shapes (checked).
+  // `params` must hold exactly parameter_layout(spec), same names and shapes (checked); buffers
+  // (ParamDecl::trainable false) among them.
   Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params);
 
   const ModelSpec& spec() const { return spec_; }
   const BackendConfig& backend() const { return backend_; }
-  void set_backend(BackendConfig backend) { backend_ = backend; }
+  void set_backend(BackendConfig backend);
+  // Parameters and buffers, in parameter_layout order; trainable()[i] says which is which.
   const NamedTensors& named_parameters() const { return params_; }
+  const std::vector<bool>& trainable() const { return trainable_; }
+  const ModelSlots& slots() const { return slots_; }
   // Replaces the tensor behind `name` (same shape), e.g. by a Python nn.Parameter that aliases it,
   // so that gradients land where the caller's optimizer looks.
   void set_parameter(const std::string& name, const at::Tensor& tensor);
@@ -113,36 +109,38 @@ class Decoder {
   };
 
  private:
-  struct LayerIdx {
-    int64_t index;  // layer number (the KV cache's layer)
-    int64_t input_norm, post_norm;
-    int64_t q, k, v, o, q_bias = -1, k_bias = -1, v_bias = -1, o_bias = -1, q_norm, k_norm;
-    bool moe;
-    int64_t router = -1, gate_up = -1, down = -1;       // MoE
-    int64_t mlp_gate = -1, mlp_up = -1, mlp_down = -1;  // dense
-    std::vector<int64_t> all_params;                    // every parameter of the layer
-  };
   // What every layer of one forward shares.
   struct LayerContext {
-    at::Tensor cos_BSD, sin_BSD;
-    // sdpa: a bool mask (true = may attend) or none (then is_causal says whether SDPA applies its
-    // own causal mask); eager: an additive mask (0 or the dtype's lowest value), always present.
-    std::optional<at::Tensor> mask;
-    bool is_causal;
-    bool eager;
+    at::Tensor cos_BSh, sin_BSh;  // RoPE half-angle tables [B, S, rope.dim / 2]
+    // Per layer (its sliding window): sdpa a bool mask (true = may attend) or none (then
+    // is_causal says whether SDPA applies its own causal mask); eager an additive mask (0 or the
+    // dtype's lowest value), always present.
+    std::vector<std::optional<at::Tensor>> mask;
+    std::vector<bool> is_causal;
     KVCache* cache;  // incremental decoding, or null
     // torch.autocast's dtype when it was on for the forward (a checkpointed layer's recompute in
     // the backward, where autocast is off, restores it), else nullopt.
     std::optional<c10::ScalarType> autocast;
+    struct Attention {  // one layer's mask
+      const std::optional<at::Tensor>& mask;
+      bool is_causal;
+    };
   };
   const at::Tensor& p(int64_t i) const { return params_[i].second; }
   // `fixed_idx`: route to these experts instead of choosing (a checkpointed layer's recompute).
-  LayerOutput layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
+  LayerOutput layer(const LayerSlots& L, const at::Tensor& h_BSH, const LayerContext& c,
                     const at::Tensor* fixed_idx) const;
-  LayerOutput checkpointed_layer(const LayerIdx& L, const at::Tensor& h_BSH, const LayerContext& c,
+  LayerOutput checkpointed_layer(const LayerSlots& L, const at::Tensor& h_BSH,
+                                 const LayerContext& c,
                                  const std::shared_ptr<const Decoder>& self) const;
-  at::Tensor attention(const LayerIdx& L, const at::Tensor& x_BSH, const LayerContext& c) const;
-  at::Tensor rms_norm(const at::Tensor& x, int64_t weight) const;
+  // Grouped-query attention (q/k/v/o, optional q/k norms) and DeepSeek's latent attention.
+  at::Tensor attention(const AttentionSlots& A, int64_t layer, const at::Tensor& x_BSH,
+                       const LayerContext& c, const LayerContext::Attention& m) const;
+  at::Tensor latent_attention(const AttentionSlots& A, int64_t layer, const at::Tensor& x_BSH,
+                              const LayerContext& c, const LayerContext::Attention& m) const;
+  at::Tensor norm(const at::Tensor& x, int64_t weight) const;
+  // RoPE on the first rope.dim dimensions of x [B, S, N, D] (partial rotary passes the rest).
+  at::Tensor rotate(const at::Tensor& x_BSND, const LayerContext& c) const;
   // `compute_dtype`: run the expert GEMMs in this dtype (autocast), the result in x's dtype.
   at::Tensor experts(const at::Tensor& x_TH, const moe::Routing& routing,
                      const at::Tensor& w_gate_up, const at::Tensor& w_down,
@@ -153,10 +151,13 @@ class Decoder {
 
   ModelSpec spec_;
   BackendConfig backend_;
+  ComponentOps ops_;
   NamedTensors params_;
-  std::vector<LayerIdx> layers_;
-  int64_t embed_ = -1, final_norm_ = -1, lm_head_ = -1;
+  std::vector<bool> trainable_;
+  ModelSlots slots_;
   at::Tensor inv_freq_;
+  double scale_ = 1.0;            // attention softmax scale
+  ops::RouterParams router_;      // from spec_.moe
 };
 
 }  // namespace automoe

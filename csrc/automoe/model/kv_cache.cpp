@@ -38,14 +38,17 @@ int64_t KVCache::batch_size() const {
 std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& k,
                                                   const at::Tensor& v) {
   Layer& L = at_layer(layer);
-  AUTOMOE_CHECK(k.dim() == 4 && v.sizes() == k.sizes(),
-                "KVCache.append: expected keys and values of one shape [B, N_kv, S, D], got ",
+  // Keys and values may differ in their last dim (DeepSeek's latent cache: the compressed kv
+  // [B, 1, S, R] as "keys", the rotary key [B, 1, S, Dr] as "values").
+  AUTOMOE_CHECK(k.dim() == 4 && v.dim() == 4 && v.sizes().slice(0, 3) == k.sizes().slice(0, 3),
+                "KVCache.append: expected keys [B, N_kv, S, Dk] and values [B, N_kv, S, Dv], got ",
                 k.sizes(), " and ", v.sizes());
   const int64_t S = k.size(2), needed = L.length + S;
   if (L.k.defined()) {
     AUTOMOE_CHECK(
         k.size(0) == L.k.size(0) && k.size(1) == L.k.size(1) && k.size(3) == L.k.size(3) &&
-            k.scalar_type() == L.k.scalar_type() && k.device() == L.k.device(),
+            v.size(3) == L.v.size(3) && k.scalar_type() == L.k.scalar_type() &&
+            k.device() == L.k.device(),
         "KVCache layer ", layer, ": cached keys are ", L.k.sizes(), " ", L.k.scalar_type(), " on ",
         L.k.device(), "; cannot append ", k.sizes(), " ", k.scalar_type(), " on ", k.device(),
         " (batch size, heads, head dim, dtype and device must stay the same)");

@@ -5,7 +5,13 @@
 namespace automoe {
 
 int64_t ModelSpec::num_moe_layers() const {
-  return std::count(layer_is_moe.begin(), layer_is_moe.end(), true);
+  return std::count_if(layers.begin(), layers.end(),
+                       [](const LayerSpec& l) { return l.mlp == MlpKind::kMoE; });
+}
+
+void ModelSpec::set_moe_layers(const std::vector<bool>& is_moe) {
+  layers.assign(is_moe.size(), LayerSpec{});
+  for (size_t l = 0; l < is_moe.size(); ++l) layers[l].mlp = is_moe[l] ? MlpKind::kMoE : MlpKind::kDense;
 }
 
 }  // namespace automoe

@@ -1,5 +1,6 @@
 // ModelSpec: everything about an architecture that changes the math, parsed from a Hugging Face
-// config.json by the architecture's file under model/arch/. One generic decoder is built from it.
+// config.json by the architecture's file under model/arch/. It names the components each layer is
+// built from (model/components.h); one generic decoder runs them.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -10,17 +11,53 @@
 
 namespace automoe {
 
-enum class RopeType { kDefault, kLinear };
+enum class RopeType { kDefault, kLinear, kYarn };
 
 struct RopeSpec {
   RopeType type = RopeType::kDefault;
   double theta = 10000.0;
-  double factor = 1.0;  // kLinear: positions are divided by it
+  double factor = 1.0;  // kLinear: positions are divided by it; kYarn: the context extension
+  // Rotated dimensions of each head's rotary part (partial rotary: the first `dim` of it, the rest
+  // passes through); set by the architecture from head_dim * partial_rotary_factor.
+  int64_t dim = 0;
+  bool interleaved = false;  // pairs (x0, x1), (x2, x3), ... (DeepSeek's rope_interleave)
+  // YaRN (Transformers' _compute_yarn_parameters): the ramp between interpolated and extrapolated
+  // frequencies, and the factor cos/sin are multiplied by.
+  double beta_fast = 32.0, beta_slow = 1.0;
+  int64_t original_max_position_embeddings = 0;
+  bool truncate = true;
+  double attention_factor = 1.0;
+};
+
+enum class AttentionKind {
+  kGQA,  // grouped-query attention: q/k/v/o projections, optional q/k norms and biases
+  kMLA,  // DeepSeek's multi-head latent attention: low-rank q and compressed kv
+};
+
+struct AttentionSpec {
+  AttentionKind kind = AttentionKind::kGQA;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;  // MLA: = num_heads
+  int64_t head_dim = 0;      // GQA: q/k/v head size; MLA: qk_nope + qk_rope (the q/k head size)
+  bool qkv_bias = false;     // GQA: biases on q/k/v; MLA: on q_a_proj and kv_a_proj_with_mqa
+  bool o_bias = false;
+  bool qk_norm = false;  // GQA: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4.5 optional)
+  // MLA shapes (Transformers' DeepseekV3Attention).
+  int64_t q_lora_rank = 0;  // 0: a plain q_proj
+  int64_t kv_lora_rank = 0;
+  int64_t qk_nope_head_dim = 0;
+  int64_t qk_rope_head_dim = 0;
+  int64_t v_head_dim = 0;
+  double softmax_scale = 0.0;  // 0: 1/sqrt(head_dim)
+  // Head dims of the cached keys and values (what the KV cache holds per head).
+  int64_t v_dim() const { return kind == AttentionKind::kMLA ? v_head_dim : head_dim; }
+  // Size of each head's rotary part before partial rotary (RopeSpec::dim may be smaller).
+  int64_t rope_head_dim() const { return kind == AttentionKind::kMLA ? qk_rope_head_dim : head_dim; }
 };
 
 enum class Activation { kSilu };
 
-enum class RouterScore { kSoftmax };
+enum class RouterScore { kSoftmax, kSigmoid };
 
 struct MoESpec {
   int64_t num_experts = 0;
@@ -30,6 +67,26 @@ struct MoESpec {
   bool norm_topk_prob = false;
   double router_aux_loss_coef = 0.0;
   bool output_router_logits = false;  // the config default for forward(output_router_logits=None)
+  // Group-limited routing (DeepSeek-V3): experts in n_group groups, the topk_group best kept.
+  int64_t n_group = 1;
+  int64_t topk_group = 1;
+  double routed_scaling_factor = 1.0;
+  // e_score_correction_bias: a float32 buffer that steers the choice of experts only.
+  bool correction_bias = false;
+  // Shared experts beside the routed ones: an always-on MLP of this intermediate size
+  // (moe_intermediate_size * n_shared_experts); -1: none. 0 is a module that adds nothing.
+  int64_t shared_intermediate_size = -1;
+  // Whether Transformers computes the load-balancing loss for this type (forward(
+  // output_router_logits=True)); DeepSeek-V3 and GLM-4.5 train without one.
+  bool aux_loss = true;
+};
+
+enum class MlpKind { kDense, kMoE };
+
+// What one layer is built from (its attention is the model's AttentionSpec).
+struct LayerSpec {
+  MlpKind mlp = MlpKind::kMoE;
+  int64_t sliding_window = 0;  // 0: full causal attention; else keys within this many positions
 };
 
 struct ModelSpec {
@@ -37,24 +94,22 @@ struct ModelSpec {
   int64_t vocab_size = 0;
   int64_t hidden_size = 0;
   int64_t num_layers = 0;
-  int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;
-  int64_t head_dim = 0;
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-6;
-  bool attention_bias = false;
-  bool qk_norm = true;         // per-head RMSNorm on q and k before RoPE (Qwen3)
-  int64_t sliding_window = 0;  // 0: full causal attention; else keys within this many positions
+  AttentionSpec attn;
   RopeSpec rope;
   Activation hidden_act = Activation::kSilu;
   int64_t intermediate_size = 0;  // dense MLP layers
   MoESpec moe;
-  std::vector<bool> layer_is_moe;  // size num_layers
+  std::vector<LayerSpec> layers;  // size num_layers
   bool tie_word_embeddings = false;
   c10::ScalarType dtype = c10::kFloat;  // the checkpoint's dtype (config "dtype"/"torch_dtype")
   int64_t pad_token_id = -1;            // -1 when the config has none
 
+  bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
   int64_t num_moe_layers() const;
+  // The per-layer MLP kinds from a list of flags (true = MoE), every window 0.
+  void set_moe_layers(const std::vector<bool>& is_moe);
 };
 
 }  // namespace automoe

@@ -41,6 +41,16 @@ at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
   return ops::unpermute(ops::grouped_gemm(h_NI, w_down_EHI, plan.offsets), plan, weights_TK);
 }
 
+at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                                            const at::Tensor& weights_TK,
+                                            const at::Tensor& w_gate_up_EIH,
+                                            const at::Tensor& w_down_EHI) {
+  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  const at::Tensor gu = ops::grouped_gemm(ops::permute(x_TH, plan), w_gate_up_EIH, plan.offsets);
+  return ops::unpermute(ops::grouped_gemm(ops::swiglu_reference(gu), w_down_EHI, plan.offsets),
+                        plan, weights_TK);
+}
+
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                             const at::Tensor& w_down_EHI) {

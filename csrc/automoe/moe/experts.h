@@ -23,6 +23,13 @@ at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI);
 
+// The same dispatch and grouped GEMMs around ATen's SwiGLU (ops::swiglu_reference): the `grouped`
+// experts with BackendConfig swiglu="torch".
+at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                                            const at::Tensor& weights_TK,
+                                            const at::Tensor& w_gate_up_EIH,
+                                            const at::Tensor& w_down_EHI);
+
 // The `torch_mm` backend: the same dispatch with ATen's `_grouped_mm` for both GEMMs and ATen
 // gathers / SwiGLU around them (the composition NeMo AutoModel's `torch_mm` uses).
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 
 #include "automoe/core/autocast.h"
-#include "automoe/ops/ops.h"
 
 namespace automoe::moe {
 namespace {
@@ -16,41 +15,31 @@ at::Tensor router_logits(const at::Tensor& x_TH, const at::Tensor& w_router_EH) 
 
 }  // namespace
 
-Routing route_topk_softmax(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                           const MoESpec& moe, bool fused) {
+Routing route(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+              const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
+              const RouterOp& op) {
   at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
-  if (fused) {
-    ops::RouterParams p;
-    p.top_k = moe.top_k;
-    p.norm_topk_prob = moe.norm_topk_prob;
-    const ops::RouterResult r = ops::router(logits_TE, std::nullopt, p);
-    return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), r.idx_TK};
-  }
-  const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
-  auto [top_TK, idx_TK] = at::topk(probs_TE, moe.top_k, -1);
-  if (moe.norm_topk_prob) top_TK = top_TK / top_TK.sum(-1, /*keepdim=*/true);
-  return {logits_TE, top_TK.to(x_TH.scalar_type()), idx_TK};
+  const ops::RouterResult r = op(logits_TE, bias_E, p);
+  return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), r.idx_TK};
 }
 
-Routing route_softmax_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                            const MoESpec& moe, const at::Tensor& idx_TK, bool fused) {
-  if (fused) {
-    // The fused router is deterministic: on the forward's inputs it makes the forward's choice,
-    // and then its weights (and backward) are the forward's bit for bit. Should the recomputed
-    // logits ever differ in a last bit and flip a near-tie, fall back to the given experts.
-    Routing r = route_topk_softmax(x_TH, w_router_EH, moe, /*fused=*/true);
+Routing route_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                    const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
+                    const at::Tensor& idx_TK, const RouterOp& op, bool deterministic) {
+  if (deterministic) {
+    // On the forward's inputs a deterministic router makes the forward's choice, and then its
+    // weights (and backward) are the forward's bit for bit. Should the recomputed logits ever
+    // differ in a last bit and flip a near-tie, fall back to the given experts.
+    Routing r = route(x_TH, w_router_EH, bias_E, p, op);
     if (at::equal(r.idx_TK, idx_TK)) return r;
   }
   at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
-  const at::Tensor probs_TE = at::softmax(logits_TE, -1, at::kFloat);
-  at::Tensor top_TK = probs_TE.gather(1, idx_TK);
-  if (moe.norm_topk_prob) top_TK = top_TK / top_TK.sum(-1, /*keepdim=*/true);
-  return {logits_TE, top_TK.to(x_TH.scalar_type()), idx_TK};
+  const ops::RouterResult r = ops::router_given(logits_TE, idx_TK, p);
+  return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), idx_TK};
 }
 
-Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
-                          const MoESpec& moe) {
-  const int64_t T = x_TH.size(0), K = moe.top_k, E = moe.num_experts;
+Routing route_round_robin(const at::Tensor& x_TH, const at::Tensor& w_router_EH, int64_t K) {
+  const int64_t T = x_TH.size(0), E = w_router_EH.size(0);
   at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
   const at::Tensor idx_TK =
       at::arange(T * K, at::TensorOptions().dtype(at::kLong).device(x_TH.device()))

@@ -7,7 +7,6 @@
 #include <torch/library.h>
 
 #include "automoe/core/error.h"
-#include "automoe/moe/experts.h"
 #include "automoe/ops/ops.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
@@ -74,11 +73,6 @@ std::tuple<Tensor, Tensor> lce_reference_op(const Tensor& x, const Tensor& w, co
   return {r.sum, r.count};
 }
 
-Tensor experts_op(const Tensor& x, const Tensor& indices, const Tensor& weights,
-                  const Tensor& w_gate_up, const Tensor& w_down, std::string backend) {
-  return moe::experts_by_name(backend, x, indices, weights, w_gate_up, w_down);
-}
-
 }  // namespace
 
 TORCH_LIBRARY(automoe, m) {
@@ -118,9 +112,6 @@ TORCH_LIBRARY(automoe, m) {
   m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
   m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
-  m.def("moe_experts(Tensor x, Tensor indices, Tensor weights, Tensor w_gate_up, Tensor w_down, "
-        "str backend=\"grouped\") -> Tensor",
-        TORCH_FN(experts_op));
 }
 
 }  // namespace automoe::ops

@@ -8,7 +8,8 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
-#include "automoe/io/checkpoint.h"
+#include "automoe/model/checkpoint.h"
+#include "automoe/model/config.h"
 #include "automoe/model/arch/registry.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/train/recipe.h"
@@ -82,16 +83,20 @@ py::dict spec_dict(const ModelSpec& s) {
   d["vocab_size"] = s.vocab_size;
   d["hidden_size"] = s.hidden_size;
   d["num_layers"] = s.num_layers;
-  d["num_heads"] = s.num_heads;
-  d["num_kv_heads"] = s.num_kv_heads;
-  d["head_dim"] = s.head_dim;
+  d["attention"] = s.attn.kind == AttentionKind::kMLA ? "mla" : "gqa";
+  d["num_heads"] = s.attn.num_heads;
+  d["num_kv_heads"] = s.attn.num_kv_heads;
+  d["head_dim"] = s.attn.head_dim;
   d["num_experts"] = s.moe.num_experts;
   d["top_k"] = s.moe.top_k;
   d["moe_intermediate_size"] = s.moe.intermediate_size;
   d["norm_topk_prob"] = s.moe.norm_topk_prob;
   d["router_aux_loss_coef"] = s.moe.router_aux_loss_coef;
   d["output_router_logits"] = s.moe.output_router_logits;
-  d["layer_is_moe"] = s.layer_is_moe;
+  std::vector<bool> is_moe;
+  for (int64_t l = 0; l < s.num_layers; ++l) is_moe.push_back(s.is_moe(l));
+  d["layer_is_moe"] = is_moe;
+  d["aux_loss"] = s.moe.aux_loss;
   d["tie_word_embeddings"] = s.tie_word_embeddings;
   d["dtype"] = dtype_to_name(s.dtype);
   return d;

@@ -142,11 +142,12 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   AUTOMOE_CHECK(root.is_object(), origin, ": a recipe is a mapping of sections, got ",
                 type_name(root));
   const std::set<std::string> sections = {"model",    "data",       "train", "optimizer",
-                                          "schedule", "checkpoint", "log"};
+                                          "schedule", "checkpoint", "log",   "router"};
   for (const auto& [k, v] : root.items()) {
     if (!sections.count(k)) {
       fail(origin, ": unknown section `", k,
-           "` (a recipe has: model, data, train, optimizer, schedule, checkpoint, log)");
+           "` (a recipe has: model, data, train, optimizer, schedule, checkpoint, log, "
+           "router)");
     }
   }
   Recipe r;
@@ -266,6 +267,10 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.log.peak_tflops = l.number("peak_tflops", 0.0, 0.0, 1e9);
   r.log.progress = l.str("progress", "auto", {"auto", "bar", "lines", "off"});
   l.finish();
+
+  Section rt(root, "router", origin);
+  r.router.bias_update_rate = rt.number("bias_update_rate", 0.0, 0.0, 1.0);
+  rt.finish();
   return r;
 }
 
@@ -312,6 +317,7 @@ std::string Recipe::to_json() const {
               {"tensorboard", log.tensorboard},
               {"peak_tflops", log.peak_tflops},
               {"progress", log.progress}};
+  j["router"] = {{"bias_update_rate", router.bias_update_rate}};
   return j.dump(2);
 }
 

@@ -77,6 +77,13 @@ struct LogSection {
   std::string progress = "auto";  // auto (a bar on a terminal) | bar | lines | off
 };
 
+struct RouterSection {
+  // DeepSeek-V3's auxiliary-loss-free balancing: after each optimizer step every expert's
+  // e_score_correction_bias moves by this much against its load (up when it got fewer than the
+  // mean token-slots, down when more). 0 = off; only for routers with a correction bias.
+  double bias_update_rate = 0.0;
+};
+
 struct Recipe {
   ModelSection model;
   DataSection data;
@@ -85,6 +92,7 @@ struct Recipe {
   ScheduleSection schedule;
   CheckpointSection checkpoint;
   LogSection log;
+  RouterSection router;
 
   // From the recipe as JSON text (the YAML document converted). `origin` names it in errors.
   static Recipe parse(const std::string& json_text, const std::string& origin);

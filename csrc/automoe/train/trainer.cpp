@@ -22,7 +22,7 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
-#include "automoe/io/checkpoint.h"
+#include "automoe/model/checkpoint.h"
 #include "automoe/io/safetensors.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/flops.h"
@@ -138,7 +138,7 @@ struct TrainerState {
 // Writes step-N/ (master weights, optimizer state, trainer state) under a temporary name, fsyncs
 // it, renames it into place and only then points `latest` at it; then prunes old checkpoints.
 void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
-                     const json& extra, int64_t keep_last) {
+                     const NamedTensors& buffers, const json& extra, int64_t keep_last) {
   const std::string name = "step-" + std::to_string(st.step);
   const fs::path final_dir = run / name;
   if (fs::exists(final_dir)) {
@@ -157,6 +157,7 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
     state.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
     state.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
   }
+  for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
   if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
   state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
   save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
@@ -186,7 +187,7 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
 }
 
 // Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
-json load_checkpoint(const fs::path& run, AdamW& opt, TrainerState& st) {
+json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, TrainerState& st) {
   std::string name = read_text(run / "latest");
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
   AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
@@ -211,6 +212,7 @@ json load_checkpoint(const fs::path& run, AdamW& opt, TrainerState& st) {
     load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
     if (state.contains("step")) load_into(state, "step", opt.step[i]);
   }
+  for (auto& [name, t] : buffers) load_into(model, name, t);
   if (state.contains("rng.cpu")) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     gen.set_state(state.get("rng.cpu").clone());
@@ -361,13 +363,41 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   const ModelSpec& spec = pm.decoder->spec();
   const c10::ScalarType stored = pm.decoder->named_parameters().front().second.scalar_type();
   AdamW opt;
+  // Buffers saved with the weights (the routers' correction bias): float32 on the device, never
+  // touched by the optimizer; the bias update below moves them.
+  NamedTensors buffers;
   {
     NamedTensors masters;
-    for (const auto& [n, t] : pm.decoder->named_parameters()) {
-      masters.emplace_back(n, t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true));
+    const auto& trainable = pm.decoder->trainable();
+    const NamedTensors& params = pm.decoder->named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto& [n, t] = params[i];
+      at::Tensor f32 = t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      if (trainable[i]) {
+        masters.emplace_back(n, std::move(f32));
+      } else {
+        pm.decoder->set_parameter(n, f32);
+        buffers.emplace_back(n, std::move(f32));
+      }
     }
     opt.init(masters, /*own_grads=*/compute != at::kFloat);
   }
+  // router.bias_update_rate: each MoE layer's correction bias, by MoE-layer position.
+  std::vector<at::Tensor> correction_biases;
+  if (rc.router.bias_update_rate > 0) {
+    for (const LayerSlots& L : pm.decoder->slots().layers) {
+      if (!L.moe) continue;
+      AUTOMOE_CHECK(L.experts.correction_bias >= 0, "router.bias_update_rate: ", spec.model_type,
+                    " routers have no e_score_correction_bias to update (the auxiliary-loss-free "
+                    "balancing of DeepSeek-V3 needs one); remove the key");
+      correction_biases.push_back(pm.decoder->named_parameters()[L.experts.correction_bias].second);
+    }
+  }
+  AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
+                    spec.moe.aux_loss,
+                "model.router_aux_loss_coef: ", spec.model_type,
+                " trains without a load-balancing loss (as in Transformers); remove the key, or use "
+                "router.bias_update_rate for DeepSeek-V3's auxiliary-loss-free balancing");
   const bool mixed = compute != at::kFloat;
   std::vector<at::Tensor> model_params;  // what the forward reads (requires grad)
   for (size_t i = 0; i < opt.names.size(); ++i) {
@@ -378,7 +408,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   }
   std::vector<int64_t> moe_layers;
   for (int64_t l = 0; l < spec.num_layers; ++l) {
-    if (spec.layer_is_moe[l]) moe_layers.push_back(l);
+    if (spec.is_moe(l)) moe_layers.push_back(l);
   }
 
   // Data.
@@ -416,7 +446,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                              {"train_documents", train_set.num_docs()},
                              {"train_tokens", train_set.num_tokens()}};
   if (has_latest) {
-    const json saved = load_checkpoint(run, opt, st);
+    const json saved = load_checkpoint(run, opt, buffers, st);
     if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
       std::cerr << "automoe train: note: resuming a run that started from "
                 << saved["model_path"].get<std::string>() << "; its weights come from the "
@@ -547,6 +577,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
+    std::vector<at::Tensor> step_counts;  // per MoE layer: token-slots per expert this step
     bool finite = true;
     for (const MicroBatch& mb : mbs) {
       if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;  // nothing to learn: not run
@@ -564,7 +595,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / window_loss_tokens;
       const ForwardResult r = pm.decoder->forward(a);
       r.loss->backward();
-      const double aux = r.aux_loss->item<double>();
+      const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
       const double total = r.loss->item<double>();
       ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
       aux_weighted += a.aux_loss_scale * aux;
@@ -573,6 +604,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         for (const auto& c : r.expert_counts) win.expert_counts.push_back(at::zeros_like(c));
       }
       for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
+      if (!correction_biases.empty()) {
+        if (step_counts.empty()) {
+          for (const auto& c : r.expert_counts) step_counts.push_back(at::zeros_like(c));
+        }
+        for (size_t l = 0; l < r.expert_counts.size(); ++l) step_counts[l] += r.expert_counts[l];
+      }
       if (mixed) {  // move the bf16 gradients into the fp32 accumulators at once
         at::NoGradGuard no_grad;
         for (size_t i = 0; i < model_params.size(); ++i) {
@@ -618,7 +655,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     " in a row)");
       win.skipped += 1;
       if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
-        save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+        save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
         progress.done();
         std::cerr << "automoe train: stopping after " << st.consecutive_nonfinite
                   << " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint "
@@ -634,6 +671,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
         }
         opt.update(rc.optimizer, lr);
+        if (!step_counts.empty()) {
+          // DeepSeek-V3's auxiliary-loss-free balancing: bias += rate * sign(mean load - load).
+          at::NoGradGuard no_grad;
+          for (size_t l = 0; l < correction_biases.size(); ++l) {
+            const at::Tensor load = step_counts[l].to(at::kFloat);
+            correction_biases[l].add_(at::sign(load.mean() - load), rc.router.bias_update_rate);
+          }
+        }
         if (mixed) {
           at::NoGradGuard no_grad;
           for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(opt.master[i]);
@@ -642,7 +687,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       release_grads();
       win.ce_sum += ce_sum;
       win.aux_weighted += aux_weighted;
-      win.aux_steps += window_loss_tokens > 0;
+      win.aux_steps += window_loss_tokens > 0 && spec.moe.aux_loss;
       win.loss_tokens += window_loss_tokens;
       win.grad_norm = norm;
     }
@@ -680,6 +725,16 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"step_time_s", win.seconds / static_cast<double>(win.steps)},
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
+      if (!correction_biases.empty()) {
+        // Per MoE layer: the spread of its correction bias (what the balancing has moved).
+        json biases = json::object();
+        for (size_t l = 0; l < correction_biases.size(); ++l) {
+          const at::Tensor b = correction_biases[l].cpu();
+          biases[std::to_string(moe_layers[l])] = {{"min", b.min().item<double>()},
+                                                   {"max", b.max().item<double>()}};
+        }
+        rec["router_bias"] = biases;
+      }
       emit(rec);
       progress.log(rec);
       win = Window{};
@@ -689,23 +744,33 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       evaluate();
     }
     if (rc.checkpoint.every > 0 && st.step % rc.checkpoint.every == 0 && st.step != total_steps) {
-      save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+      save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
     }
   }
   progress.done();
   if (exit_code != 0) return exit_code;
 
   if (!val_batches.empty()) evaluate();
-  save_checkpoint(run, st, opt, run_identity, rc.checkpoint.keep_last);
+  save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
 
   // Export: a Hugging Face directory in the checkpoint's dtype (or the one asked for).
   const c10::ScalarType export_dtype =
       rc.checkpoint.export_dtype == "auto" ? stored
                                            : dtype_from_name(rc.checkpoint.export_dtype,
                                                              "checkpoint.export_dtype");
+  // In parameter_layout order: the trained weights, the buffers as they are (float32).
   NamedTensors exported;
-  for (size_t i = 0; i < opt.names.size(); ++i) {
-    exported.emplace_back(opt.names[i], opt.master[i].detach().to(at::kCPU, export_dtype));
+  {
+    size_t next_param = 0, next_buffer = 0;
+    for (const bool trainable : pm.decoder->trainable()) {
+      if (trainable) {
+        const size_t i = next_param++;
+        exported.emplace_back(opt.names[i], opt.master[i].detach().to(at::kCPU, export_dtype));
+      } else {
+        const auto& [name, t] = buffers[next_buffer++];
+        exported.emplace_back(name, t.detach().to(at::kCPU));
+      }
+    }
   }
   PretrainedModel out{pm.config, pm.layout, pm.source_dir,
                       std::make_unique<Decoder>(spec, pm.decoder->backend(), std::move(exported))};

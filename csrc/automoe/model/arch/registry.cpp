@@ -8,11 +8,22 @@ namespace automoe {
 namespace {
 
 const std::vector<Architecture>& all() {
-  static const std::vector<Architecture> archs = {qwen3_moe_architecture()};
+  static const std::vector<Architecture> archs = {
+      qwen3_moe_architecture(), deepseek_v3_architecture(), glm4_moe_architecture()};
   return archs;
 }
 
 }  // namespace
+
+std::vector<WeightRule> qwen2_moe_expert_rules() {
+  return {
+      {"mlp.experts.gate_up_proj",
+       {"mlp.experts.{E}.gate_proj.weight", "mlp.experts.{E}.up_proj.weight"},
+       /*concat_dim=*/1,
+       std::nullopt},
+      {"mlp.experts.down_proj", {"mlp.experts.{E}.down_proj.weight"}, 0, std::nullopt},
+  };
+}
 
 std::vector<std::string> supported_model_types() {
   std::vector<std::string> out;

@@ -18,7 +18,14 @@ struct Architecture {
   ModelSpec (*parse)(const ConfigReader& cfg);  // throws automoe::Error on unsupported values
   // Rules between the fused in-memory experts and the per-expert on-disk layout.
   std::vector<WeightRule> per_expert_rules;
+  // Checkpoints may hold multi-token-prediction layers past num_hidden_layers (DeepSeek-V3's
+  // layer 61): skipped on load with one message, as Transformers ignores them.
+  bool mtp_layers = false;
 };
+
+// Qwen2-MoE's per-expert layout (`mlp.experts.{E}.gate_proj.weight`, ...), which Transformers
+// also reads for Qwen3-MoE, DeepSeek-V3, GLM-4.5 and others.
+std::vector<WeightRule> qwen2_moe_expert_rules();
 
 // Throws automoe::Error naming the supported model types when `model_type` is not one of them.
 const Architecture& find_architecture(const std::string& model_type, const std::string& origin);
@@ -26,5 +33,7 @@ std::vector<std::string> supported_model_types();
 
 // Per-architecture registration functions (one per file under arch/).
 Architecture qwen3_moe_architecture();
+Architecture deepseek_v3_architecture();
+Architecture glm4_moe_architecture();
 
 }  // namespace automoe

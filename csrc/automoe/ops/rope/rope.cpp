@@ -72,7 +72,9 @@ at::Tensor rope_reference(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
   }
   const at::Tensor ya = a * c - b * s, yb = b * c + a * s;
   const at::Tensor y = interleaved ? at::stack({ya, yb}, -1).flatten(3) : at::cat({ya, yb}, 3);
-  return y.to(x_BSND.scalar_type());
+  // In the promoted dtype of x and the tables, as Transformers' `q * cos + rotate_half(q) * sin`
+  // (a bf16 projection under autocast with float32 tables comes out float32).
+  return y.to(at::promote_types(x_BSND.scalar_type(), cos_BSh.scalar_type()));
 }
 
 }  // namespace automoe::ops

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "automoe/io/hf_config.h"
+#include "automoe/model/config.h"
 #include "automoe/io/safetensors.h"
 #include "automoe/io/weight_rules.h"
 #include "automoe/model/arch/registry.h"

@@ -1,4 +1,4 @@
-#include "automoe/io/checkpoint.h"
+#include "automoe/model/checkpoint.h"
 
 #include <ATen/ATen.h>
 
@@ -10,6 +10,7 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/core/log.h"
 #include "automoe/model/init.h"
 
 namespace automoe {
@@ -37,6 +38,20 @@ bool ignorable_extra(const std::string& name, const ModelSpec& spec) {
   if (spec.tie_word_embeddings && name == "lm_head.weight") return true;
   const std::string buf = "rotary_emb.inv_freq";
   return name.size() >= buf.size() && name.compare(name.size() - buf.size(), buf.size(), buf) == 0;
+}
+
+// N for "model.layers.N....", else -1.
+int64_t layer_of(const std::string& name) {
+  const std::string pre = "model.layers.";
+  if (name.rfind(pre, 0) != 0) return -1;
+  const size_t dot = name.find('.', pre.size());
+  if (dot == std::string::npos || dot == pre.size()) return -1;
+  int64_t v = 0;
+  for (size_t i = pre.size(); i < dot; ++i) {
+    if (name[i] < '0' || name[i] > '9' || v > (int64_t{1} << 40)) return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
 }
 
 }  // namespace
@@ -69,16 +84,35 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     // another program rewriting the checkpoint in place can neither change nor (by truncating it)
     // crash a loaded model.
     const bool aliases_file = !(rule && layout == ExpertsLayout::kPerExpert);
-    if (dtype && t.scalar_type() != *dtype) {
-      t = t.to(*dtype);
+    // Buffers Transformers keeps in float32 (the correction bias) stay float32.
+    const std::optional<c10::ScalarType> want =
+        decl.keep_float32 ? std::optional<c10::ScalarType>(at::kFloat) : dtype;
+    if (want && t.scalar_type() != *want) {
+      t = t.to(*want);
     } else if (aliases_file) {
       t = t.clone(at::MemoryFormat::Contiguous);
     }
     out.emplace_back(decl.name, std::move(t));
   }
   std::vector<std::string> extra;
+  std::set<int64_t> mtp_layers;
+  int64_t mtp_tensors = 0;
   for (const auto& name : ckpt.names()) {
-    if (!used.count(name) && !ignorable_extra(name, spec)) extra.push_back(name);
+    if (used.count(name) || ignorable_extra(name, spec)) continue;
+    const int64_t layer = layer_of(name);
+    if (arch.mtp_layers && layer >= spec.num_layers) {
+      mtp_layers.insert(layer);
+      ++mtp_tensors;
+      continue;
+    }
+    extra.push_back(name);
+  }
+  if (!mtp_layers.empty()) {
+    std::string list;
+    for (int64_t l : mtp_layers) list += (list.empty() ? "" : ", ") + std::to_string(l);
+    log_info(ckpt.dir(), ": skipping ", mtp_tensors, " tensor(s) of multi-token-prediction layer(s) ",
+             list, " (past num_hidden_layers = ", spec.num_layers,
+             "; not used for training, as in Transformers, and not written on save)");
   }
   if (!extra.empty()) {
     std::string list;

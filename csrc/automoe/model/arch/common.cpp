@@ -1,0 +1,173 @@
+#include "automoe/model/arch/common.h"
+
+#include <cmath>
+
+#include "automoe/core/dtype.h"
+
+namespace automoe::arch {
+
+int64_t positive(const ConfigReader& cfg, const std::string& key) {
+  const int64_t v = cfg.get_int(key);
+  if (v <= 0) cfg.fail_key(key, "a positive integer");
+  return v;
+}
+
+int64_t positive(const ConfigReader& cfg, const std::string& key, int64_t fallback) {
+  return cfg.has(key) ? positive(cfg, key) : fallback;
+}
+
+void reject_unsupported(const ConfigReader& cfg) {
+  if (cfg.has("quantization_config")) {
+    cfg.fail_key("quantization_config",
+                 "no quantization (quantized checkpoints, FP8 block-quantised ones included, are "
+                 "not supported: convert the weights to bfloat16 first)");
+  }
+  if (cfg.get_double("attention_dropout", 0.0) != 0.0) {
+    cfg.fail_key("attention_dropout", "0.0 (attention dropout is not implemented)");
+  }
+  const std::string act = cfg.get_string("hidden_act", "silu");
+  if (act != "silu") cfg.fail_key("hidden_act", "\"silu\" (the only activation implemented)");
+}
+
+void parse_decoder_basics(const ConfigReader& cfg, ModelSpec* s) {
+  s->vocab_size = positive(cfg, "vocab_size");
+  s->hidden_size = positive(cfg, "hidden_size");
+  s->num_layers = positive(cfg, "num_hidden_layers");
+  s->max_position_embeddings = cfg.get_int("max_position_embeddings", 32768);
+  s->rms_norm_eps = cfg.get_double("rms_norm_eps", 1e-6);
+  if (s->rms_norm_eps < 0) cfg.fail_key("rms_norm_eps", "a non-negative number");
+  s->tie_word_embeddings = cfg.get_bool("tie_word_embeddings", false);
+  s->pad_token_id = cfg.get_int("pad_token_id", -1);
+  const std::string dtype_key = cfg.has("dtype") ? "dtype" : "torch_dtype";
+  s->dtype = cfg.has(dtype_key) ? dtype_from_name(cfg.get_string(dtype_key),
+                                                  cfg.path() + ": key \"" + dtype_key + "\"")
+                                : c10::kFloat;
+}
+
+void parse_gqa(const ConfigReader& cfg, int64_t kv_default, ModelSpec* s) {
+  AttentionSpec& a = s->attn;
+  a.kind = AttentionKind::kGQA;
+  a.num_heads = positive(cfg, "num_attention_heads");
+  a.num_kv_heads = positive(cfg, "num_key_value_heads", kv_default > 0 ? kv_default : a.num_heads);
+  if (a.num_heads % a.num_kv_heads != 0) {
+    cfg.fail_key("num_key_value_heads",
+                 "a divisor of num_attention_heads (" + std::to_string(a.num_heads) + ")");
+  }
+  if (!cfg.has("head_dim") && s->hidden_size % a.num_heads != 0) {
+    cfg.fail_key("head_dim", "an integer (hidden_size is not a multiple of num_attention_heads)");
+  }
+  a.head_dim = positive(cfg, "head_dim", s->hidden_size / a.num_heads);
+}
+
+double yarn_mscale(double factor, double m) {
+  return factor <= 1 ? 1.0 : 0.1 * m * std::log(factor) + 1.0;
+}
+
+namespace {
+
+// The scaling part of a rope_parameters / rope_scaling object.
+void parse_rope_scaling(const ConfigReader& r, const ConfigReader& cfg, RopeSpec* rope) {
+  const std::string type = r.get_string("rope_type", r.get_string("type", "default"));
+  if (type == "default") return;
+  if (type != "linear" && type != "yarn") {
+    r.fail_key("rope_type",
+               "\"default\", \"linear\" or \"yarn\" (other RoPE scalings are not implemented)");
+  }
+  rope->factor = r.get_double("factor");
+  if (rope->factor <= 0) r.fail_key("factor", "a positive number");
+  if (type == "linear") {
+    rope->type = RopeType::kLinear;
+    return;
+  }
+  rope->type = RopeType::kYarn;
+  rope->original_max_position_embeddings =
+      r.has("original_max_position_embeddings")
+          ? positive(r, "original_max_position_embeddings")
+          : positive(cfg, "original_max_position_embeddings");
+  if (r.has("beta_fast")) rope->beta_fast = r.get_double("beta_fast");
+  if (r.has("beta_slow")) rope->beta_slow = r.get_double("beta_slow");
+  rope->truncate = r.get_bool("truncate", true);
+  if (r.has("attention_factor")) {
+    rope->attention_factor = r.get_double("attention_factor");
+  } else {
+    const double mscale = r.get_double("mscale", 0.0), all = r.get_double("mscale_all_dim", 0.0);
+    rope->attention_factor = mscale != 0 && all != 0
+                                 ? yarn_mscale(rope->factor, mscale) / yarn_mscale(rope->factor, all)
+                                 : yarn_mscale(rope->factor, 1.0);
+  }
+}
+
+}  // namespace
+
+RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, double partial_default) {
+  RopeSpec rope;
+  rope.theta = cfg.get_double("rope_theta", 10000.0);
+  const bool partial_rotary = partial_default > 0;
+  double partial = cfg.get_double("partial_rotary_factor", partial_rotary ? partial_default : 1.0);
+  // Transformers v5 writes "rope_parameters"; v4 checkpoints have "rope_theta" + "rope_scaling".
+  if (cfg.has("rope_parameters")) {
+    const ConfigReader rp = cfg.child("rope_parameters");
+    rope.theta = rp.get_double("rope_theta", rope.theta);
+    partial = rp.get_double("partial_rotary_factor", partial);
+    parse_rope_scaling(rp, cfg, &rope);
+  } else if (cfg.has("rope_scaling")) {
+    parse_rope_scaling(cfg.child("rope_scaling"), cfg, &rope);
+  }
+  if (rope.theta <= 0) cfg.fail_key("rope_theta", "a positive number");
+  if (!partial_rotary && partial != 1.0) {
+    cfg.fail_key("partial_rotary_factor", "1.0 (this model type rotates whole heads)");
+  }
+  if (partial <= 0 || partial > 1) cfg.fail_key("partial_rotary_factor", "a number in (0, 1]");
+  rope.dim = static_cast<int64_t>(static_cast<double>(rope_head_dim) * partial);
+  if (rope.dim <= 0 || rope.dim % 2 != 0) {
+    cfg.fail_key(partial == 1.0 ? "head_dim" : "partial_rotary_factor",
+                 "a rotary dimension that is even and positive (RoPE rotates pairs; got " +
+                     std::to_string(rope.dim) + ")");
+  }
+  return rope;
+}
+
+void parse_deepseek_moe(const ConfigReader& cfg, ModelSpec* s) {
+  MoESpec& m = s->moe;
+  const std::string experts_key = cfg.first_present({"n_routed_experts", "num_local_experts"});
+  m.num_experts = positive(cfg, experts_key);
+  m.top_k = cfg.get_int("num_experts_per_tok");
+  if (m.top_k < 1 || m.top_k > m.num_experts) {
+    cfg.fail_key("num_experts_per_tok",
+                 "an integer in [1, " + std::to_string(m.num_experts) + "] (the expert count)");
+  }
+  m.intermediate_size = positive(cfg, "moe_intermediate_size");
+  m.score = RouterScore::kSigmoid;
+  m.correction_bias = true;
+  m.norm_topk_prob = cfg.get_bool("norm_topk_prob", true);
+  m.routed_scaling_factor = cfg.get_double("routed_scaling_factor", 1.0);
+  m.n_group = positive(cfg, "n_group", 1);
+  m.topk_group = positive(cfg, "topk_group", 1);
+  if (m.num_experts % m.n_group != 0) {
+    cfg.fail_key("n_group", "a divisor of n_routed_experts (" + std::to_string(m.num_experts) + ")");
+  }
+  if (m.topk_group > m.n_group) {
+    cfg.fail_key("topk_group", "at most n_group (" + std::to_string(m.n_group) + ")");
+  }
+  if (m.num_experts / m.n_group < 2) {
+    // Transformers scores a group by its two best experts.
+    cfg.fail_key("n_group", "at most n_routed_experts / 2 (groups of at least two experts)");
+  }
+  if (m.topk_group * (m.num_experts / m.n_group) < m.top_k) {
+    cfg.fail_key("topk_group", "enough groups to hold num_experts_per_tok experts");
+  }
+  const int64_t shared = cfg.get_int("n_shared_experts", 1);
+  if (shared < 0) cfg.fail_key("n_shared_experts", "a non-negative integer");
+  m.shared_intermediate_size = m.intermediate_size * shared;
+  m.aux_loss = false;  // Transformers trains these without a load-balancing loss
+  m.router_aux_loss_coef = 0.0;
+  m.output_router_logits = false;
+  const int64_t dense = cfg.get_int("first_k_dense_replace", 1);
+  if (dense < 0) cfg.fail_key("first_k_dense_replace", "a non-negative integer");
+  std::vector<bool> is_moe(s->num_layers);
+  for (int64_t l = 0; l < s->num_layers; ++l) is_moe[l] = l >= dense;
+  s->set_moe_layers(is_moe);
+  s->intermediate_size = positive(cfg, "intermediate_size");
+}
+
+}  // namespace automoe::arch

@@ -1,0 +1,81 @@
+// The components a decoder is built from — embedding, attention (GQA | MLA), dense MLP, MoE block
+// (router, routed experts, shared experts), RMSNorms, LM head — each declaring its parameters
+// (Transformers v5's in-memory names, shapes, initialisation) once, here. The parameter layout,
+// the initialisation, the FLOPs count and the decoder's parameter slots all come from these
+// declarations; an architecture only says which components each layer has (ModelSpec).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "automoe/model/spec.h"
+
+namespace automoe {
+
+enum class Init { kNormal, kOnes, kZeros };
+
+struct ParamDecl {
+  std::string name;
+  std::vector<int64_t> shape;
+  Init init = Init::kNormal;
+  // false: a buffer that is saved and loaded with the weights but never trained by gradients
+  // (DeepSeek-V3's e_score_correction_bias).
+  bool trainable = true;
+  bool keep_float32 = false;  // stays float32 whatever dtype the model is loaded in
+};
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+// Index of each parameter of a component in the model's parameter list; -1 where absent.
+struct AttentionSlots {
+  // GQA
+  int64_t q = -1, q_bias = -1, k = -1, k_bias = -1, v = -1, v_bias = -1, q_norm = -1, k_norm = -1;
+  // MLA
+  int64_t q_a = -1, q_a_bias = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_a_bias = -1,
+          kv_a_norm = -1, kv_b = -1;
+  int64_t o = -1, o_bias = -1;
+};
+
+struct MlpSlots {
+  int64_t gate = -1, up = -1, down = -1;
+};
+
+struct MoESlots {
+  int64_t gate_up = -1, down = -1, router = -1, correction_bias = -1;
+  MlpSlots shared;  // shared experts (absent: gate == -1)
+};
+
+struct LayerSlots {
+  int64_t index = 0;  // the layer number (the KV cache's layer)
+  AttentionSlots attn;
+  bool moe = false;
+  MlpSlots mlp;  // dense layers
+  MoESlots experts;  // MoE layers
+  int64_t input_norm = -1, post_norm = -1;
+  std::vector<int64_t> all;  // every parameter of the layer (what a checkpointed layer differentiates)
+};
+
+struct ModelSlots {
+  int64_t embed = -1, final_norm = -1, lm_head = -1;  // lm_head == embed when tied
+  std::vector<LayerSlots> layers;
+};
+
+// Every parameter `spec` implies, in Transformers' named_parameters() order (buffers where
+// Transformers registers them), and where each component finds its own.
+ModelSlots declare_model(const ModelSpec& spec, std::vector<ParamDecl>* decls);
+std::vector<ParamDecl> parameter_layout(const ModelSpec& spec);
+
+// Matmul FLOPs per token of one forward (2 per multiply-add), per component:
+//   attention  GQA: 2*H*(N*D) + 2*2*H*(KV*D) + 2*(N*D)*H; MLA: its five projections;
+//              + 2*N*(Dqk + Dv)*(S+1)/2 for scores and weighted values over the (S+1)/2 keys
+//              a causal query sees
+//   MoE        2*H*E router + K * (2*H*2I + 2*I*H) routed experts + the shared experts' MLP
+//   dense MLP  2*H*2I + 2*I*H
+//   LM head    2*H*V
+double forward_flops_per_token(const ModelSpec& spec, int64_t seq_len);
+
+}  // namespace automoe

@@ -1,0 +1,231 @@
+"""DeepSeek-V3 and GLM-4.5 in AutoMoE match Transformers v5 on checkpoints Transformers wrote.
+
+float32, a batch with left and right padding, Transformers' default attention (sdpa) against ours and
+eager against eager: logits at every position and the loss to 1e-5 relative, every parameter's
+gradient to 1e-4, for configs of odd sizes that vary what changes the math (q LoRA or not, group
+routing on and off with topk_group < n_group, 0/1/2 shared experts, 0/1/2 dense first layers, YaRN,
+interleaved RoPE or not, partial rotary, q/k norms and attention biases, tied embeddings), in both
+on-disk expert layouts. Neither type has an aux loss in Transformers; neither has one here. The
+routers' e_score_correction_bias (a float32 buffer) is randomised so that it steers the choice.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import padded_batch, rel_err
+
+import automoe
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+        "rope_theta": 10000.0}
+
+DEEPSEEK_BASE = dict(vocab_size=89, hidden_size=20, intermediate_size=36, moe_intermediate_size=12,
+                     num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=3,
+                     q_lora_rank=12, kv_lora_rank=10, qk_nope_head_dim=6, qk_rope_head_dim=4,
+                     v_head_dim=5, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                     n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5,
+                     max_position_embeddings=64)
+DEEPSEEK = {
+    "qlora_groups2of1_shared1_dense1": {},
+    "no_qlora_no_groups_shared0_dense0_tied": dict(q_lora_rank=None, n_group=1, topk_group=1,
+                                                   n_shared_experts=0, first_k_dense_replace=0,
+                                                   tie_word_embeddings=True, pad_token_id=0),
+    "yarn_mscale_shared2_dense2_unnormed": dict(
+        num_hidden_layers=4, n_shared_experts=2, first_k_dense_replace=2, norm_topk_prob=False,
+        rope_parameters={**YARN, "mscale": 0.7, "mscale_all_dim": 1.0}),
+    "groups4of2_top3_tied": dict(n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3,
+                                 tie_word_embeddings=True),
+    "half_split_rope_attention_bias": dict(rope_interleave=False, attention_bias=True),
+    "yarn_no_qlora_groups3of2": dict(q_lora_rank=None, n_routed_experts=6, n_group=3, topk_group=2,
+                                     routed_scaling_factor=1.0, qk_rope_head_dim=6,
+                                     rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2}),
+}
+
+GLM_BASE = dict(vocab_size=91, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.5,
+                partial_rotary_factor=0.5, max_position_embeddings=64)
+GLM = {
+    "half_rotary_groups2of1_shared1_dense1": {},
+    "qk_norm_qkv_bias": dict(use_qk_norm=True, attention_bias=True),
+    "full_rotary_no_groups_shared0_dense0_tied": dict(partial_rotary_factor=1.0, n_group=1,
+                                                      topk_group=1, n_shared_experts=0,
+                                                      first_k_dense_replace=0,
+                                                      tie_word_embeddings=True, pad_token_id=0),
+    "yarn_shared2_dense2": dict(num_hidden_layers=4, n_shared_experts=2, first_k_dense_replace=2,
+                                rope_parameters={**YARN, "partial_rotary_factor": 0.5}),
+    "groups4of3_top3_gqa4_unnormed": dict(n_routed_experts=12, n_group=4, topk_group=3,
+                                          num_experts_per_tok=3, num_key_value_heads=1, head_dim=12,
+                                          norm_topk_prob=False),
+    "quarter_rotary_head16": dict(head_dim=16, partial_rotary_factor=0.25, num_attention_heads=2),
+}
+
+FAMILIES = {"deepseek_v3": (DEEPSEEK_BASE, DEEPSEEK), "glm4_moe": (GLM_BASE, GLM)}
+CASES = [(family, name) for family, (_, configs) in FAMILIES.items() for name in sorted(configs)]
+
+TORCH = dict(experts="eager", rms_norm="torch", rope="torch", swiglu="torch", loss="torch")
+FUSED = dict(experts="grouped", rms_norm="fused", rope="fused", swiglu="fused",
+             loss="fused_linear_ce")
+
+
+def make_config(family: str, name: str):
+    from transformers import DeepseekV3Config, Glm4MoeConfig
+
+    base, configs = FAMILIES[family]
+    cls = DeepseekV3Config if family == "deepseek_v3" else Glm4MoeConfig
+    return cls(**{**base, **configs[name]})
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory):
+    cache: dict = {}
+
+    def make(family: str, name: str, layout: str = "per-expert"):
+        key = (family, name, layout)
+        if key not in cache:
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(7)
+            model = AutoModelForCausalLM.from_config(make_config(family, name), dtype=torch.float32)
+            with torch.no_grad():
+                for pname, p in model.named_parameters():
+                    if pname.endswith("norm.weight"):
+                        p.uniform_(0.5, 1.5)
+                    elif pname.endswith("mlp.gate.weight"):
+                        p.normal_(0.0, 1.0)
+                    else:
+                        p.normal_(0.0, 0.2)
+                for bname, b in model.named_buffers():
+                    if bname.endswith("e_score_correction_bias"):
+                        b.normal_(0.0, 0.3)
+            path = tmp_path_factory.mktemp(f"{family}-{name}-{layout}")
+            model.save_pretrained(path, save_original_format=(layout == "per-expert"))
+            cache[key] = path
+        return cache[key]
+
+    return make
+
+
+def run_both(path, attn, backend):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    hf = HFModel.from_pretrained(path, attn_implementation=attn)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, backend=backend)
+    ids, mask, labels = padded_batch(hf.config.vocab_size)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    out.loss.backward()
+    if out.logits is None:  # the fused loss returns no logits: read them from a label-free pass
+        with torch.no_grad():
+            out.logits = ours(input_ids=ids, attention_mask=mask).logits
+    return hf, ours, ref, out
+
+
+@pytest.mark.parametrize("layout, backend, attn", [
+    ("per-expert", "torch", "sdpa"), ("fused", "torch", "eager"),
+    ("per-expert", "fused", "eager"), ("fused", "fused", "sdpa")])
+@pytest.mark.parametrize("family, name", CASES)
+def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, name, layout, backend,
+                                                    attn):
+    path = family_checkpoint(family, name, layout)
+    hf, ours, ref, out = run_both(path, attn, TORCH if backend == "torch" else FUSED)
+    assert type(ours).__name__ == type(hf).__name__ and isinstance(ours, type(hf))
+    assert ours.layout == layout
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert out.aux_loss is None and out.router_logits is None  # none in Transformers either
+
+    ref_params = dict(hf.named_parameters())
+    our_params = dict(ours.named_parameters())
+    assert our_params.keys() == ref_params.keys()
+    for pname, p in our_params.items():
+        assert p.shape == ref_params[pname].shape, pname
+        if p.numel() == 0:  # the shared experts' MLP of n_shared_experts=0
+            continue
+        assert p.grad is not None, f"{pname} got no gradient"
+        assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
+    ref_bufs = {n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
+    our_bufs = {n: b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert our_bufs.keys() == ref_bufs.keys() and ref_bufs
+    for bname, b in our_bufs.items():
+        assert b.dtype == torch.float32 and torch.equal(b, ref_bufs[bname]), bname
+
+
+@pytest.mark.parametrize("family, name", [("deepseek_v3", "yarn_mscale_shared2_dense2_unnormed"),
+                                          ("glm4_moe", "qk_norm_qkv_bias")])
+def test_correction_bias_steers_the_choice_of_experts(family_checkpoint, family, name):
+    """Zeroing the correction bias changes which experts run (so the bias is really read), and
+    Transformers agrees on the result either way."""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = family_checkpoint(family, name)
+    hf = HFModel.from_pretrained(path)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    ids, mask, _ = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():
+        before = ours(input_ids=ids, attention_mask=mask).logits
+        for model in (hf, ours):
+            for bname, b in model.named_buffers():
+                if bname.endswith("e_score_correction_bias"):
+                    b.zero_()
+        after, ref = ours(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(after, ref) <= 1e-5
+    assert rel_err(after, before) > 1e-3
+
+
+@pytest.mark.parametrize("family, name", [("deepseek_v3", "qlora_groups2of1_shared1_dense1"),
+                                          ("glm4_moe", "yarn_shared2_dense2")])
+@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+def test_saved_checkpoint_loads_back_into_transformers_bit_identically(family_checkpoint, tmp_path,
+                                                                       family, name, layout):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = family_checkpoint(family, name, layout)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    ours.save_pretrained(tmp_path / "out")
+    original = HFModel.from_pretrained(path).state_dict()
+    reloaded = HFModel.from_pretrained(tmp_path / "out").state_dict()
+    assert reloaded.keys() == original.keys()
+    for key, t in original.items():
+        assert reloaded[key].dtype == t.dtype and torch.equal(reloaded[key], t), key
+    assert automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "out").layout == layout
+
+
+def test_bfloat16_load_keeps_the_correction_bias_float32(family_checkpoint):
+    path = family_checkpoint("deepseek_v3", "groups4of2_top3_tied")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+    assert ours.model.embed_tokens.weight.dtype == torch.bfloat16
+    biases = [b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(b.dtype == torch.float32 for b in biases)
+    ids, mask, labels = padded_batch(ours.config.vocab_size)
+    assert torch.isfinite(ours(input_ids=ids, attention_mask=mask, labels=labels).loss)
+
+
+@pytest.mark.parametrize("family, name", [("deepseek_v3", "yarn_mscale_shared2_dense2_unnormed"),
+                                          ("glm4_moe", "half_rotary_groups2of1_shared1_dense1")])
+def test_generate_and_a_transformers_cache_continue_as_in_transformers(family_checkpoint, family, name):
+    """Greedy generation from a left-padded batch gives Transformers' tokens; a DynamicCache that
+    Transformers filled (DeepSeek's holds the compressed latents) continues in the engine with
+    Transformers' logits."""
+    import copy
+
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = family_checkpoint(family, name)
+    hf = HFModel.from_pretrained(path)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    ids, mask, _ = padded_batch(hf.config.vocab_size)
+    ids, mask = ids[[0, 2]], mask[[0, 2]]  # a full and a left-padded row
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, **kw), hf.generate(ids, **kw))
+
+    with torch.no_grad():
+        past = hf(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+        nxt = torch.tensor([[5], [7]])
+        full = torch.cat([mask, torch.ones_like(nxt)], 1)
+        ref = hf(input_ids=nxt, attention_mask=full, past_key_values=copy.deepcopy(past)).logits
+        out = ours(input_ids=nxt, attention_mask=full, past_key_values=past).logits
+    assert rel_err(out, ref) <= 1e-5

@@ -1,0 +1,90 @@
+"""`automoe train` fine-tunes a tiny DeepSeek-V3 and a tiny GLM-4.5 end to end: the export loads in
+Transformers with AutoMoE's loss, DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
+correction bias (and only it: the optimizer never touches that buffer), and the bias survives a
+resume; a load-balancing coefficient these types do not have is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_train import base_recipe, load_tensors, metrics, run_train, tokenizer  # noqa: F401
+
+from conftest import padded_batch, rel_err
+
+FAMILY_OVERRIDES = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                        topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def family_dir(request, tmp_path_factory, tokenizer):
+    from automoe.demo import build_checkpoint
+
+    extra = (dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+             if request.param == "deepseek_v3" else
+             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    return request.param, build_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", tokenizer,
+                                           family=request.param, **FAMILY_OVERRIDES, **extra)
+
+
+def test_fine_tune_exports_a_checkpoint_transformers_loads_with_the_same_loss(family_dir, tmp_path):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    import automoe
+
+    family, model_dir = family_dir
+    rate = 0.01 if family == "deepseek_v3" else 0.0
+    # An odd number of steps: the bias moves by an odd number of +-rate, so never back to 0.
+    run_train(base_recipe(model_dir, tmp_path, "run", train={"max_steps": 3},
+                          router={"bias_update_rate": rate}), tmp_path)
+    export = tmp_path / "run" / "export"
+    ids, mask, labels = padded_batch(300)
+    with torch.no_grad():
+        ref = HFModel.from_pretrained(export)(input_ids=ids, attention_mask=mask, labels=labels)
+        out = automoe.AutoModelForCausalLM.from_pretrained(export)(input_ids=ids, attention_mask=mask,
+                                                                   labels=labels)
+        base = HFModel.from_pretrained(model_dir)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert abs(base.loss.item() - ref.loss.item()) > 1e-4, "the export equals the untrained model"
+
+    steps = metrics(tmp_path / "run")
+    assert sorted(steps) == [1, 2, 3]
+    before = load_tensors(next(model_dir.glob("*.safetensors")))
+    after = load_tensors(next(export.glob("*.safetensors")))
+    bias = [k for k in after if k.endswith("e_score_correction_bias")]
+    assert bias and all(after[k].dtype == torch.float32 for k in bias)
+    if rate:  # each step moves every expert's bias by exactly +-rate (or 0 at the mean load)
+        assert set(steps[3]["router_bias"]) == {"1"}
+        for k in bias:
+            moved = (after[k] - before[k]).abs()
+            assert moved.min() > 0 and moved.max() <= 3 * rate + 1e-6, k
+            assert torch.allclose(moved / rate, (moved / rate).round(), atol=1e-4), k
+    else:  # off: the buffer is never touched
+        assert "router_bias" not in steps[3]
+        for k in bias:
+            assert torch.equal(after[k], before[k]), k
+
+
+def test_correction_bias_resumes_with_the_run(family_dir, tmp_path):
+    family, model_dir = family_dir
+    if family != "deepseek_v3":
+        pytest.skip("one family is enough")
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 4},
+                         checkpoint={"every": 2}, router={"bias_update_rate": 0.01})
+    run_train(recipe, tmp_path)
+    straight = load_tensors(tmp_path / "run" / "step-4" / "model.safetensors")
+    recipe["checkpoint"]["dir"] = str(tmp_path / "again")
+    run_train(recipe, tmp_path, "train.max_steps=2")
+    run_train(recipe, tmp_path)  # resumes at step 2
+    resumed = load_tensors(tmp_path / "again" / "step-4" / "model.safetensors")
+    for k, t in straight.items():
+        assert torch.equal(resumed[k], t), k
+
+
+def test_aux_loss_coefficient_is_refused_for_types_without_one(family_dir, tmp_path):
+    _, model_dir = family_dir
+    proc = run_train(base_recipe(model_dir, tmp_path, "run", model={"router_aux_loss_coef": 0.01}),
+                     tmp_path, check=False)
+    assert proc.returncode == 1 and "model.router_aux_loss_coef" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
