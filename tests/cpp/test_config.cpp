@@ -2,9 +2,11 @@
 // implement are refused with an error naming the file and the key.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "automoe/core/error.h"
+#include "automoe/model/components.h"
 #include "automoe/model/config.h"
 
 namespace automoe {
@@ -162,6 +164,95 @@ TEST(Config, RejectsInconsistentValues) {
   j = base_config();
   j.erase("num_local_experts");
   expect_error(j, {"num_experts", "num_local_experts"});
+}
+
+nlohmann::json deepseek_config() {
+  return {{"model_type", "deepseek_v3"}, {"vocab_size", 89},         {"hidden_size", 20},
+          {"intermediate_size", 36},     {"moe_intermediate_size", 12}, {"num_hidden_layers", 3},
+          {"num_attention_heads", 3},    {"q_lora_rank", 12},         {"kv_lora_rank", 10},
+          {"qk_nope_head_dim", 6},       {"qk_rope_head_dim", 4},     {"v_head_dim", 5},
+          {"n_routed_experts", 8},       {"num_experts_per_tok", 2},  {"n_group", 2},
+          {"topk_group", 1},             {"n_shared_experts", 2},     {"first_k_dense_replace", 1},
+          {"routed_scaling_factor", 2.5},
+          {"rope_parameters",
+           {{"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 16},
+            {"mscale", 1.0}, {"mscale_all_dim", 0.5}, {"rope_theta", 10000.0}}}};
+}
+
+TEST(Config, DeepSeekV3ReadsLatentAttentionYarnAndGroupRouting) {
+  const ModelSpec s = parse(deepseek_config());
+  EXPECT_EQ(s.attn.kind, AttentionKind::kMLA);
+  EXPECT_EQ(s.attn.head_dim, 10);
+  EXPECT_EQ(s.attn.num_kv_heads, 3);
+  EXPECT_EQ(s.rope.type, RopeType::kYarn);
+  EXPECT_EQ(s.rope.dim, 4);
+  EXPECT_TRUE(s.rope.interleaved);  // rope_interleave defaults to true, as in Transformers
+  // yarn_apply_mscale: (0.1 * 0.5 * ln 4 + 1)^2 / sqrt(10); cos/sin scaled by mscale(1) / mscale(0.5)
+  const double m = 0.1 * 0.5 * std::log(4.0) + 1.0;
+  EXPECT_NEAR(s.attn.softmax_scale, m * m / std::sqrt(10.0), 1e-12);
+  EXPECT_NEAR(s.rope.attention_factor, (0.1 * std::log(4.0) + 1.0) / m, 1e-12);
+  EXPECT_EQ(s.moe.score, RouterScore::kSigmoid);
+  EXPECT_TRUE(s.moe.correction_bias);
+  EXPECT_FALSE(s.moe.aux_loss);
+  EXPECT_EQ(s.moe.shared_intermediate_size, 24);
+  EXPECT_EQ(moe_layers(s), (std::vector<bool>{false, true, true}));
+}
+
+TEST(Config, DeepSeekV3AndGlmRefuseWhatTheyCannotHonour) {
+  auto j = deepseek_config();
+  j["num_key_value_heads"] = 1;
+  expect_error(j, {"num_key_value_heads", "one kv head per query head"});
+  j = deepseek_config();
+  j["n_group"] = 3;
+  expect_error(j, {"n_group", "divisor of n_routed_experts"});
+  j = deepseek_config();
+  j["topk_group"] = 3;
+  expect_error(j, {"topk_group", "at most n_group"});
+  j = deepseek_config();
+  j["n_group"] = 8;
+  j["topk_group"] = 1;
+  expect_error(j, {"n_group", "groups of at least two experts"});
+  j = deepseek_config();
+  j["rope_parameters"]["partial_rotary_factor"] = 0.5;
+  expect_error(j, {"partial_rotary_factor", "whole heads"});
+  j = deepseek_config();
+  j["rope_parameters"].erase("original_max_position_embeddings");
+  expect_error(j, {"original_max_position_embeddings"});
+  j = deepseek_config();
+  j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
+  expect_error(j, {"quantization_config", "FP8", "bfloat16"});
+
+  auto g = base_config();
+  g["model_type"] = "glm4_moe";
+  g["n_routed_experts"] = 8;
+  g["num_experts_per_tok"] = 2;
+  g["partial_rotary_factor"] = 0.3;  // 8 * 0.3 = 2.4 -> 2 rotated dims: fine
+  EXPECT_EQ(parse(g).rope.dim, 2);
+  g["partial_rotary_factor"] = 0.1;  // no pair left to rotate
+  expect_error(g, {"partial_rotary_factor", "even and positive"});
+  g.erase("partial_rotary_factor");  // GLM's default is 0.5, as Glm4MoeConfig
+  EXPECT_EQ(parse(g).rope.dim, 4);
+}
+
+TEST(Components, DeclareTransformersNamesForLatentAttentionAndSharedExperts) {
+  const ModelSpec s = parse(deepseek_config());
+  std::vector<std::string> layer1;
+  for (const auto& d : parameter_layout(s)) {
+    if (d.name.rfind("model.layers.1.", 0) == 0) layer1.push_back(d.name.substr(15));
+    if (d.name.find("e_score_correction_bias") != std::string::npos) {
+      EXPECT_FALSE(d.trainable);
+      EXPECT_TRUE(d.keep_float32);
+    }
+  }
+  EXPECT_EQ(layer1, (std::vector<std::string>{
+                        "self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight",
+                        "self_attn.q_b_proj.weight", "self_attn.kv_a_proj_with_mqa.weight",
+                        "self_attn.kv_a_layernorm.weight", "self_attn.kv_b_proj.weight",
+                        "self_attn.o_proj.weight", "mlp.experts.gate_up_proj",
+                        "mlp.experts.down_proj", "mlp.gate.weight",
+                        "mlp.gate.e_score_correction_bias", "mlp.shared_experts.gate_proj.weight",
+                        "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight",
+                        "input_layernorm.weight", "post_attention_layernorm.weight"}));
 }
 
 TEST(Config, RejectsMalformedJson) {

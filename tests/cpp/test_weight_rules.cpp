@@ -55,6 +55,35 @@ TEST(WeightRules, TransposeIsUndoneOnSave) {
     EXPECT_TRUE(at::equal(t, disk.at(name)));
 }
 
+TEST(WeightRules, InterleavedPartsAlternateAndSplitBackOnSave) {
+  // GPT-OSS style: gate and up interleaved along the last dim (gate at even, up at odd columns).
+  WeightRule rule{"experts.gate_up", {"experts.{E}.gate", "experts.{E}.up"}, 2, std::nullopt};
+  rule.interleave = true;
+  std::map<std::string, at::Tensor> disk;
+  for (int e = 0; e < 2; ++e) {
+    disk["experts." + std::to_string(e) + ".gate"] = at::randn({3, 4});
+    disk["experts." + std::to_string(e) + ".up"] = at::randn({3, 4});
+  }
+  const at::Tensor fused =
+      gather_experts(rule, "", 2, [&](const std::string& n) { return disk.at(n); });
+  ASSERT_EQ(fused.sizes(), (std::vector<int64_t>{2, 3, 8}));
+  EXPECT_TRUE(at::equal(fused[1].slice(1, 0, 8, 2), disk.at("experts.1.gate")));
+  EXPECT_TRUE(at::equal(fused[1].slice(1, 1, 8, 2), disk.at("experts.1.up")));
+  const auto back = scatter_experts(rule, "", fused);
+  ASSERT_EQ(back.size(), disk.size());
+  for (const auto& [name, t] : back) EXPECT_TRUE(at::equal(t, disk.at(name))) << name;
+}
+
+TEST(WeightRules, RenamesApplyOneWayAndBack) {
+  const std::vector<RenameRule> rules{{".mlp.gate.", ".block_sparse_moe.gate."}};
+  EXPECT_EQ(to_disk_name(rules, "model.layers.2.mlp.gate.weight"),
+            "model.layers.2.block_sparse_moe.gate.weight");
+  EXPECT_EQ(to_memory_name(rules, "model.layers.2.block_sparse_moe.gate.weight"),
+            "model.layers.2.mlp.gate.weight");
+  EXPECT_EQ(to_disk_name(rules, "model.layers.2.self_attn.q_proj.weight"),
+            "model.layers.2.self_attn.q_proj.weight");
+}
+
 TEST(WeightRules, RejectsExpertsOfDifferentShapes) {
   std::map<std::string, at::Tensor> disk{
       {"mlp.experts.0.gate_proj.weight", at::zeros({5, 7})},

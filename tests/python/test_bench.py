@@ -34,7 +34,8 @@ def test_compare_hf_runs_both_sides_and_writes_every_field(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "compare_hf.py"), "--config", str(cfg), "--batch", "2",
          "--seq", "12", "--warmup", "0", "--steps", "1", "--dtype", "float32", "--impls", "eager",
-         "--fake-balanced-gate", "--out", str(out), "--record", str(doc), "--automoe", str(AUTOMOE_BIN)],
+         "--fake-balanced-gate", "--repeat", "2", "--out", str(out), "--record", str(doc),
+         "--automoe", str(AUTOMOE_BIN)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr

@@ -1,5 +1,5 @@
 // `automoe bench`: the AutoMoE side of the side-by-side benchmark (bench/compare_hf.py runs the
-// Transformers side). Builds a random Qwen3-MoE from a preset or config.json, runs warm-up then
+// Transformers side). Builds a random model from a preset or a native type's config.json, runs warm-up then
 // timed training steps (forward + loss, backward, AdamW) and reports times, tokens/s and peak
 // memory as JSON. `--peak` measures the machine's matmul throughput (large at::mm) instead.
 #include <ATen/ATen.h>
@@ -22,6 +22,7 @@
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/model/arch/registry.h"
 #include "automoe/model/config.h"
 #include "automoe/model/init.h"
 #include "automoe/train/flops.h"
@@ -39,7 +40,7 @@ using nlohmann::json;
 
 constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config FILE] [options]
   --preset NAME          cpu-small | cpu-medium | qwen3-30b-a3b-L{n}   (default cpu-small)
-  --config FILE          a Qwen3-MoE config.json instead of a preset
+  --config FILE          a config.json instead of a preset (qwen3_moe, deepseek_v3, glm4_moe)
   --batch B --seq S      micro-batch and sequence length                (default 2 x 256)
   --warmup N --steps N   untimed and timed training steps               (default 1, 3)
   --dtype NAME           parameter and compute dtype                    (default bfloat16)
@@ -53,6 +54,7 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --json FILE            also write the result there
   --print-config         print the preset's config.json and FLOPs per token, run nothing
   --peak                 measure bf16 and fp32 matmul throughput (at::mm) on the device
+  --list-types           print the model types the engine implements, run nothing
 )";
 
 struct Options {
@@ -65,7 +67,7 @@ struct Options {
   std::string attn = "sdpa";
   std::string experts = "grouped";
   std::string loss = "fused_linear_ce";
-  bool fake_gate = false, print_config = false, peak = false;
+  bool fake_gate = false, print_config = false, peak = false, list_types = false;
   std::string json_out;
 };
 
@@ -122,6 +124,8 @@ Options parse(const Args& args) {
       o.print_config = true;
     else if (a == "--peak")
       o.peak = true;
+    else if (a == "--list-types")
+      o.list_types = true;
     else if (a == "-h" || a == "--help") {
       std::cout << kUsage;
       std::exit(0);
@@ -188,6 +192,10 @@ json measure_peak(const c10::Device& dev) {
 int bench(const Args& args) {
   const Options o = parse(args);
   const c10::Device dev(o.device == "cuda" ? c10::kCUDA : c10::kCPU);
+  if (o.list_types) {
+    emit({{"model_types", supported_model_types()}}, o.json_out);
+    return 0;
+  }
   if (o.peak) {
     emit({{"device", o.device},
           {"threads", at::get_num_threads()},

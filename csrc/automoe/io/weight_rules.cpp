@@ -16,6 +16,31 @@ ExpertsLayout layout_from_string(const std::string& name, const std::string& wha
   fail(what, ": unknown experts layout \"", name, "\" (expected \"fused\" or \"per-expert\")");
 }
 
+namespace {
+
+std::string replace_first(const std::vector<RenameRule>& rules, const std::string& name,
+                          bool to_disk) {
+  for (const auto& r : rules) {
+    const std::string& from = to_disk ? r.memory : r.disk;
+    const std::string& to = to_disk ? r.disk : r.memory;
+    const auto pos = name.find(from);
+    if (!from.empty() && pos != std::string::npos) {
+      return name.substr(0, pos) + to + name.substr(pos + from.size());
+    }
+  }
+  return name;
+}
+
+}  // namespace
+
+std::string to_disk_name(const std::vector<RenameRule>& rules, const std::string& memory_name) {
+  return replace_first(rules, memory_name, /*to_disk=*/true);
+}
+
+std::string to_memory_name(const std::vector<RenameRule>& rules, const std::string& disk_name) {
+  return replace_first(rules, disk_name, /*to_disk=*/false);
+}
+
 const WeightRule* find_rule(const std::vector<WeightRule>& rules, const std::string& memory_name,
                             std::string* prefix) {
   for (const auto& rule : rules) {
@@ -61,7 +86,11 @@ at::Tensor gather_experts(const WeightRule& rule, const std::string& prefix, int
                     " and ", p.sizes());
     }
   }
-  at::Tensor fused = parts.size() == 1 ? parts.front() : at::cat(parts, rule.concat_dim);
+  at::Tensor fused = parts.size() == 1 ? parts.front()
+                    : rule.interleave
+                        // [.., n, ..] with the parts innermost, then merged: p0[0], p1[0], p0[1], ...
+                        ? at::stack(parts, rule.concat_dim + 1).flatten(rule.concat_dim, rule.concat_dim + 1)
+                        : at::cat(parts, rule.concat_dim);
   if (rule.transpose) fused = fused.transpose(rule.transpose->first, rule.transpose->second);
   return fused.contiguous();
 }
@@ -77,7 +106,13 @@ std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule
     AUTOMOE_CHECK(t.size(rule.concat_dim) % n == 0, "tensor ", prefix, rule.memory_suffix, ": dim ",
                   rule.concat_dim, " of size ", t.size(rule.concat_dim), " does not split into ", n,
                   " equal parts");
-    parts = t.chunk(n, rule.concat_dim);
+    if (rule.interleave) {
+      parts.clear();
+      const int64_t len = t.size(rule.concat_dim) / n;
+      for (int64_t p = 0; p < n; ++p) parts.push_back(t.slice(rule.concat_dim, p, len * n, n));
+    } else {
+      parts = t.chunk(n, rule.concat_dim);
+    }
   }
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (int64_t p = 0; p < n; ++p) {

@@ -24,14 +24,27 @@ ExpertsLayout layout_from_string(const std::string& name, const std::string& wha
 
 // One in-memory [E, ...] parameter, matched by the suffix of its name, and its on-disk parts.
 //   load: part p = stack over experts e of disk tensor `prefix + parts[p]` ({E} -> e) along a new
-//         dim 0; parts are concatenated along `concat_dim`; then `transpose` swaps two dims.
-//   save: the exact reverse (transpose, split into equal parts, unbind experts).
+//         dim 0; parts are concatenated along `concat_dim` (or, with `interleave`, interleaved
+//         along it: element i of part p lands at i * parts + p, GPT-OSS's gate/up layout); then
+//         `transpose` swaps two dims.
+//   save: the exact reverse (transpose, split into equal parts or de-interleave, unbind experts).
 struct WeightRule {
   std::string memory_suffix;       // "mlp.experts.gate_up_proj"
   std::vector<std::string> parts;  // {"mlp.experts.{E}.gate_proj.weight", ".{E}.up_proj.weight"}
   int64_t concat_dim = 1;          // used only with several parts
   std::optional<std::pair<int64_t, int64_t>> transpose;
+  bool interleave = false;
 };
+
+// A tensor whose on-disk name differs from its in-memory one by a substring, e.g. Mixtral's
+// `.block_sparse_moe.gate.` on disk for `.mlp.gate.` in memory. The first rule whose `memory`
+// (or, reading back, `disk`) part occurs in a name applies, once.
+struct RenameRule {
+  std::string memory;
+  std::string disk;
+};
+std::string to_disk_name(const std::vector<RenameRule>& rules, const std::string& memory_name);
+std::string to_memory_name(const std::vector<RenameRule>& rules, const std::string& disk_name);
 
 // The rule whose memory_suffix ends `memory_name` (setting *prefix to what precedes it), or null.
 const WeightRule* find_rule(const std::vector<WeightRule>& rules, const std::string& memory_name,

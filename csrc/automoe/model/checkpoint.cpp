@@ -23,10 +23,12 @@ ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& 
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
     if (!rule) continue;
-    if (ckpt.contains(decl.name)) return ExpertsLayout::kFused;
-    if (ckpt.contains(disk_name(prefix, rule->parts.front(), 0))) return ExpertsLayout::kPerExpert;
-    fail(ckpt.dir(), ": missing tensor ", decl.name, " (fused layout) or ",
-         disk_name(prefix, rule->parts.front(), 0), " (per-expert layout)");
+    const std::string fused = to_disk_name(arch.renames, decl.name);
+    const std::string first = to_disk_name(arch.renames, disk_name(prefix, rule->parts.front(), 0));
+    if (ckpt.contains(fused)) return ExpertsLayout::kFused;
+    if (ckpt.contains(first)) return ExpertsLayout::kPerExpert;
+    fail(ckpt.dir(), ": missing tensor ", fused, " (fused layout) or ", first,
+         " (per-expert layout)");
   }
   return ExpertsLayout::kPerExpert;  // no MoE layer: both layouts are the same
 }
@@ -62,7 +64,8 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
   if (layout_out) *layout_out = layout;
   std::set<std::string> used;
-  auto get = [&](const std::string& name) {
+  auto get = [&](const std::string& memory_name) {  // through the architecture's renames
+    const std::string name = to_disk_name(arch.renames, memory_name);
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
@@ -131,9 +134,11 @@ NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
     const WeightRule* rule = find_rule(arch.per_expert_rules, name, &prefix);
     at::Tensor data = t.detach();
     if (rule && layout == ExpertsLayout::kPerExpert) {
-      for (auto& kv : scatter_experts(*rule, prefix, data)) out.push_back(std::move(kv));
+      for (auto& [part, t] : scatter_experts(*rule, prefix, data)) {
+        out.emplace_back(to_disk_name(arch.renames, part), std::move(t));
+      }
     } else {
-      out.emplace_back(name, data);
+      out.emplace_back(to_disk_name(arch.renames, name), data);
     }
   }
   return out;
@@ -141,8 +146,11 @@ NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
 
 NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spec,
                                const Architecture& arch) {
+  // Names as in memory (on-disk renames undone), in the given order.
+  NamedTensors renamed;
+  for (const auto& [name, t] : tensors) renamed.emplace_back(to_memory_name(arch.renames, name), t);
   std::map<std::string, at::Tensor> by_name;
-  for (const auto& [name, t] : tensors) by_name[name] = t;
+  for (const auto& [name, t] : renamed) by_name[name] = t;
   std::set<std::string> consumed;
   std::map<std::string, at::Tensor> gathered;  // first consumed disk name -> in-memory tensor
   std::map<std::string, std::string> gathered_name;
@@ -162,7 +170,7 @@ NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spe
     gathered_name[first] = decl.name;
   }
   NamedTensors out;
-  for (const auto& [name, t] : tensors) {
+  for (const auto& [name, t] : renamed) {
     if (gathered.count(name)) {
       out.emplace_back(gathered_name.at(name), gathered.at(name));
     } else if (!consumed.count(name)) {

@@ -53,7 +53,7 @@ ModelSpec parse_deepseek_v3(const ConfigReader& cfg) {
 
 Architecture deepseek_v3_architecture() {
   return Architecture{"deepseek_v3", "DeepseekV3ForCausalLM", &parse_deepseek_v3,
-                      qwen2_moe_expert_rules(), /*mtp_layers=*/true};
+                      qwen2_moe_expert_rules(), /*renames=*/{}, /*mtp_layers=*/true};
 }
 
 }  // namespace automoe

@@ -26,7 +26,7 @@ ModelSpec parse_glm4_moe(const ConfigReader& cfg) {
 
 Architecture glm4_moe_architecture() {
   return Architecture{"glm4_moe", "Glm4MoeForCausalLM", &parse_glm4_moe, qwen2_moe_expert_rules(),
-                      /*mtp_layers=*/true};
+                      /*renames=*/{}, /*mtp_layers=*/true};
 }
 
 }  // namespace automoe

@@ -60,7 +60,7 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
 
 Architecture qwen3_moe_architecture() {
   return Architecture{"qwen3_moe", "Qwen3MoeForCausalLM", &parse_qwen3_moe,
-                      qwen2_moe_expert_rules(), /*mtp_layers=*/false};
+                      qwen2_moe_expert_rules(), /*renames=*/{}, /*mtp_layers=*/false};
 }
 
 }  // namespace automoe

@@ -18,6 +18,8 @@ struct Architecture {
   ModelSpec (*parse)(const ConfigReader& cfg);  // throws automoe::Error on unsupported values
   // Rules between the fused in-memory experts and the per-expert on-disk layout.
   std::vector<WeightRule> per_expert_rules;
+  // Tensors stored under another name than Transformers' in-memory one (both layouts).
+  std::vector<RenameRule> renames;
   // Checkpoints may hold multi-token-prediction layers past num_hidden_layers (DeepSeek-V3's
   // layer 61): skipped on load with one message, as Transformers ignores them.
   bool mtp_layers = false;
