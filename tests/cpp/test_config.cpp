@@ -198,6 +198,53 @@ TEST(Config, DeepSeekV3ReadsLatentAttentionYarnAndGroupRouting) {
   EXPECT_EQ(moe_layers(s), (std::vector<bool>{false, true, true}));
 }
 
+TEST(Config, MissingAndNullKeysMeanWhatTheyMeanToTransformers) {
+  // Absent keys take DeepseekV3Config's defaults, not another type's.
+  auto j = deepseek_config();
+  for (const char* k : {"n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                        "q_lora_rank"})
+    j.erase(k);
+  j["n_routed_experts"] = 16;
+  j["num_hidden_layers"] = 4;
+  ModelSpec s = parse(j);
+  EXPECT_EQ(s.moe.n_group, 8);
+  EXPECT_EQ(s.moe.topk_group, 4);
+  EXPECT_DOUBLE_EQ(s.moe.routed_scaling_factor, 2.5);
+  EXPECT_EQ(moe_layers(s), (std::vector<bool>{false, false, false, true}));
+  EXPECT_EQ(s.attn.q_lora_rank, 1536);
+  EXPECT_EQ(s.num_mtp_layers, 1);
+  // null: a plain q_proj; `rope_interleave: null` and `norm_topk_prob: null` are false.
+  j = deepseek_config();
+  j["q_lora_rank"] = nullptr;
+  j["rope_interleave"] = nullptr;
+  j["norm_topk_prob"] = nullptr;
+  s = parse(j);
+  EXPECT_EQ(s.attn.q_lora_rank, 0);
+  EXPECT_FALSE(s.rope.interleaved);
+  EXPECT_FALSE(s.moe.norm_topk_prob);
+  // YaRN without original_max_position_embeddings: max_position_embeddings (4096 by default);
+  // a top-level value wins over the rope dict's; a missing factor is their ratio.
+  j = deepseek_config();
+  j["rope_parameters"].erase("original_max_position_embeddings");
+  EXPECT_EQ(parse(j).rope.original_max_position_embeddings, 4096);
+  j["rope_parameters"]["original_max_position_embeddings"] = 16;
+  j["original_max_position_embeddings"] = 32;
+  j["max_position_embeddings"] = 128;
+  j["rope_parameters"].erase("factor");
+  s = parse(j);
+  EXPECT_EQ(s.rope.original_max_position_embeddings, 32);
+  EXPECT_DOUBLE_EQ(s.rope.factor, 4.0);
+  // v4's rope_scaling replaces rope_parameters when both are there, as in Transformers.
+  j = deepseek_config();
+  j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+  EXPECT_EQ(parse(j).rope.type, RopeType::kLinear);
+  // GLM-4.5: rms_norm_eps defaults to Glm4MoeConfig's 1e-5.
+  auto g = base_config();
+  g["model_type"] = "glm4_moe";
+  g["n_routed_experts"] = 8;
+  EXPECT_DOUBLE_EQ(parse(g).rms_norm_eps, 1e-5);
+}
+
 TEST(Config, DeepSeekV3AndGlmRefuseWhatTheyCannotHonour) {
   auto j = deepseek_config();
   j["num_key_value_heads"] = 1;
@@ -214,10 +261,10 @@ TEST(Config, DeepSeekV3AndGlmRefuseWhatTheyCannotHonour) {
   expect_error(j, {"n_group", "groups of at least two experts"});
   j = deepseek_config();
   j["rope_parameters"]["partial_rotary_factor"] = 0.5;
-  expect_error(j, {"partial_rotary_factor", "whole heads"});
+  expect_error(j, {"rope_parameters.partial_rotary_factor", "whole heads"});
   j = deepseek_config();
-  j["rope_parameters"].erase("original_max_position_embeddings");
-  expect_error(j, {"original_max_position_embeddings"});
+  j["qk_rope_head_dim"] = 5;
+  expect_error(j, {"qk_rope_head_dim", "even"});
   j = deepseek_config();
   j["quantization_config"] = {{"quant_method", "fp8"}, {"weight_block_size", {128, 128}}};
   expect_error(j, {"quantization_config", "FP8", "bfloat16"});

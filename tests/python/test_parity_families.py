@@ -36,7 +36,9 @@ DEEPSEEK = {
         rope_parameters={**YARN, "mscale": 0.7, "mscale_all_dim": 1.0}),
     "groups4of2_top3_tied": dict(n_routed_experts=12, n_group=4, topk_group=2, num_experts_per_tok=3,
                                  tie_word_embeddings=True),
-    "half_split_rope_attention_bias": dict(rope_interleave=False, attention_bias=True),
+    # a large eps: the latent norms keep Transformers' 1e-6, the others take the config's
+    "half_split_rope_attention_bias_eps": dict(rope_interleave=False, attention_bias=True,
+                                               rms_norm_eps=0.05),
     "yarn_no_qlora_groups3of2": dict(q_lora_rank=None, n_routed_experts=6, n_group=3, topk_group=2,
                                      routed_scaling_factor=1.0, qk_rope_head_dim=6,
                                      rope_parameters={**YARN, "beta_fast": 16, "beta_slow": 2}),
@@ -49,7 +51,7 @@ GLM_BASE = dict(vocab_size=91, hidden_size=24, intermediate_size=40, moe_interme
                 partial_rotary_factor=0.5, max_position_embeddings=64)
 GLM = {
     "half_rotary_groups2of1_shared1_dense1": {},
-    "qk_norm_qkv_bias": dict(use_qk_norm=True, attention_bias=True),
+    "qk_norm_qkv_bias_eps": dict(use_qk_norm=True, attention_bias=True, rms_norm_eps=0.05),
     "full_rotary_no_groups_shared0_dense0_tied": dict(partial_rotary_factor=1.0, n_group=1,
                                                       topk_group=1, n_shared_experts=0,
                                                       first_k_dense_replace=0,
@@ -155,7 +157,7 @@ def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, n
 
 
 @pytest.mark.parametrize("family, name", [("deepseek_v3", "yarn_mscale_shared2_dense2_unnormed"),
-                                          ("glm4_moe", "qk_norm_qkv_bias")])
+                                          ("glm4_moe", "qk_norm_qkv_bias_eps")])
 def test_correction_bias_steers_the_choice_of_experts(family_checkpoint, family, name):
     """Zeroing the correction bias changes which experts run (so the bias is really read), and
     Transformers agrees on the result either way."""
@@ -229,3 +231,34 @@ def test_generate_and_a_transformers_cache_continue_as_in_transformers(family_ch
         ref = hf(input_ids=nxt, attention_mask=full, past_key_values=copy.deepcopy(past)).logits
         out = ours(input_ids=nxt, attention_mask=full, past_key_values=past).logits
     assert rel_err(out, ref) <= 1e-5
+
+
+def test_multi_token_prediction_layers_are_skipped_with_a_message_and_others_refused(
+        family_checkpoint, tmp_path, capfd):
+    """DeepSeek-V3's released checkpoints carry num_nextn_predict_layers extra layers after the
+    last one: skipped on load (one message), as Transformers ignores them. A tensor of any other
+    layer past the end is an error naming it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = family_checkpoint("deepseek_v3", "qlora_groups2of1_shared1_dense1", "fused")
+    path = shutil.copytree(src, tmp_path / "mtp")
+    weights = load_file(path / "model.safetensors")
+    n = 3  # num_hidden_layers: the MTP layer is model.layers.3
+    for name in [k for k in weights if k.startswith("model.layers.2.")]:
+        weights[name.replace("model.layers.2.", f"model.layers.{n}.")] = weights[name].clone()
+    weights["model.layers.3.eh_proj.weight"] = torch.zeros(20, 40)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    model = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert "multi-token-prediction layer(s) 3" in capfd.readouterr().err
+    ids, mask, labels = padded_batch(model.config.vocab_size)
+    from transformers import AutoModelForCausalLM as HFModel
+
+    ref = HFModel.from_pretrained(src)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(model(input_ids=ids, attention_mask=mask, labels=labels).loss, ref.loss) <= 1e-5
+
+    weights["model.layers.4.input_layernorm.weight"] = torch.ones(20)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(automoe.AutoMoEError, match=r"model\.layers\.4\.input_layernorm\.weight"):
+        automoe.AutoModelForCausalLM.from_pretrained(path)

@@ -28,6 +28,15 @@ void ConfigReader::fail_key(const std::string& key, const std::string& expected)
 
 bool ConfigReader::has(const std::string& key) const { return find(key) != nullptr; }
 
+bool ConfigReader::is_null(const std::string& key) const {
+  auto it = node_->find(key);
+  return it != node_->end() && it->is_null();
+}
+
+bool ConfigReader::get_flag(const std::string& key, bool fallback) const {
+  return is_null(key) ? false : get_bool(key, fallback);
+}
+
 int64_t ConfigReader::get_int(const std::string& key) const {
   const json* v = find(key);
   if (!v || !v->is_number_integer()) fail_key(key, "an integer");

@@ -20,11 +20,14 @@ class ConfigReader {
 
   const std::string& path() const { return path_; }
   bool has(const std::string& key) const;  // present and not null
+  bool is_null(const std::string& key) const;  // present with the value null
   int64_t get_int(const std::string& key) const;
   int64_t get_int(const std::string& key, int64_t fallback) const;
   double get_double(const std::string& key) const;
   double get_double(const std::string& key, double fallback) const;
   bool get_bool(const std::string& key, bool fallback) const;
+  // A `bool | None` setting Transformers tests for truthiness: absent -> fallback, null -> false.
+  bool get_flag(const std::string& key, bool fallback) const;
   std::string get_string(const std::string& key) const;
   std::string get_string(const std::string& key, const std::string& fallback) const;
   std::vector<int64_t> get_int_list(const std::string& key) const;  // missing/null -> {}

@@ -103,7 +103,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   for (const auto& name : ckpt.names()) {
     if (used.count(name) || ignorable_extra(name, spec)) continue;
     const int64_t layer = layer_of(name);
-    if (arch.mtp_layers && layer >= spec.num_layers) {
+    if (layer >= spec.num_layers && layer < spec.num_layers + spec.num_mtp_layers) {
       mtp_layers.insert(layer);
       ++mtp_tensors;
       continue;
@@ -114,8 +114,8 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     std::string list;
     for (int64_t l : mtp_layers) list += (list.empty() ? "" : ", ") + std::to_string(l);
     log_info(ckpt.dir(), ": skipping ", mtp_tensors, " tensor(s) of multi-token-prediction layer(s) ",
-             list, " (past num_hidden_layers = ", spec.num_layers,
-             "; not used for training, as in Transformers, and not written on save)");
+             list, " (num_nextn_predict_layers after the ", spec.num_layers,
+             " decoder layers; not used for training, as in Transformers, and not written on save)");
   }
   if (!extra.empty()) {
     std::string list;

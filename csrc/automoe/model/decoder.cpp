@@ -293,14 +293,15 @@ at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
   const int64_t Dv = a.v_head_dim, R = a.kv_lora_rank;
   const at::Tensor q_flat =
       A.q >= 0 ? at::linear(x_BSH, p(A.q))
-               : at::linear(norm(at::linear(x_BSH, p(A.q_a), opt_param(params_, A.q_a_bias)),
-                                 A.q_a_norm),
+               : at::linear(ops_.rms_norm(at::linear(x_BSH, p(A.q_a), opt_param(params_, A.q_a_bias)),
+                                          p(A.q_a_norm), a.latent_norm_eps),
                             p(A.q_b));
   const at::Tensor q_BSND = q_flat.view({B, S, N, Dn + Dr});
   const at::Tensor compressed = at::linear(x_BSH, p(A.kv_a), opt_param(params_, A.kv_a_bias));
   // The compressed latent (normed) and the single rotary key head: what the KV cache holds, as
   // Transformers' cache does ([B, 1, S, R] and [B, 1, S, Dr]).
-  at::Tensor kv_B1SR = norm(compressed.narrow(2, 0, R), A.kv_a_norm).unsqueeze(1);
+  at::Tensor kv_B1SR =
+      ops_.rms_norm(compressed.narrow(2, 0, R), p(A.kv_a_norm), a.latent_norm_eps).unsqueeze(1);
   at::Tensor k_rot_BSND = rotate(compressed.narrow(2, R, Dr).unsqueeze(2), c);
   at::Tensor q_rot_BSND = rotate(q_BSND.narrow(3, Dn, Dr), c);
   if (spec_.rope.interleaved) {

@@ -48,6 +48,7 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tenso
     AUTOMOE_CHECK(
         k.size(0) == L.k.size(0) && k.size(1) == L.k.size(1) && k.size(3) == L.k.size(3) &&
             v.size(3) == L.v.size(3) && k.scalar_type() == L.k.scalar_type() &&
+            v.scalar_type() == L.v.scalar_type() &&
             k.device() == L.k.device(),
         "KVCache layer ", layer, ": cached keys are ", L.k.sizes(), " ", L.k.scalar_type(), " on ",
         L.k.device(), "; cannot append ", k.sizes(), " ", k.scalar_type(), " on ", k.device(),

@@ -27,6 +27,7 @@ struct RopeSpec {
   int64_t original_max_position_embeddings = 0;
   bool truncate = true;
   double attention_factor = 1.0;
+  double mscale_all_dim = 0.0;  // DeepSeek's softmax-scale correction for scaled RoPE (0: none)
 };
 
 enum class AttentionKind {
@@ -49,7 +50,11 @@ struct AttentionSpec {
   int64_t qk_rope_head_dim = 0;
   int64_t v_head_dim = 0;
   double softmax_scale = 0.0;  // 0: 1/sqrt(head_dim)
-  // Head dims of the cached keys and values (what the KV cache holds per head).
+  // MLA's q_a_layernorm / kv_a_layernorm epsilon (Transformers builds them with the RMSNorm
+  // default 1e-6, not the config's rms_norm_eps).
+  double latent_norm_eps = 1e-6;
+  // The per-head size of the attention values (what the attention core weighs; MLA caches its
+  // compressed latent instead, see Decoder::latent_attention).
   int64_t v_dim() const { return kind == AttentionKind::kMLA ? v_head_dim : head_dim; }
   // Size of each head's rotary part before partial rotary (RopeSpec::dim may be smaller).
   int64_t rope_head_dim() const { return kind == AttentionKind::kMLA ? qk_rope_head_dim : head_dim; }
@@ -105,6 +110,9 @@ struct ModelSpec {
   bool tie_word_embeddings = false;
   c10::ScalarType dtype = c10::kFloat;  // the checkpoint's dtype (config "dtype"/"torch_dtype")
   int64_t pad_token_id = -1;            // -1 when the config has none
+  // Multi-token-prediction layers a checkpoint may hold after the last layer (DeepSeek-V3's
+  // num_nextn_predict_layers): skipped on load, as Transformers ignores them.
+  int64_t num_mtp_layers = 0;
 
   bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
   int64_t num_moe_layers() const;

@@ -1,6 +1,8 @@
 #include "automoe/model/arch/common.h"
 
 #include <cmath>
+#include <nlohmann/json.hpp>
+#include <optional>
 
 #include "automoe/core/dtype.h"
 
@@ -29,12 +31,12 @@ void reject_unsupported(const ConfigReader& cfg) {
   if (act != "silu") cfg.fail_key("hidden_act", "\"silu\" (the only activation implemented)");
 }
 
-void parse_decoder_basics(const ConfigReader& cfg, ModelSpec* s) {
+void parse_decoder_basics(const ConfigReader& cfg, const Defaults& d, ModelSpec* s) {
   s->vocab_size = positive(cfg, "vocab_size");
   s->hidden_size = positive(cfg, "hidden_size");
   s->num_layers = positive(cfg, "num_hidden_layers");
-  s->max_position_embeddings = cfg.get_int("max_position_embeddings", 32768);
-  s->rms_norm_eps = cfg.get_double("rms_norm_eps", 1e-6);
+  s->max_position_embeddings = positive(cfg, "max_position_embeddings", d.max_position_embeddings);
+  s->rms_norm_eps = cfg.get_double("rms_norm_eps", d.rms_norm_eps);
   if (s->rms_norm_eps < 0) cfg.fail_key("rms_norm_eps", "a non-negative number");
   s->tie_word_embeddings = cfg.get_bool("tie_word_embeddings", false);
   s->pad_token_id = cfg.get_int("pad_token_id", -1);
@@ -65,32 +67,44 @@ double yarn_mscale(double factor, double m) {
 
 namespace {
 
-// The scaling part of a rope_parameters / rope_scaling object.
-void parse_rope_scaling(const ConfigReader& r, const ConfigReader& cfg, RopeSpec* rope) {
+// The scaling part of a rope_parameters / rope_scaling object `r`.
+void parse_rope_scaling(const ConfigReader& r, const ConfigReader& cfg,
+                        int64_t max_position_embeddings, RopeSpec* rope) {
   const std::string type = r.get_string("rope_type", r.get_string("type", "default"));
   if (type == "default") return;
   if (type != "linear" && type != "yarn") {
     r.fail_key("rope_type",
                "\"default\", \"linear\" or \"yarn\" (other RoPE scalings are not implemented)");
   }
-  rope->factor = r.get_double("factor");
-  if (rope->factor <= 0) r.fail_key("factor", "a positive number");
+  rope->mscale_all_dim = r.get_double("mscale_all_dim", 0.0);
   if (type == "linear") {
     rope->type = RopeType::kLinear;
+    rope->factor = r.get_double("factor");
+    if (rope->factor <= 0) r.fail_key("factor", "a positive number");
     return;
   }
   rope->type = RopeType::kYarn;
+  // standardize_rope_params: a top-level original_max_position_embeddings wins, then the rope
+  // dict's, then max_position_embeddings.
   rope->original_max_position_embeddings =
-      r.has("original_max_position_embeddings")
-          ? positive(r, "original_max_position_embeddings")
-          : positive(cfg, "original_max_position_embeddings");
-  if (r.has("beta_fast")) rope->beta_fast = r.get_double("beta_fast");
-  if (r.has("beta_slow")) rope->beta_slow = r.get_double("beta_slow");
+      cfg.has("original_max_position_embeddings")
+          ? positive(cfg, "original_max_position_embeddings")
+          : positive(r, "original_max_position_embeddings", max_position_embeddings);
+  // A missing factor is the context extension itself.
+  rope->factor = r.has("factor") ? r.get_double("factor")
+                                 : static_cast<double>(max_position_embeddings) /
+                                       static_cast<double>(rope->original_max_position_embeddings);
+  if (rope->factor <= 0) r.fail_key("factor", "a positive number");
+  // `beta_fast or 32`, `beta_slow or 1`: 0 and null take the default.
+  const double fast = r.get_double("beta_fast", 0.0), slow = r.get_double("beta_slow", 0.0);
+  rope->beta_fast = fast != 0 ? fast : 32.0;
+  rope->beta_slow = slow != 0 ? slow : 1.0;
   rope->truncate = r.get_bool("truncate", true);
   if (r.has("attention_factor")) {
     rope->attention_factor = r.get_double("attention_factor");
   } else {
-    const double mscale = r.get_double("mscale", 0.0), all = r.get_double("mscale_all_dim", 0.0);
+    const double mscale = r.get_double("mscale", 0.0);
+    const double all = rope->mscale_all_dim;
     rope->attention_factor = mscale != 0 && all != 0
                                  ? yarn_mscale(rope->factor, mscale) / yarn_mscale(rope->factor, all)
                                  : yarn_mscale(rope->factor, 1.0);
@@ -99,35 +113,43 @@ void parse_rope_scaling(const ConfigReader& r, const ConfigReader& cfg, RopeSpec
 
 }  // namespace
 
-RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, double partial_default) {
+RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, const std::string& rope_dim_key,
+                    double partial_default, int64_t max_position_embeddings) {
   RopeSpec rope;
   rope.theta = cfg.get_double("rope_theta", 10000.0);
   const bool partial_rotary = partial_default > 0;
-  double partial = cfg.get_double("partial_rotary_factor", partial_rotary ? partial_default : 1.0);
-  // Transformers v5 writes "rope_parameters"; v4 checkpoints have "rope_theta" + "rope_scaling".
-  if (cfg.has("rope_parameters")) {
-    const ConfigReader rp = cfg.child("rope_parameters");
+  // Where partial_rotary_factor came from (errors name that key).
+  std::optional<ConfigReader> partial_from;
+  if (cfg.has("partial_rotary_factor")) partial_from = cfg;
+  // Transformers v5 writes "rope_parameters"; v4 checkpoints have "rope_theta" + "rope_scaling",
+  // and a non-empty rope_scaling replaces rope_parameters (PreTrainedConfig's rope handling).
+  const bool v4 = cfg.has("rope_scaling") && !cfg.raw().at("rope_scaling").empty();
+  if (v4 || cfg.has("rope_parameters")) {
+    const ConfigReader rp = cfg.child(v4 ? "rope_scaling" : "rope_parameters");
     rope.theta = rp.get_double("rope_theta", rope.theta);
-    partial = rp.get_double("partial_rotary_factor", partial);
-    parse_rope_scaling(rp, cfg, &rope);
-  } else if (cfg.has("rope_scaling")) {
-    parse_rope_scaling(cfg.child("rope_scaling"), cfg, &rope);
+    if (rp.has("partial_rotary_factor")) partial_from = rp;
+    parse_rope_scaling(rp, cfg, max_position_embeddings, &rope);
   }
   if (rope.theta <= 0) cfg.fail_key("rope_theta", "a positive number");
-  if (!partial_rotary && partial != 1.0) {
-    cfg.fail_key("partial_rotary_factor", "1.0 (this model type rotates whole heads)");
+  const double partial = partial_from ? partial_from->get_double("partial_rotary_factor")
+                                      : (partial_rotary ? partial_default : 1.0);
+  if (partial_from && !partial_rotary && partial != 1.0) {
+    partial_from->fail_key("partial_rotary_factor", "1.0 (this model type rotates whole heads)");
   }
-  if (partial <= 0 || partial > 1) cfg.fail_key("partial_rotary_factor", "a number in (0, 1]");
+  if (partial_from && (partial <= 0 || partial > 1)) {
+    partial_from->fail_key("partial_rotary_factor", "a number in (0, 1]");
+  }
   rope.dim = static_cast<int64_t>(static_cast<double>(rope_head_dim) * partial);
   if (rope.dim <= 0 || rope.dim % 2 != 0) {
-    cfg.fail_key(partial == 1.0 ? "head_dim" : "partial_rotary_factor",
-                 "a rotary dimension that is even and positive (RoPE rotates pairs; got " +
-                     std::to_string(rope.dim) + ")");
+    const std::string why = "a rotary dimension that is even and positive (RoPE rotates pairs; got " +
+                            std::to_string(rope.dim) + ")";
+    if (partial_from && partial != 1.0) partial_from->fail_key("partial_rotary_factor", why);
+    cfg.fail_key(rope_dim_key, why);
   }
   return rope;
 }
 
-void parse_deepseek_moe(const ConfigReader& cfg, ModelSpec* s) {
+void parse_deepseek_moe(const ConfigReader& cfg, const Defaults& d, ModelSpec* s) {
   MoESpec& m = s->moe;
   const std::string experts_key = cfg.first_present({"n_routed_experts", "num_local_experts"});
   m.num_experts = positive(cfg, experts_key);
@@ -139,10 +161,10 @@ void parse_deepseek_moe(const ConfigReader& cfg, ModelSpec* s) {
   m.intermediate_size = positive(cfg, "moe_intermediate_size");
   m.score = RouterScore::kSigmoid;
   m.correction_bias = true;
-  m.norm_topk_prob = cfg.get_bool("norm_topk_prob", true);
-  m.routed_scaling_factor = cfg.get_double("routed_scaling_factor", 1.0);
-  m.n_group = positive(cfg, "n_group", 1);
-  m.topk_group = positive(cfg, "topk_group", 1);
+  m.norm_topk_prob = cfg.get_flag("norm_topk_prob", true);
+  m.routed_scaling_factor = cfg.get_double("routed_scaling_factor", d.routed_scaling_factor);
+  m.n_group = positive(cfg, "n_group", d.n_group);
+  m.topk_group = positive(cfg, "topk_group", d.topk_group);
   if (m.num_experts % m.n_group != 0) {
     cfg.fail_key("n_group", "a divisor of n_routed_experts (" + std::to_string(m.num_experts) + ")");
   }
@@ -162,12 +184,21 @@ void parse_deepseek_moe(const ConfigReader& cfg, ModelSpec* s) {
   m.aux_loss = false;  // Transformers trains these without a load-balancing loss
   m.router_aux_loss_coef = 0.0;
   m.output_router_logits = false;
-  const int64_t dense = cfg.get_int("first_k_dense_replace", 1);
+  const int64_t dense = cfg.get_int("first_k_dense_replace", d.first_k_dense_replace);
   if (dense < 0) cfg.fail_key("first_k_dense_replace", "a non-negative integer");
   std::vector<bool> is_moe(s->num_layers);
   for (int64_t l = 0; l < s->num_layers; ++l) is_moe[l] = l >= dense;
   s->set_moe_layers(is_moe);
   s->intermediate_size = positive(cfg, "intermediate_size");
+}
+
+int64_t parse_mtp_layers(const ConfigReader& cfg) {
+  const std::string key = cfg.has("num_mtp_layers") && !cfg.has("num_nextn_predict_layers")
+                              ? "num_mtp_layers"
+                              : "num_nextn_predict_layers";
+  const int64_t n = cfg.get_int(key, 1);
+  if (n < 0) cfg.fail_key(key, "a non-negative integer");
+  return n;
 }
 
 }  // namespace automoe::arch

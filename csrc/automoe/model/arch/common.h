@@ -19,19 +19,32 @@ int64_t positive(const ConfigReader& cfg, const std::string& key, int64_t fallba
 // activations other than SiLU are refused by name.
 void reject_unsupported(const ConfigReader& cfg);
 
+// The defaults of a type's Transformers config class for keys a config.json may omit: a missing key
+// must mean what it means to Transformers, or the two would run different models.
+struct Defaults {
+  int64_t max_position_embeddings = 32768;
+  double rms_norm_eps = 1e-6;
+  // DeepSeek-style MoE
+  int64_t n_group = 1, topk_group = 1, first_k_dense_replace = 1;
+  double routed_scaling_factor = 1.0;
+};
+
 // vocab_size, hidden_size, num_hidden_layers, max_position_embeddings, rms_norm_eps,
 // tie_word_embeddings, pad_token_id, dtype / torch_dtype.
-void parse_decoder_basics(const ConfigReader& cfg, ModelSpec* s);
+void parse_decoder_basics(const ConfigReader& cfg, const Defaults& d, ModelSpec* s);
 
 // num_attention_heads, num_key_value_heads (default `kv_default`, 0: = heads), head_dim (default
 // hidden_size / heads) for grouped-query attention.
 void parse_gqa(const ConfigReader& cfg, int64_t kv_default, ModelSpec* s);
 
-// rope_parameters (v5) or rope_theta + rope_scaling (v4): default, linear or YaRN, over a head's
-// rotary part of `rope_head_dim`, of which partial_rotary_factor (rope_parameters or top level)
-// rotates the first share. `partial_default`: the factor when the config has none; 0: this type
-// rotates whole heads (a factor other than 1 is refused).
-RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, double partial_default);
+// rope_parameters (v5) or rope_theta + rope_scaling (v4, which wins when both are there, as in
+// Transformers): default, linear or YaRN, over a head's rotary part of `rope_head_dim` (the config
+// key `rope_dim_key` sets it), of which partial_rotary_factor (rope dict or top level) rotates the
+// first share. `partial_default`: the factor when the config has none; 0: this type rotates whole
+// heads (a factor other than 1 is refused). YaRN's original_max_position_embeddings, factor and
+// betas default as Transformers' standardize_rope_params / _compute_yarn_parameters do.
+RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, const std::string& rope_dim_key,
+                    double partial_default, int64_t max_position_embeddings);
 
 // YaRN's mscale(factor, m) = 0.1 * m * ln(factor) + 1 (1 for factor <= 1).
 double yarn_mscale(double factor, double m);
@@ -39,6 +52,9 @@ double yarn_mscale(double factor, double m);
 // DeepSeek-V3-style MoE (also GLM-4.5): n_routed_experts, num_experts_per_tok,
 // moe_intermediate_size, sigmoid scores with e_score_correction_bias, n_group / topk_group,
 // norm_topk_prob, routed_scaling_factor, n_shared_experts; first_k_dense_replace dense layers.
-void parse_deepseek_moe(const ConfigReader& cfg, ModelSpec* s);
+void parse_deepseek_moe(const ConfigReader& cfg, const Defaults& d, ModelSpec* s);
+
+// num_nextn_predict_layers (DeepSeek's multi-token prediction; default 1 as in Transformers).
+int64_t parse_mtp_layers(const ConfigReader& cfg);
 
 }  // namespace automoe::arch

@@ -13,11 +13,12 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
   arch::reject_unsupported(cfg);
   ModelSpec s;
   s.model_type = "qwen3_moe";
-  arch::parse_decoder_basics(cfg, &s);
+  arch::parse_decoder_basics(cfg, arch::Defaults{}, &s);
   arch::parse_gqa(cfg, /*kv_default=*/4, &s);
   s.attn.qkv_bias = s.attn.o_bias = cfg.get_bool("attention_bias", false);
   s.attn.qk_norm = true;
-  s.rope = arch::parse_rope(cfg, s.attn.head_dim, /*partial_default=*/0);
+  s.rope = arch::parse_rope(cfg, s.attn.head_dim, "head_dim", /*partial_default=*/0,
+                           s.max_position_embeddings);
   int64_t window = 0;
   if (cfg.get_bool("use_sliding_window", false)) window = arch::positive(cfg, "sliding_window");
   s.intermediate_size = arch::positive(cfg, "intermediate_size");
@@ -60,7 +61,7 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
 
 Architecture qwen3_moe_architecture() {
   return Architecture{"qwen3_moe", "Qwen3MoeForCausalLM", &parse_qwen3_moe,
-                      qwen2_moe_expert_rules(), /*renames=*/{}, /*mtp_layers=*/false};
+                      qwen2_moe_expert_rules(), /*renames=*/{}};
 }
 
 }  // namespace automoe

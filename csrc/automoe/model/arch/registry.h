@@ -20,9 +20,6 @@ struct Architecture {
   std::vector<WeightRule> per_expert_rules;
   // Tensors stored under another name than Transformers' in-memory one (both layouts).
   std::vector<RenameRule> renames;
-  // Checkpoints may hold multi-token-prediction layers past num_hidden_layers (DeepSeek-V3's
-  // layer 61): skipped on load with one message, as Transformers ignores them.
-  bool mtp_layers = false;
 };
 
 // Qwen2-MoE's per-expert layout (`mlp.experts.{E}.gate_proj.weight`, ...), which Transformers
