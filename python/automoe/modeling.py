@@ -85,13 +85,13 @@ def _device(device_map: Any) -> torch.device | None:
     return torch.device(device_map)
 
 
-def _native_config(path: str, config, kwargs: dict):
+def _native_config(cls, path: str, config, kwargs: dict):
     """The checkpoint's config with from_pretrained's config overrides applied, as Transformers
-    applies them (keys of the config); other leftover arguments are a TypeError naming them."""
-    from transformers import AutoConfig
-
+    applies them (keys of the config); other leftover arguments are a TypeError naming them. Read
+    with the class's own config class, so that an alias (Kimi-K2's "kimi_k2") reads as the model
+    it is."""
     if config is None:
-        config, unused = AutoConfig.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+        config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
     else:
         config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
         unused = {}
@@ -161,7 +161,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                          "whose tensors do not match their config")
     warn_ignored("from_pretrained()", ignored)
     cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
-    config = _native_config(path, config, kwargs)
+    config = _native_config(cls, path, config, kwargs)
     chosen = dtype if dtype is not None else torch_dtype
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
                                 config_json=config.to_json_string(use_diff=False))

@@ -505,5 +505,6 @@ class Glm4MoeForCausalLM(EngineCausalLM, transformers.Glm4MoeForCausalLM):
 NATIVE_CLASSES: dict[str, type] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
+    "kimi_k2": DeepseekV3ForCausalLM,  # Kimi-K2's config.json names its remote code; it is DeepSeek-V3
     "glm4_moe": Glm4MoeForCausalLM,
 }

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import padded_batch, rel_err
+from conftest import autograd_node_names, padded_batch, rel_err
 
 import automoe
 
@@ -262,3 +262,48 @@ def test_multi_token_prediction_layers_are_skipped_with_a_message_and_others_ref
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(automoe.AutoMoEError, match=r"model\.layers\.4\.input_layernorm\.weight"):
         automoe.AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_a_kimi_k2_config_loads_as_deepseek_v3(family_checkpoint, tmp_path):
+    """Kimi-K2's config.json names model_type "kimi_k2" (its remote code); the model is
+    DeepSeek-V3's, and AutoMoE loads it as that without trust_remote_code."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM as HFModel
+
+    src = family_checkpoint("deepseek_v3", "groups4of2_top3_tied")
+    path = shutil.copytree(src, tmp_path / "kimi")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["model_type"] = "kimi_k2"
+    (path / "config.json").write_text(json.dumps(cfg))
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert type(ours).__name__ == "DeepseekV3ForCausalLM" and ours.automoe_path == "native"
+    ids, mask, labels = padded_batch(ours.config.vocab_size)
+    ref = HFModel.from_pretrained(src)(input_ids=ids, attention_mask=mask, labels=labels)
+    assert rel_err(ours(input_ids=ids, attention_mask=mask, labels=labels).loss, ref.loss) <= 1e-5
+
+
+@pytest.mark.parametrize("family, name", [("deepseek_v3", "yarn_mscale_shared2_dense2_unnormed"),
+                                          ("glm4_moe", "groups4of3_top3_gqa4_unnormed")])
+def test_activation_checkpointing_gives_transformers_gradients(family_checkpoint, family, name):
+    """Checkpointed layers (recomputed in the backward with the forward's routing) give
+    Transformers' gradients, latent attention and the correction bias included."""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = family_checkpoint(family, name)
+    hf = HFModel.from_pretrained(path)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, backend=FUSED)
+    for model in (hf, ours):
+        model.gradient_checkpointing_enable()
+        model.train()
+    ids, mask, labels = padded_batch(hf.config.vocab_size)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+    ref.loss.backward()
+    out.loss.backward()
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    assert any("CheckpointedLayerFn" in n for n in autograd_node_names(out.loss))
+    ref_params = dict(hf.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname

@@ -137,8 +137,9 @@ ComponentOps resolve(const BackendConfig& b) {
       return at::linear(ops::swiglu(at::linear(x, at::cat({g, u}, 0))), d);
     };
   } else {
+    // Transformers' separate gate and up projections, then the SwiGLU reference.
     o.mlp = [](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u, const at::Tensor& d) {
-      return at::linear(at::silu(at::linear(x, g)) * at::linear(x, u), d);
+      return at::linear(ops::swiglu_reference(at::cat({at::linear(x, g), at::linear(x, u)}, -1)), d);
     };
   }
   switch (b.experts) {

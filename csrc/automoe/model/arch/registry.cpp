@@ -8,8 +8,13 @@ namespace automoe {
 namespace {
 
 const std::vector<Architecture>& all() {
-  static const std::vector<Architecture> archs = {
-      qwen3_moe_architecture(), deepseek_v3_architecture(), glm4_moe_architecture()};
+  static const std::vector<Architecture> archs = [] {
+    // Kimi-K2's config.json says "kimi_k2" (for its remote code); the model is DeepSeek-V3's.
+    Architecture kimi_k2 = deepseek_v3_architecture();
+    kimi_k2.model_type = "kimi_k2";
+    return std::vector<Architecture>{qwen3_moe_architecture(), deepseek_v3_architecture(),
+                                     glm4_moe_architecture(), kimi_k2};
+  }();
   return archs;
 }
 
