@@ -79,6 +79,9 @@ def write_checkpoint(path: Path, config, layout: str, seed: int = 0, dtype=torch
                 p.normal_(0.0, 1.0)
             else:
                 p.normal_(0.0, 0.2)
+        for name, b in model.named_buffers():  # DeepSeek-style routers: a bias that steers the choice
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.3)
     model.save_pretrained(path, save_original_format=(layout == "per-expert"))
     return path
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import autograd_node_names, padded_batch, rel_err
+from conftest import autograd_node_names, padded_batch, rel_err, write_checkpoint
 
 import automoe
 
@@ -87,24 +87,8 @@ def family_checkpoint(tmp_path_factory):
     def make(family: str, name: str, layout: str = "per-expert"):
         key = (family, name, layout)
         if key not in cache:
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(7)
-            model = AutoModelForCausalLM.from_config(make_config(family, name), dtype=torch.float32)
-            with torch.no_grad():
-                for pname, p in model.named_parameters():
-                    if pname.endswith("norm.weight"):
-                        p.uniform_(0.5, 1.5)
-                    elif pname.endswith("mlp.gate.weight"):
-                        p.normal_(0.0, 1.0)
-                    else:
-                        p.normal_(0.0, 0.2)
-                for bname, b in model.named_buffers():
-                    if bname.endswith("e_score_correction_bias"):
-                        b.normal_(0.0, 0.3)
             path = tmp_path_factory.mktemp(f"{family}-{name}-{layout}")
-            model.save_pretrained(path, save_original_format=(layout == "per-expert"))
-            cache[key] = path
+            cache[key] = write_checkpoint(path, make_config(family, name), layout, seed=7)
         return cache[key]
 
     return make

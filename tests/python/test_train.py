@@ -185,6 +185,10 @@ def test_the_cache_is_reused_and_keyed_by_content_and_settings(tokenizer, model_
     ("data.train=/nonexistent.jsonl", "data.train: /nonexistent.jsonl: no such file"),
     ("model.path=/nonexistent", "model.path: /nonexistent is not a Hugging Face checkpoint"),
     ("bogus", "expected section.key=value"),
+    ("router.bias_update_rate=2", "router.bias_update_rate: expected a number in [0, 1]"),
+    # Qwen3-MoE's softmax routers have no correction bias to balance with
+    ("router.bias_update_rate=0.01", "router.bias_update_rate: qwen3_moe routers have no "
+                                     "e_score_correction_bias"),
 ])
 def test_recipe_errors_name_the_key(model_dir, tmp_path, override, message):
     proc = run_train(base_recipe(model_dir, tmp_path, "run"), tmp_path, override, check=False)

@@ -16,16 +16,30 @@ FAMILY_OVERRIDES = dict(hidden_size=32, intermediate_size=48, moe_intermediate_s
                         topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
-def family_dir(request, tmp_path_factory, tokenizer):
+_BUILT: dict = {}
+
+
+def tiny_family_checkpoint(family: str, tmp_path_factory, tokenizer):
     from automoe.demo import build_checkpoint
 
-    extra = (dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                  qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-             if request.param == "deepseek_v3" else
-             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8))
-    return request.param, build_checkpoint(tmp_path_factory.mktemp(request.param) / "tiny", tokenizer,
-                                           family=request.param, **FAMILY_OVERRIDES, **extra)
+    if family not in _BUILT:
+        extra = (dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
+                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+                 if family == "deepseek_v3" else
+                 dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+        _BUILT[family] = build_checkpoint(tmp_path_factory.mktemp(family) / "tiny", tokenizer,
+                                          family=family, **FAMILY_OVERRIDES, **extra)
+    return _BUILT[family]
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+def family_dir(request, tmp_path_factory, tokenizer):
+    return request.param, tiny_family_checkpoint(request.param, tmp_path_factory, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory, tokenizer):
+    return tiny_family_checkpoint("deepseek_v3", tmp_path_factory, tokenizer)
 
 
 def test_fine_tune_exports_a_checkpoint_transformers_loads_with_the_same_loss(family_dir, tmp_path):
@@ -66,10 +80,8 @@ def test_fine_tune_exports_a_checkpoint_transformers_loads_with_the_same_loss(fa
             assert torch.equal(after[k], before[k]), k
 
 
-def test_correction_bias_resumes_with_the_run(family_dir, tmp_path):
-    family, model_dir = family_dir
-    if family != "deepseek_v3":
-        pytest.skip("one family is enough")
+def test_correction_bias_resumes_with_the_run(deepseek_dir, tmp_path):
+    model_dir = deepseek_dir
     recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 4},
                          checkpoint={"every": 2}, router={"bias_update_rate": 0.01})
     run_train(recipe, tmp_path)

@@ -25,6 +25,7 @@
 #include "automoe/model/checkpoint.h"
 #include "automoe/io/safetensors.h"
 #include "automoe/train/dataset.h"
+#include "automoe/train/bias_balance.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
 #include "automoe/train/tensorboard.h"
@@ -382,17 +383,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     opt.init(masters, /*own_grads=*/compute != at::kFloat);
   }
-  // router.bias_update_rate: each MoE layer's correction bias, by MoE-layer position.
-  std::vector<at::Tensor> correction_biases;
-  if (rc.router.bias_update_rate > 0) {
-    for (const LayerSlots& L : pm.decoder->slots().layers) {
-      if (!L.moe) continue;
-      AUTOMOE_CHECK(L.experts.correction_bias >= 0, "router.bias_update_rate: ", spec.model_type,
-                    " routers have no e_score_correction_bias to update (the auxiliary-loss-free "
-                    "balancing of DeepSeek-V3 needs one); remove the key");
-      correction_biases.push_back(pm.decoder->named_parameters()[L.experts.correction_bias].second);
-    }
-  }
+  BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
   AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
                     spec.moe.aux_loss,
                 "model.router_aux_loss_coef: ", spec.model_type,
@@ -577,7 +568,6 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
-    std::vector<at::Tensor> step_counts;  // per MoE layer: token-slots per expert this step
     bool finite = true;
     for (const MicroBatch& mb : mbs) {
       if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;  // nothing to learn: not run
@@ -604,12 +594,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         for (const auto& c : r.expert_counts) win.expert_counts.push_back(at::zeros_like(c));
       }
       for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
-      if (!correction_biases.empty()) {
-        if (step_counts.empty()) {
-          for (const auto& c : r.expert_counts) step_counts.push_back(at::zeros_like(c));
-        }
-        for (size_t l = 0; l < r.expert_counts.size(); ++l) step_counts[l] += r.expert_counts[l];
-      }
+      bias_balance.add_counts(r.expert_counts);
       if (mixed) {  // move the bf16 gradients into the fp32 accumulators at once
         at::NoGradGuard no_grad;
         for (size_t i = 0; i < model_params.size(); ++i) {
@@ -671,14 +656,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
         }
         opt.update(rc.optimizer, lr);
-        if (!step_counts.empty()) {
-          // DeepSeek-V3's auxiliary-loss-free balancing: bias += rate * sign(mean load - load).
-          at::NoGradGuard no_grad;
-          for (size_t l = 0; l < correction_biases.size(); ++l) {
-            const at::Tensor load = step_counts[l].to(at::kFloat);
-            correction_biases[l].add_(at::sign(load.mean() - load), rc.router.bias_update_rate);
-          }
-        }
+        bias_balance.apply();
         if (mixed) {
           at::NoGradGuard no_grad;
           for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(opt.master[i]);
@@ -725,16 +703,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"step_time_s", win.seconds / static_cast<double>(win.steps)},
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
-      if (!correction_biases.empty()) {
-        // Per MoE layer: the spread of its correction bias (what the balancing has moved).
-        json biases = json::object();
-        for (size_t l = 0; l < correction_biases.size(); ++l) {
-          const at::Tensor b = correction_biases[l].cpu();
-          biases[std::to_string(moe_layers[l])] = {{"min", b.min().item<double>()},
-                                                   {"max", b.max().item<double>()}};
-        }
-        rec["router_bias"] = biases;
-      }
+      if (bias_balance.enabled()) rec["router_bias"] = bias_balance.report();
       emit(rec);
       progress.log(rec);
       win = Window{};
