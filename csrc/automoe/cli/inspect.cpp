@@ -43,6 +43,7 @@ int inspect(const Args& args) {
 
   int64_t total = 0, experts = 0;
   for (const auto& d : parameter_layout(s)) {
+    if (!d.trainable) continue;  // buffers (the routers' correction bias) are not parameters
     total += numel(d.shape);
     std::string prefix;
     if (find_rule(arch.per_expert_rules, d.name, &prefix)) experts += numel(d.shape);
