@@ -501,10 +501,37 @@ class Glm4MoeForCausalLM(EngineCausalLM, transformers.Glm4MoeForCausalLM):
     _automoe_backbone_class = Glm4MoeModel
 
 
+class MixtralModel(EngineBackbone, transformers.MixtralModel):
+    pass
+
+
+class MixtralForCausalLM(EngineCausalLM, transformers.MixtralForCausalLM):
+    _automoe_backbone_class = MixtralModel
+
+
+class Qwen2MoeModel(EngineBackbone, transformers.Qwen2MoeModel):
+    pass
+
+
+class Qwen2MoeForCausalLM(EngineCausalLM, transformers.Qwen2MoeForCausalLM):
+    _automoe_backbone_class = Qwen2MoeModel
+
+
+class OlmoeModel(EngineBackbone, transformers.OlmoeModel):
+    pass
+
+
+class OlmoeForCausalLM(EngineCausalLM, transformers.OlmoeForCausalLM):
+    _automoe_backbone_class = OlmoeModel
+
+
 # model_type -> the engine-backed causal-LM class
 NATIVE_CLASSES: dict[str, type] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
     "deepseek_v3": DeepseekV3ForCausalLM,
     "kimi_k2": DeepseekV3ForCausalLM,  # Kimi-K2's config.json names its remote code; it is DeepSeek-V3
     "glm4_moe": Glm4MoeForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": Qwen2MoeForCausalLM,
+    "olmoe": OlmoeForCausalLM,
 }

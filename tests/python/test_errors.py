@@ -29,16 +29,24 @@ def edit_config(path, **changes):
 def test_unknown_architecture_names_the_native_ones(checkpoint_factory, tmp_path):
     path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied"), tmp_path / "m")
     edit_config(path, model_type="no_such_moe")
-    with pytest.raises(AutoMoEError, match=r"neither AutoMoE's engine \(native: \['deepseek_v3', 'glm4_moe', 'kimi_k2', 'qwen3_moe'\]\) nor Transformers"):
+    with pytest.raises(AutoMoEError, match=r"neither AutoMoE's engine \(native: \['deepseek_v3', 'glm4_moe', 'kimi_k2', 'mixtral', 'olmoe', 'qwen2_moe', 'qwen3_moe'\]\) nor Transformers"):
         AutoModelForCausalLM.from_pretrained(path)
 
 
 def test_checkpoint_that_does_not_match_its_fallback_model_is_refused(checkpoint_factory, tmp_path):
-    """Qwen3-MoE weights under a Mixtral config: Transformers would initialise the missing weights at
-    random and warn; AutoMoE refuses and names them."""
+    """Qwen3-MoE weights under a GraniteMoE config: Transformers would initialise the missing
+    weights at random and warn; AutoMoE refuses and names them."""
     path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied"), tmp_path / "m")
-    edit_config(path, model_type="mixtral", num_local_experts=5)
-    with pytest.raises(AutoMoEError, match=r"does not match Transformers' MixtralForCausalLM.*missing keys"):
+    edit_config(path, model_type="granitemoe", num_local_experts=5)
+    with pytest.raises(AutoMoEError, match=r"does not match Transformers' GraniteMoeForCausalLM.*missing keys"):
+        AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_checkpoint_that_does_not_match_its_native_model_is_refused(checkpoint_factory, tmp_path):
+    """Qwen3-MoE weights under a Mixtral config: the engine names the tensors Mixtral lacks."""
+    path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied", "fused"), tmp_path / "m")
+    edit_config(path, model_type="mixtral", num_local_experts=5, intermediate_size=12)
+    with pytest.raises(AutoMoEError, match=r"tensor\(s\) that a mixtral model .* does not have: .*q_norm"):
         AutoModelForCausalLM.from_pretrained(path)
 
 

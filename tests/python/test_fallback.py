@@ -41,7 +41,7 @@ FAMILIES = {
 }
 OWN_EXPERTS = {"gpt_oss"}  # families whose experts AutoMoE's kernel does not cover
 # Families the engine runs natively take the fallback path when asked (force_transformers=True).
-NATIVE = {"deepseek_v3", "glm4_moe"}
+NATIVE = {"deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe"}
 
 
 def write_family_checkpoint(path, model_type: str):

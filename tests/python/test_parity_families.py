@@ -1,11 +1,14 @@
-"""DeepSeek-V3 and GLM-4.5 in AutoMoE match Transformers v5 on checkpoints Transformers wrote.
+"""DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE and OLMoE in AutoMoE match Transformers v5 on
+checkpoints Transformers wrote.
 
 float32, a batch with left and right padding, Transformers' default attention (sdpa) against ours and
 eager against eager: logits at every position and the loss to 1e-5 relative, every parameter's
 gradient to 1e-4, for configs of odd sizes that vary what changes the math (q LoRA or not, group
 routing on and off with topk_group < n_group, 0/1/2 shared experts, 0/1/2 dense first layers, YaRN,
-interleaved RoPE or not, partial rotary, q/k norms and attention biases, tied embeddings), in both
-on-disk expert layouts. Neither type has an aux loss in Transformers; neither has one here. The
+interleaved RoPE or not, partial rotary, q/k norms and attention biases, tied embeddings; for
+Mixtral, Qwen2-MoE and OLMoE: sliding windows, the shared expert and its gate, full-width q/k norms,
+clip_qkv, dense layers, top-1 to top-4), in both on-disk expert layouts. DeepSeek-V3 and GLM-4.5 have
+no aux loss in Transformers, and none here; the others' aux loss and router logits match. The
 routers' e_score_correction_bias (a float32 buffer) is randomised so that it steers the choice.
 """
 
@@ -64,7 +67,59 @@ GLM = {
     "quarter_rotary_head16": dict(head_dim=16, partial_rotary_factor=0.25, num_attention_heads=2),
 }
 
-FAMILIES = {"deepseek_v3": (DEEPSEEK_BASE, DEEPSEEK), "glm4_moe": (GLM_BASE, GLM)}
+MIXTRAL_BASE = dict(vocab_size=83, hidden_size=24, intermediate_size=12, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=5,
+                    num_experts_per_tok=2, max_position_embeddings=64, router_aux_loss_coef=0.02)
+MIXTRAL = {
+    "e5_top2_gqa2": {},
+    "e3_top1_mha_tied": dict(num_local_experts=3, num_experts_per_tok=1, num_key_value_heads=4,
+                             tie_word_embeddings=True, pad_token_id=0),
+    "sliding4_e7_top3": dict(sliding_window=4, num_local_experts=7, num_experts_per_tok=3,
+                             num_hidden_layers=3),
+    "e4_top4_head12": dict(num_local_experts=4, num_experts_per_tok=4, hidden_size=32, head_dim=12),
+    "linear_rope_gqa4": dict(num_key_value_heads=1,
+                             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    "yarn_rope_e6": dict(num_local_experts=6, rope_parameters=YARN),
+}
+
+QWEN2_BASE = dict(vocab_size=79, hidden_size=24, intermediate_size=40, moe_intermediate_size=12,
+                  shared_expert_intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=5, num_experts_per_tok=2,
+                  max_position_embeddings=64, router_aux_loss_coef=0.02)
+QWEN2 = {
+    "e5_top2_shared20": {},
+    "norm_top3_e6_mlp_only": dict(norm_topk_prob=True, num_experts=6, num_experts_per_tok=3,
+                                  num_hidden_layers=3, mlp_only_layers=[1]),
+    "sparse_step2_tied": dict(decoder_sparse_step=2, num_hidden_layers=4, tie_word_embeddings=True,
+                              pad_token_id=0),
+    "sliding4_layers": dict(use_sliding_window=True, sliding_window=4, max_window_layers=2,
+                            num_hidden_layers=3),
+    "no_qkv_bias_e9_shared8": dict(qkv_bias=False, num_experts=9, shared_expert_intermediate_size=8),
+    "gqa1_linear_rope": dict(num_key_value_heads=1,
+                             rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+}
+
+OLMOE_BASE = dict(vocab_size=73, hidden_size=24, intermediate_size=12, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_experts=5, num_experts_per_tok=2,
+                  max_position_embeddings=64, router_aux_loss_coef=0.02, pad_token_id=0,
+                  eos_token_id=2)
+OLMOE = {
+    "e5_top2_gqa2": {},
+    "clip_qkv_bias": dict(clip_qkv=0.5, attention_bias=True),
+    "norm_top3_e6_tied": dict(norm_topk_prob=True, num_experts=6, num_experts_per_tok=3,
+                              tie_word_embeddings=True),
+    "mha_e7_top1": dict(num_key_value_heads=4, num_experts=7, num_experts_per_tok=1,
+                        num_hidden_layers=3),
+    "gqa1_clip2": dict(num_key_value_heads=1, clip_qkv=2.0),
+    "linear_rope_e4_top4": dict(num_experts=4, num_experts_per_tok=4, hidden_size=32,
+                                rope_parameters={"rope_type": "linear", "factor": 2.0,
+                                                 "rope_theta": 500.0}),
+}
+
+FAMILIES = {"deepseek_v3": (DEEPSEEK_BASE, DEEPSEEK), "glm4_moe": (GLM_BASE, GLM),
+            "mixtral": (MIXTRAL_BASE, MIXTRAL), "qwen2_moe": (QWEN2_BASE, QWEN2),
+            "olmoe": (OLMOE_BASE, OLMOE)}
+AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe"}  # the types whose Transformers model has one
 CASES = [(family, name) for family, (_, configs) in FAMILIES.items() for name in sorted(configs)]
 
 TORCH = dict(experts="eager", rms_norm="torch", rope="torch", swiglu="torch", loss="torch")
@@ -73,11 +128,10 @@ FUSED = dict(experts="grouped", rms_norm="fused", rope="fused", swiglu="fused",
 
 
 def make_config(family: str, name: str):
-    from transformers import DeepseekV3Config, Glm4MoeConfig
+    from transformers import AutoConfig
 
     base, configs = FAMILIES[family]
-    cls = DeepseekV3Config if family == "deepseek_v3" else Glm4MoeConfig
-    return cls(**{**base, **configs[name]})
+    return AutoConfig.for_model(family, **{**base, **configs[name]})
 
 
 @pytest.fixture(scope="session")
@@ -94,14 +148,14 @@ def family_checkpoint(tmp_path_factory):
     return make
 
 
-def run_both(path, attn, backend):
+def run_both(path, attn, backend, **kwargs):
     from transformers import AutoModelForCausalLM as HFModel
 
     hf = HFModel.from_pretrained(path, attn_implementation=attn)
     ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, backend=backend)
     ids, mask, labels = padded_batch(hf.config.vocab_size)
-    ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
-    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels, **kwargs)
     ref.loss.backward()
     out.loss.backward()
     if out.logits is None:  # the fused loss returns no logits: read them from a label-free pass
@@ -117,12 +171,21 @@ def run_both(path, attn, backend):
 def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, name, layout, backend,
                                                     attn):
     path = family_checkpoint(family, name, layout)
-    hf, ours, ref, out = run_both(path, attn, TORCH if backend == "torch" else FUSED)
+    aux = family in AUX_LOSS
+    hf, ours, ref, out = run_both(path, attn, TORCH if backend == "torch" else FUSED,
+                                  **(dict(output_router_logits=True) if aux else {}))
     assert type(ours).__name__ == type(hf).__name__ and isinstance(ours, type(hf))
     assert ours.layout == layout
     assert rel_err(out.logits, ref.logits) <= 1e-5
     assert rel_err(out.loss, ref.loss) <= 1e-5
-    assert out.aux_loss is None and out.router_logits is None  # none in Transformers either
+    if aux:  # the loss above includes coef * aux
+        assert rel_err(out.aux_loss, ref.aux_loss) <= 1e-5
+        keep = padded_batch(hf.config.vocab_size)[1].bool()
+        assert len(out.router_logits) == len(ref.router_logits) == sum(ours.spec["layer_is_moe"])
+        for ours_rl, ref_rl in zip(out.router_logits, ref.router_logits):
+            assert rel_err(ours_rl.view(3, 9, -1)[keep], ref_rl.view(3, 9, -1)[keep]) <= 1e-5
+    else:
+        assert out.aux_loss is None and out.router_logits is None  # none in Transformers either
 
     ref_params = dict(hf.named_parameters())
     our_params = dict(ours.named_parameters())
@@ -135,7 +198,7 @@ def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, n
         assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
     ref_bufs = {n: b for n, b in hf.named_buffers() if n.endswith("e_score_correction_bias")}
     our_bufs = {n: b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")}
-    assert our_bufs.keys() == ref_bufs.keys() and ref_bufs
+    assert our_bufs.keys() == ref_bufs.keys() and (bool(ref_bufs) == (family not in AUX_LOSS))
     for bname, b in our_bufs.items():
         assert b.dtype == torch.float32 and torch.equal(b, ref_bufs[bname]), bname
 

@@ -23,7 +23,8 @@ ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& 
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
     if (!rule) continue;
-    const std::string fused = to_disk_name(arch.renames, decl.name);
+    // Renames belong to the original (per-expert) format; the fused one uses in-memory names.
+    const std::string fused = decl.name;
     const std::string first = to_disk_name(arch.renames, disk_name(prefix, rule->parts.front(), 0));
     if (ckpt.contains(fused)) return ExpertsLayout::kFused;
     if (ckpt.contains(first)) return ExpertsLayout::kPerExpert;
@@ -64,8 +65,13 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
   if (layout_out) *layout_out = layout;
   std::set<std::string> used;
-  auto get = [&](const std::string& memory_name) {  // through the architecture's renames
-    const std::string name = to_disk_name(arch.renames, memory_name);
+  // The original (per-expert) format renames tensors (Mixtral's block_sparse_moe); the fused
+  // one, like Transformers v5's save_original_format=False, keeps the in-memory names.
+  const std::vector<RenameRule> no_renames;
+  const std::vector<RenameRule>& renames =
+      layout == ExpertsLayout::kPerExpert ? arch.renames : no_renames;
+  auto get = [&](const std::string& memory_name) {
+    const std::string name = to_disk_name(renames, memory_name);
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
@@ -133,7 +139,9 @@ NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, name, &prefix);
     at::Tensor data = t.detach();
-    if (rule && layout == ExpertsLayout::kPerExpert) {
+    if (layout != ExpertsLayout::kPerExpert) {
+      out.emplace_back(name, data);  // the fused format keeps the in-memory names
+    } else if (rule) {
       for (auto& [part, t] : scatter_experts(*rule, prefix, data)) {
         out.emplace_back(to_disk_name(arch.renames, part), std::move(t));
       }

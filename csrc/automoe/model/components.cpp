@@ -43,8 +43,8 @@ AttentionSlots gqa(Declarer& d, const AttentionSpec& a, int64_t H, const std::st
   linear(d, pre + "v_proj", H, KV * D, a.qkv_bias, &s.v, &s.v_bias);
   linear(d, pre + "o_proj", N * D, H, a.o_bias, &s.o, &s.o_bias);
   if (a.qk_norm) {
-    s.q_norm = rms_norm(d, pre + "q_norm", D);
-    s.k_norm = rms_norm(d, pre + "k_norm", D);
+    s.q_norm = rms_norm(d, pre + "q_norm", a.qk_norm_full_width ? N * D : D);
+    s.k_norm = rms_norm(d, pre + "k_norm", a.qk_norm_full_width ? KV * D : D);
   }
   return s;
 }
@@ -88,7 +88,8 @@ MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
   s.router = d.add(pre + "gate.weight", {E, H});
   if (m.correction_bias) s.correction_bias = d.buffer(pre + "gate.e_score_correction_bias", {E}, Init::kZeros);
   if (m.shared_intermediate_size >= 0) {
-    s.shared = mlp(d, H, m.shared_intermediate_size, pre + "shared_experts.");
+    s.shared = mlp(d, H, m.shared_intermediate_size, pre + m.shared_name + ".");
+    if (m.shared_gate) linear(d, pre + m.shared_name + "_gate", H, 1, false, &s.shared_gate);
   }
   return s;
 }
@@ -152,7 +153,7 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
       const double share = static_cast<double>(s.moe.top_k) / static_cast<double>(s.moe.num_experts);
       total += matmul(L.experts.router) +
                share * (matmul(L.experts.gate_up) + matmul(L.experts.down)) +
-               mlp_flops(L.experts.shared);
+               mlp_flops(L.experts.shared) + matmul(L.experts.shared_gate);
     } else {
       total += mlp_flops(L.mlp);
     }

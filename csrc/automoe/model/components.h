@@ -47,6 +47,7 @@ struct MlpSlots {
 struct MoESlots {
   int64_t gate_up = -1, down = -1, router = -1, correction_bias = -1;
   MlpSlots shared;  // shared experts (absent: gate == -1)
+  int64_t shared_gate = -1;  // Qwen2-MoE's shared_expert_gate [1, H]
 };
 
 struct LayerSlots {

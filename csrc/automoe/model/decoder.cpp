@@ -266,13 +266,22 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   const int64_t B = x_BSH.size(0), S = x_BSH.size(1);
   const AttentionSpec& a = spec_.attn;
   const int64_t N = a.num_heads, KV = a.num_kv_heads, D = a.head_dim;
-  auto project = [&](int64_t w, int64_t b, int64_t heads) {
-    return at::linear(x_BSH, p(w), opt_param(params_, b)).view({B, S, heads, D});
-  };
-  at::Tensor q_BSND = project(A.q, A.q_bias, N);
-  at::Tensor k_BSND = project(A.k, A.k_bias, KV);
-  at::Tensor v_BNSD = project(A.v, A.v_bias, KV).transpose(1, 2);
-  if (a.qk_norm) {
+  at::Tensor q = at::linear(x_BSH, p(A.q), opt_param(params_, A.q_bias));
+  at::Tensor k = at::linear(x_BSH, p(A.k), opt_param(params_, A.k_bias));
+  at::Tensor v = at::linear(x_BSH, p(A.v), opt_param(params_, A.v_bias));
+  if (a.qk_norm && a.qk_norm_full_width) {  // OLMoE: over the whole projection
+    q = norm(q, A.q_norm);
+    k = norm(k, A.k_norm);
+  }
+  if (a.clip_qkv > 0) {  // OLMoE's clip_qkv
+    q = q.clamp(-a.clip_qkv, a.clip_qkv);
+    k = k.clamp(-a.clip_qkv, a.clip_qkv);
+    v = v.clamp(-a.clip_qkv, a.clip_qkv);
+  }
+  at::Tensor q_BSND = q.view({B, S, N, D});
+  at::Tensor k_BSND = k.view({B, S, KV, D});
+  at::Tensor v_BNSD = v.view({B, S, KV, D}).transpose(1, 2);
+  if (a.qk_norm && !a.qk_norm_full_width) {  // Qwen3, GLM-4.5: per head
     q_BSND = norm(q_BSND, A.q_norm);
     k_BSND = norm(k_BSND, A.k_norm);
   }
@@ -490,7 +499,9 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
     }
     y_TH = experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
     if (spec_.moe.shared_intermediate_size > 0) {
-      y_TH = y_TH + ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
+      at::Tensor shared = ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
+      if (M.shared_gate >= 0) shared = at::sigmoid(at::linear(x_TH, p(M.shared_gate))) * shared;
+      y_TH = y_TH + shared;
     }
     out.router_logits = routing.logits_TE;
     out.idx = routing.idx_TK;

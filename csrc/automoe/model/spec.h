@@ -42,7 +42,10 @@ struct AttentionSpec {
   int64_t head_dim = 0;      // GQA: q/k/v head size; MLA: qk_nope + qk_rope (the q/k head size)
   bool qkv_bias = false;     // GQA: biases on q/k/v; MLA: on q_a_proj and kv_a_proj_with_mqa
   bool o_bias = false;
-  bool qk_norm = false;  // GQA: per-head RMSNorm on q and k before RoPE (Qwen3, GLM-4.5 optional)
+  bool qk_norm = false;  // GQA: RMSNorm on q and k before RoPE (Qwen3, GLM-4.5 optional, OLMoE)
+  // true: over each projection's full width [N*D] (OLMoE); false: per head [D] (Qwen3, GLM-4.5).
+  bool qk_norm_full_width = false;
+  double clip_qkv = 0.0;  // > 0: q, k, v clamped to [-clip, clip] after the norms (OLMoE)
   // MLA shapes (Transformers' DeepseekV3Attention).
   int64_t q_lora_rank = 0;  // 0: a plain q_proj
   int64_t kv_lora_rank = 0;
@@ -81,6 +84,9 @@ struct MoESpec {
   // Shared experts beside the routed ones: an always-on MLP of this intermediate size
   // (moe_intermediate_size * n_shared_experts); -1: none. 0 is a module that adds nothing.
   int64_t shared_intermediate_size = -1;
+  std::string shared_name = "shared_experts";  // its module name (Qwen2-MoE: "shared_expert")
+  // Qwen2-MoE: the shared expert's output is scaled by sigmoid(shared_expert_gate(x)), [1, H].
+  bool shared_gate = false;
   // Whether Transformers computes the load-balancing loss for this type (forward(
   // output_router_logits=True)); DeepSeek-V3 and GLM-4.5 train without one.
   bool aux_loss = true;

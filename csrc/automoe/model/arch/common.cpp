@@ -1,5 +1,6 @@
 #include "automoe/model/arch/common.h"
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -114,9 +115,10 @@ void parse_rope_scaling(const ConfigReader& r, const ConfigReader& cfg,
 }  // namespace
 
 RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, const std::string& rope_dim_key,
-                    double partial_default, int64_t max_position_embeddings) {
+                    double partial_default, int64_t max_position_embeddings,
+                    double theta_default) {
   RopeSpec rope;
-  rope.theta = cfg.get_double("rope_theta", 10000.0);
+  rope.theta = cfg.get_double("rope_theta", theta_default);
   const bool partial_rotary = partial_default > 0;
   // Where partial_rotary_factor came from (errors name that key).
   std::optional<ConfigReader> partial_from;
@@ -199,6 +201,40 @@ int64_t parse_mtp_layers(const ConfigReader& cfg) {
   const int64_t n = cfg.get_int(key, 1);
   if (n < 0) cfg.fail_key(key, "a non-negative integer");
   return n;
+}
+
+void parse_softmax_moe(const ConfigReader& cfg, const std::string& experts_key,
+                       const std::string& intermediate_key, bool norm_default, double aux_default,
+                       ModelSpec* s) {
+  MoESpec& m = s->moe;
+  m.num_experts = cfg.get_int(experts_key);
+  if (m.num_experts < 0) cfg.fail_key(experts_key, "a non-negative integer");
+  const int64_t sparse_step = cfg.get_int("decoder_sparse_step", 1);
+  if (sparse_step < 1) cfg.fail_key("decoder_sparse_step", "an integer >= 1");
+  const std::vector<int64_t> mlp_only = cfg.get_int_list("mlp_only_layers");
+  for (int64_t l : mlp_only) {
+    if (l < 0 || l >= s->num_layers) {
+      cfg.fail_key("mlp_only_layers", "layer indices in [0, " + std::to_string(s->num_layers) + ")");
+    }
+  }
+  std::vector<bool> is_moe(s->num_layers);
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    const bool dense_listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
+    is_moe[l] = !dense_listed && m.num_experts > 0 && (l + 1) % sparse_step == 0;
+  }
+  s->set_moe_layers(is_moe);
+  if (s->num_moe_layers() > 0) {
+    m.top_k = cfg.get_int("num_experts_per_tok");
+    if (m.top_k < 1 || m.top_k > m.num_experts) {
+      cfg.fail_key("num_experts_per_tok",
+                   "an integer in [1, " + std::to_string(m.num_experts) + "] (the expert count)");
+    }
+    m.intermediate_size = positive(cfg, intermediate_key);
+  }
+  m.norm_topk_prob = cfg.get_flag("norm_topk_prob", norm_default);
+  m.router_aux_loss_coef = cfg.get_double("router_aux_loss_coef", aux_default);
+  m.output_router_logits = cfg.get_flag("output_router_logits", false);
+  m.score = RouterScore::kSoftmax;
 }
 
 }  // namespace automoe::arch

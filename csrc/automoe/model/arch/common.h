@@ -44,7 +44,16 @@ void parse_gqa(const ConfigReader& cfg, int64_t kv_default, ModelSpec* s);
 // heads (a factor other than 1 is refused). YaRN's original_max_position_embeddings, factor and
 // betas default as Transformers' standardize_rope_params / _compute_yarn_parameters do.
 RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, const std::string& rope_dim_key,
-                    double partial_default, int64_t max_position_embeddings);
+                    double partial_default, int64_t max_position_embeddings,
+                    double theta_default = 10000.0);
+
+// Qwen-style layer placement: MoE on layers not in mlp_only_layers, on the decoder_sparse_step
+// grid, when the expert count (read from `experts_key`) is positive; top-k, expert width (read from
+// `intermediate_key`), softmax router with norm_topk_prob (`norm_default`), aux coefficient
+// (`aux_default`).
+void parse_softmax_moe(const ConfigReader& cfg, const std::string& experts_key,
+                       const std::string& intermediate_key, bool norm_default, double aux_default,
+                       ModelSpec* s);
 
 // YaRN's mscale(factor, m) = 0.1 * m * ln(factor) + 1 (1 for factor <= 1).
 double yarn_mscale(double factor, double m);

@@ -1,8 +1,6 @@
 // Qwen3-MoE (model_type "qwen3_moe"): GQA attention with per-head q/k RMSNorm, softmax top-k
 // router with optional renormalisation, SwiGLU experts, dense MLP on `mlp_only_layers` and off the
 // `decoder_sparse_step` grid.
-#include <algorithm>
-
 #include "automoe/model/arch/common.h"
 #include "automoe/model/arch/registry.h"
 
@@ -23,37 +21,9 @@ ModelSpec parse_qwen3_moe(const ConfigReader& cfg) {
   if (cfg.get_bool("use_sliding_window", false)) window = arch::positive(cfg, "sliding_window");
   s.intermediate_size = arch::positive(cfg, "intermediate_size");
 
-  const std::string experts_key = cfg.first_present({"num_experts", "num_local_experts"});
-  MoESpec& m = s.moe;
-  m.num_experts = cfg.get_int(experts_key);
-  if (m.num_experts < 0) cfg.fail_key(experts_key, "a non-negative integer");
-  const int64_t sparse_step = cfg.get_int("decoder_sparse_step", 1);
-  if (sparse_step < 1) cfg.fail_key("decoder_sparse_step", "an integer >= 1");
-  const std::vector<int64_t> mlp_only = cfg.get_int_list("mlp_only_layers");
-  for (int64_t l : mlp_only) {
-    if (l < 0 || l >= s.num_layers) {
-      cfg.fail_key("mlp_only_layers", "layer indices in [0, " + std::to_string(s.num_layers) + ")");
-    }
-  }
-  std::vector<bool> is_moe(s.num_layers);
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    const bool dense_listed = std::find(mlp_only.begin(), mlp_only.end(), l) != mlp_only.end();
-    is_moe[l] = !dense_listed && m.num_experts > 0 && (l + 1) % sparse_step == 0;
-  }
-  s.set_moe_layers(is_moe);
+  arch::parse_softmax_moe(cfg, cfg.first_present({"num_experts", "num_local_experts"}),
+                          "moe_intermediate_size", /*norm_default=*/false, /*aux_default=*/0.001, &s);
   for (LayerSpec& l : s.layers) l.sliding_window = window;
-  if (s.num_moe_layers() > 0) {
-    m.top_k = cfg.get_int("num_experts_per_tok");
-    if (m.top_k < 1 || m.top_k > m.num_experts) {
-      cfg.fail_key("num_experts_per_tok",
-                   "an integer in [1, " + std::to_string(m.num_experts) + "] (the expert count)");
-    }
-    m.intermediate_size = arch::positive(cfg, "moe_intermediate_size");
-  }
-  m.norm_topk_prob = cfg.get_bool("norm_topk_prob", false);
-  m.router_aux_loss_coef = cfg.get_double("router_aux_loss_coef", 0.001);
-  m.output_router_logits = cfg.get_bool("output_router_logits", false);
-  m.score = RouterScore::kSoftmax;
   return s;
 }
 

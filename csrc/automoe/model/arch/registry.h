@@ -34,5 +34,8 @@ std::vector<std::string> supported_model_types();
 Architecture qwen3_moe_architecture();
 Architecture deepseek_v3_architecture();
 Architecture glm4_moe_architecture();
+Architecture mixtral_architecture();
+Architecture olmoe_architecture();
+Architecture qwen2_moe_architecture();
 
 }  // namespace automoe
