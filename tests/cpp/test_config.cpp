@@ -120,8 +120,16 @@ TEST(Config, SlidingWindowOnlyWhenEnabled) {
 
 TEST(Config, RejectsUnsupportedArchitectureNamingSupportedOnes) {
   auto j = base_config();
+  j["model_type"] = "gpt_oss";
+  expect_error(j, {"cfg.json", "gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "kimi_k2",
+                   "mixtral", "qwen2_moe", "olmoe"});
+}
+
+TEST(Config, MixtralRefusesRouterJitterNoise) {
+  auto j = base_config();
   j["model_type"] = "mixtral";
-  expect_error(j, {"cfg.json", "mixtral", "qwen3_moe"});
+  j["router_jitter_noise"] = 0.1;
+  expect_error(j, {"router_jitter_noise", "not implemented"});
 }
 
 TEST(Config, RejectsValuesTheEngineDoesNotImplement) {
