@@ -7,8 +7,8 @@
 3. Loads the export in Transformers and in AutoMoE, and shows that both give the same loss on a
    held-out batch (examples/data/chat_valid.jsonl), and how far it fell from the start.
 
-`python -m automoe.demo --model deepseek_v3` (or glm4_moe) does the same for a tiny DeepSeek-V3
-(GLM-4.5) with examples/deepseek_v3.yaml (glm4_moe.yaml).
+`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe) does the same
+for a tiny model of that family with examples/<model_type>.yaml.
 """
 
 from __future__ import annotations
@@ -67,6 +67,22 @@ FAMILY_DEMOS = {
         attention_bias=True, use_qk_norm=True, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
         topk_group=1, n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=1.0,
         max_position_embeddings=512), "glm4-moe-tiny-chat-v1", "glm4_moe.yaml"),
+    "mixtral": ("MixtralConfig", dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=128, max_position_embeddings=512, router_aux_loss_coef=0.01),
+        "mixtral-tiny-chat-v1", "mixtral.yaml"),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0],
+        max_position_embeddings=512, router_aux_loss_coef=0.01), "qwen2-moe-tiny-chat-v1",
+        "qwen2_moe.yaml"),
+    "olmoe": ("OlmoeConfig", dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0,
+        max_position_embeddings=512, router_aux_loss_coef=0.01), "olmoe-tiny-chat-v1",
+        "olmoe.yaml"),
 }
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -1,5 +1,6 @@
-"""`automoe train` fine-tunes a tiny DeepSeek-V3 and a tiny GLM-4.5 end to end: the export loads in
-Transformers with AutoMoE's loss, DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
+"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE and OLMoE end to end:
+the export loads in Transformers with AutoMoE's loss (in the original on-disk format: Mixtral's
+block_sparse_moe names included), DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
 correction bias (and only it: the optimizer never touches that buffer), and the bias survives a
 resume; a load-balancing coefficient these types do not have is refused by name."""
 
@@ -11,9 +12,21 @@ from test_train import base_recipe, load_tensors, metrics, run_train, tokenizer 
 
 from conftest import padded_batch, rel_err
 
-FAMILY_OVERRIDES = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                        num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
-                        topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
+_DEEPSEEK_MOE = dict(hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                     num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                     topk_group=1, first_k_dense_replace=1, max_position_embeddings=256)
+_SMALL = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              num_experts_per_tok=2, max_position_embeddings=256)
+SIZES = {
+    "deepseek_v3": dict(_DEEPSEEK_MOE, num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16,
+                        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8),
+    "glm4_moe": dict(_DEEPSEEK_MOE, num_attention_heads=4, num_key_value_heads=2, head_dim=8),
+    "mixtral": dict(_SMALL, intermediate_size=16, num_local_experts=4, head_dim=8),
+    "qwen2_moe": dict(_SMALL, intermediate_size=48, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16, num_experts=4, mlp_only_layers=[]),
+    "olmoe": dict(_SMALL, intermediate_size=16, num_experts=4),
+}
+AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe"}
 
 
 _BUILT: dict = {}
@@ -23,16 +36,12 @@ def tiny_family_checkpoint(family: str, tmp_path_factory, tokenizer):
     from automoe.demo import build_checkpoint
 
     if family not in _BUILT:
-        extra = (dict(num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16,
-                      qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
-                 if family == "deepseek_v3" else
-                 dict(num_attention_heads=4, num_key_value_heads=2, head_dim=8))
         _BUILT[family] = build_checkpoint(tmp_path_factory.mktemp(family) / "tiny", tokenizer,
-                                          family=family, **FAMILY_OVERRIDES, **extra)
+                                          family=family, **SIZES[family])
     return _BUILT[family]
 
 
-@pytest.fixture(scope="module", params=["deepseek_v3", "glm4_moe"])
+@pytest.fixture(scope="module", params=sorted(SIZES))
 def family_dir(request, tmp_path_factory, tokenizer):
     return request.param, tiny_family_checkpoint(request.param, tmp_path_factory, tokenizer)
 
@@ -64,10 +73,11 @@ def test_fine_tune_exports_a_checkpoint_transformers_loads_with_the_same_loss(fa
 
     steps = metrics(tmp_path / "run")
     assert sorted(steps) == [1, 2, 3]
+    assert (steps[3]["aux_loss"] > 0) if family in AUX_LOSS else steps[3]["aux_loss"] is None
     before = load_tensors(next(model_dir.glob("*.safetensors")))
     after = load_tensors(next(export.glob("*.safetensors")))
     bias = [k for k in after if k.endswith("e_score_correction_bias")]
-    assert bias and all(after[k].dtype == torch.float32 for k in bias)
+    assert bool(bias) == (family not in AUX_LOSS) and all(after[k].dtype == torch.float32 for k in bias)
     if rate:  # each step moves every expert's bias by exactly +-rate (or 0 at the mean load)
         assert set(steps[3]["router_bias"]) == {"1"}
         for k in bias:
@@ -94,8 +104,10 @@ def test_correction_bias_resumes_with_the_run(deepseek_dir, tmp_path):
         assert torch.equal(resumed[k], t), k
 
 
-def test_aux_loss_coefficient_is_refused_for_types_without_one(family_dir, tmp_path):
-    _, model_dir = family_dir
+@pytest.mark.parametrize("family", sorted(set(SIZES) - AUX_LOSS))
+def test_aux_loss_coefficient_is_refused_for_types_without_one(family, tmp_path, tmp_path_factory,
+                                                               tokenizer):
+    model_dir = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
     proc = run_train(base_recipe(model_dir, tmp_path, "run", model={"router_aux_loss_coef": 0.01}),
                      tmp_path, check=False)
     assert proc.returncode == 1 and "model.router_aux_loss_coef" in proc.stderr, proc.stderr
