@@ -104,8 +104,18 @@ def build_python_side(args, raw: dict):
         return automoe.AutoModelForCausalLM.from_config(config, dtype=dtype, backend=backend)
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa",
+    return AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                            attn_implementation=hf_attention(model_type),
                                             experts_implementation=args.impl)
+
+
+def hf_attention(model_type: str) -> str:
+    """sdpa where Transformers' model has it; eager otherwise (GPT-OSS: its attention sinks)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.for_model(model_type))]
+    return "sdpa" if cls._supports_sdpa else "eager"
 
 
 def run_python_side(args) -> dict:
@@ -160,7 +170,7 @@ def run_python_side(args) -> dict:
         report = getattr(model, "automoe_accelerated", {})
         impl = f"automoe drop-in ({report.get('experts')}; rms_norm {report.get('rms_norm')})"
     else:
-        impl = f"transformers {args.impl} (sdpa)"
+        impl = f"transformers {args.impl} ({hf_attention(raw['model_type'])})"
     out = dict(
         side=args.python_side, impl=impl, device=args.device,
         dtype=args.dtype, batch=args.batch, seq=args.seq, tokens_per_step=tokens,
@@ -384,7 +394,7 @@ def orchestrate(args) -> dict:
     else:
         runs = [dropin]
     for impl in args.impls.split(","):
-        runs.append(("transformers", f"transformers {impl} (sdpa)",
+        runs.append(("transformers", f"transformers {impl} ({hf_attention(raw['model_type']) if raw else 'sdpa'})",
                      [sys.executable, __file__, "--python-side", "transformers", "--config",
                       str(config_path), "--impl", impl, *common_flags(args)]))
     # --repeat N: the sides run N times in turn (so that a noisy neighbour hits them alike) and

@@ -7,7 +7,7 @@
 3. Loads the export in Transformers and in AutoMoE, and shows that both give the same loss on a
    held-out batch (examples/data/chat_valid.jsonl), and how far it fell from the start.
 
-`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe) does the same
+`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe, gpt_oss) does the same
 for a tiny model of that family with examples/<model_type>.yaml.
 """
 
@@ -83,6 +83,13 @@ FAMILY_DEMOS = {
         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, clip_qkv=8.0,
         max_position_embeddings=512, router_aux_loss_coef=0.01), "olmoe-tiny-chat-v1",
         "olmoe.yaml"),
+    "gpt_oss": ("GptOssConfig", dict(
+        hidden_size=64, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=64, max_position_embeddings=512, router_aux_loss_coef=0.01,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "rope_theta": 150000.0}), "gpt-oss-tiny-chat-v1", "gpt_oss.yaml"),
 }
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -106,14 +106,23 @@ def _native_config(cls, path: str, config, kwargs: dict):
     return config
 
 
-def _common_arguments(kwargs: dict, backend, attn_implementation, experts_implementation) -> BackendConfig:
-    """Transformers' attn_implementation / experts_implementation folded into a BackendConfig."""
+def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
+                      experts_implementation) -> BackendConfig:
+    """Transformers' attn_implementation / experts_implementation folded into a BackendConfig.
+    A class whose Transformers model has no sdpa (GPT-OSS, for its attention sinks) defaults to
+    eager, as in Transformers, and refuses sdpa."""
     cfg = BackendConfig.coerce(backend)
+    chosen_in_backend = isinstance(backend, BackendConfig) or (isinstance(backend, dict) and "attn" in backend)
     if attn_implementation is not None:
         if attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn_implementation!r}: the AutoMoE engine implements "
                              "'sdpa' and 'eager'")
         cfg.attn = attn_implementation
+    elif not chosen_in_backend and not getattr(cls, "_supports_sdpa", True):
+        cfg.attn = "eager"
+    if cfg.attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+        raise ValueError(f"attn_implementation='sdpa': {cls.__name__} has no sdpa attention (its "
+                         "attention sinks need 'eager'), in Transformers as in AutoMoE")
     if experts_implementation is not None:
         if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
             raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
@@ -160,7 +169,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
         raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
                          "whose tensors do not match their config")
     warn_ignored("from_pretrained()", ignored)
-    cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
+    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation)
     config = _native_config(cls, path, config, kwargs)
     chosen = dtype if dtype is not None else torch_dtype
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
@@ -184,7 +193,7 @@ def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=Non
     """from_config for an engine-backed class: fresh parameters, initialised as Transformers does
     (normal(0, initializer_range), ones for norms), drawn from torch's global generator's seed."""
     kwargs.pop("trust_remote_code", None)
-    cfg = _common_arguments(kwargs, backend, attn_implementation, experts_implementation)
+    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation)
     config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
     for key, value in list(kwargs.items()):
         if hasattr(config, key):

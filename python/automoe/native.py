@@ -525,6 +525,14 @@ class OlmoeForCausalLM(EngineCausalLM, transformers.OlmoeForCausalLM):
     _automoe_backbone_class = OlmoeModel
 
 
+class GptOssModel(EngineBackbone, transformers.GptOssModel):
+    pass
+
+
+class GptOssForCausalLM(EngineCausalLM, transformers.GptOssForCausalLM):
+    _automoe_backbone_class = GptOssModel
+
+
 # model_type -> the engine-backed causal-LM class
 NATIVE_CLASSES: dict[str, type] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -534,4 +542,5 @@ NATIVE_CLASSES: dict[str, type] = {
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
+    "gpt_oss": GptOssForCausalLM,
 }

@@ -120,9 +120,24 @@ TEST(Config, SlidingWindowOnlyWhenEnabled) {
 
 TEST(Config, RejectsUnsupportedArchitectureNamingSupportedOnes) {
   auto j = base_config();
+  j["model_type"] = "granitemoe";
+  expect_error(j, {"cfg.json", "granitemoe", "qwen3_moe", "deepseek_v3", "glm4_moe", "kimi_k2",
+                   "mixtral", "qwen2_moe", "olmoe", "gpt_oss"});
+}
+
+TEST(Config, GptOssRefusesMxfp4AndDefaultsToYarn) {
+  auto j = base_config();
   j["model_type"] = "gpt_oss";
-  expect_error(j, {"cfg.json", "gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe", "kimi_k2",
-                   "mixtral", "qwen2_moe", "olmoe"});
+  j.erase("rope_parameters");
+  const ModelSpec s = parse(j);  // GptOssConfig's RoPE: YaRN x32 over 4096, untruncated
+  EXPECT_EQ(s.rope.type, RopeType::kYarn);
+  EXPECT_DOUBLE_EQ(s.rope.factor, 32.0);
+  EXPECT_FALSE(s.rope.truncate);
+  EXPECT_DOUBLE_EQ(s.rope.theta, 150000.0);
+  EXPECT_TRUE(s.attn.sinks);
+  EXPECT_EQ(s.layers[0].sliding_window, 0);  // no sliding_window key: full attention
+  j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  expect_error(j, {"quantization_config", "bfloat16"});
 }
 
 TEST(Config, MixtralRefusesRouterJitterNoise) {

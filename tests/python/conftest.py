@@ -77,6 +77,8 @@ def write_checkpoint(path: Path, config, layout: str, seed: int = 0, dtype=torch
                 p.uniform_(0.5, 1.5)
             elif name.endswith("mlp.gate.weight"):
                 p.normal_(0.0, 1.0)
+            elif name.endswith("gate_up_proj_bias"):  # GPT-OSS: reach its SwiGLU's clamp at +-7
+                p.normal_(0.0, 4.0)
             else:
                 p.normal_(0.0, 0.2)
         for name, b in model.named_buffers():  # DeepSeek-style routers: a bias that steers the choice

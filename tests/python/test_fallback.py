@@ -41,7 +41,7 @@ FAMILIES = {
 }
 OWN_EXPERTS = {"gpt_oss"}  # families whose experts AutoMoE's kernel does not cover
 # Families the engine runs natively take the fallback path when asked (force_transformers=True).
-NATIVE = {"deepseek_v3", "glm4_moe", "mixtral", "olmoe", "qwen2_moe"}
+NATIVE = {"deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "olmoe", "qwen2_moe"}
 
 
 def write_family_checkpoint(path, model_type: str):
@@ -109,19 +109,21 @@ def test_fallback_rmsnorm_is_fused_only_where_the_module_is_standard(tmp_path):
     model = automoe.AutoModelForCausalLM.from_pretrained(path)
     assert model.automoe_accelerated["rms_norm"] == "Transformers'"
     path = write_family_checkpoint(tmp_path / "mixtral", "mixtral")
-    model = automoe.AutoModelForCausalLM.from_pretrained(path)
+    model = automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=True)
     assert model.automoe_accelerated["rms_norm"] == "AutoMoE fused (5 modules)"
     assert type(model.model.norm).__name__ == "MixtralRMSNorm"
 
 
 def test_fallback_backend_choices_and_refusals(tmp_path):
     path = write_family_checkpoint(tmp_path / "olmoe", "olmoe")
-    eager = automoe.AutoModelForCausalLM.from_pretrained(path, backend={"experts": "eager", "rms_norm": "torch"})
+    eager = automoe.AutoModelForCausalLM.from_pretrained(path, backend={"experts": "eager", "rms_norm": "torch"},
+                                                         force_transformers=True)
     assert eager.config._experts_implementation == "eager"
     assert eager.automoe_accelerated == {"experts": "Transformers' eager", "rms_norm": "Transformers'",
                                          "attention": "Transformers' sdpa", "loss": "Transformers'"}
     with pytest.raises(ValueError, match="loss='fused_linear_ce'.*Transformers' own"):
-        automoe.AutoModelForCausalLM.from_pretrained(path, backend={"loss": "fused_linear_ce"})
+        automoe.AutoModelForCausalLM.from_pretrained(path, backend={"loss": "fused_linear_ce"},
+                                                     force_transformers=True)
 
 
 def test_fallback_under_bf16_autocast_follows_transformers(tmp_path):
@@ -130,7 +132,8 @@ def test_fallback_under_bf16_autocast_follows_transformers(tmp_path):
     from transformers import AutoModelForCausalLM as HFModel
 
     path = write_family_checkpoint(tmp_path / "olmoe", "olmoe")
-    ours, ref = automoe.AutoModelForCausalLM.from_pretrained(path), HFModel.from_pretrained(path)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=True)
+    ref = HFModel.from_pretrained(path)
     ids = torch.randint(3, 61, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)

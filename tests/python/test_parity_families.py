@@ -116,10 +116,31 @@ OLMOE = {
                                                  "rope_theta": 500.0}),
 }
 
+GPT_OSS_BASE = dict(vocab_size=71, hidden_size=24, intermediate_size=12, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=5,
+                    num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+                    router_aux_loss_coef=0.02)
+GPT_OSS = {
+    "e5_top2_alternating_sliding4_default_yarn": {},
+    "all_full_attention_default_rope": dict(layer_types=["full_attention"] * 2,
+                                            rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 10000.0}),
+    "e7_top3_three_layers_window3": dict(num_local_experts=7, num_experts_per_tok=3,
+                                         num_hidden_layers=3, sliding_window=3),
+    "no_attention_bias_mha_tied": dict(attention_bias=False, num_key_value_heads=4,
+                                       tie_word_embeddings=True, pad_token_id=0),
+    "e4_top4_head12_gqa4": dict(num_local_experts=4, num_experts_per_tok=4, hidden_size=32,
+                                head_dim=12, num_key_value_heads=1),
+    "yarn_truncated_e6_top1": dict(num_local_experts=6, num_experts_per_tok=1,
+                                   rope_parameters={**YARN, "truncate": True}),
+}
+
 FAMILIES = {"deepseek_v3": (DEEPSEEK_BASE, DEEPSEEK), "glm4_moe": (GLM_BASE, GLM),
             "mixtral": (MIXTRAL_BASE, MIXTRAL), "qwen2_moe": (QWEN2_BASE, QWEN2),
-            "olmoe": (OLMOE_BASE, OLMOE)}
-AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe"}  # the types whose Transformers model has one
+            "olmoe": (OLMOE_BASE, OLMOE), "gpt_oss": (GPT_OSS_BASE, GPT_OSS)}
+AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe", "gpt_oss"}  # the types whose Transformers model has one
+# GPT-OSS: one on-disk layout (Transformers keeps its in-memory names) and no sdpa (its sinks).
+SINGLE_LAYOUT_EAGER_ONLY = {"gpt_oss"}
 CASES = [(family, name) for family, (_, configs) in FAMILIES.items() for name in sorted(configs)]
 
 TORCH = dict(experts="eager", rms_norm="torch", rope="torch", swiglu="torch", loss="torch")
@@ -164,10 +185,15 @@ def run_both(path, attn, backend, **kwargs):
     return hf, ours, ref, out
 
 
-@pytest.mark.parametrize("layout, backend, attn", [
-    ("per-expert", "torch", "sdpa"), ("fused", "torch", "eager"),
-    ("per-expert", "fused", "eager"), ("fused", "fused", "sdpa")])
-@pytest.mark.parametrize("family, name", CASES)
+COMBOS = [("per-expert", "torch", "sdpa"), ("fused", "torch", "eager"),
+          ("per-expert", "fused", "eager"), ("fused", "fused", "sdpa")]
+PARITY_CASES = [(family, name, *combo) for family, name in CASES for combo in COMBOS
+                if family not in SINGLE_LAYOUT_EAGER_ONLY] + \
+               [(family, name, "fused", backend, "eager") for family, name in CASES
+                for backend in ("torch", "fused") if family in SINGLE_LAYOUT_EAGER_ONLY]
+
+
+@pytest.mark.parametrize("family, name, layout, backend, attn", PARITY_CASES)
 def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, name, layout, backend,
                                                     attn):
     path = family_checkpoint(family, name, layout)
@@ -385,3 +411,13 @@ def test_bfloat16_training_tracks_transformers_for_twenty_steps(tmp_path, family
             opt.zero_grad()
             losses.append(loss.item())
         assert abs(losses[1] - losses[0]) <= 0.01 * abs(losses[0]), (step, losses)
+
+
+def test_gpt_oss_runs_eager_by_default_and_refuses_sdpa(family_checkpoint):
+    """GPT-OSS's attention sinks have no SDPA kernel: like Transformers, the drop-in defaults to
+    eager and refuses sdpa by name."""
+    path = family_checkpoint("gpt_oss", "e5_top2_alternating_sliding4_default_yarn", "fused")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    assert ours.config._attn_implementation == "eager" and ours.automoe_accelerated["attn"] == "eager"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'.*sinks"):
+        automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")

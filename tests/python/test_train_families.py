@@ -1,4 +1,5 @@
-"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE and OLMoE end to end:
+"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE, OLMoE and GPT-OSS end
+to end:
 the export loads in Transformers with AutoMoE's loss (in the original on-disk format: Mixtral's
 block_sparse_moe names included), DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
 correction bias (and only it: the optimizer never touches that buffer), and the bias survives a
@@ -25,8 +26,9 @@ SIZES = {
     "qwen2_moe": dict(_SMALL, intermediate_size=48, moe_intermediate_size=16,
                       shared_expert_intermediate_size=16, num_experts=4, mlp_only_layers=[]),
     "olmoe": dict(_SMALL, intermediate_size=16, num_experts=4),
+    "gpt_oss": dict(_SMALL, intermediate_size=16, num_local_experts=4, head_dim=8, sliding_window=8),
 }
-AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe"}
+AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
 
 
 _BUILT: dict = {}

@@ -45,7 +45,7 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --warmup N --steps N   untimed and timed training steps               (default 1, 3)
   --dtype NAME           parameter and compute dtype                    (default bfloat16)
   --device cpu|cuda      (default cpu)
-  --attn sdpa|eager      attention backend                              (default sdpa)
+  --attn sdpa|eager      attention backend        (default sdpa; eager for GPT-OSS's sinks)
   --experts NAME         experts backend: grouped | torch_mm | eager    (default grouped)
   --loss NAME            fused_linear_ce | torch                        (default fused_linear_ce,
                          as automoe train)
@@ -64,7 +64,7 @@ struct Options {
   uint64_t seed = 0;
   c10::ScalarType dtype = c10::kBFloat16;
   std::string device = "cpu";
-  std::string attn = "sdpa";
+  std::string attn;  // "" = sdpa, or eager where the model's attention has sinks
   std::string experts = "grouped";
   std::string loss = "fused_linear_ce";
   bool fake_gate = false, print_config = false, peak = false, list_types = false;
@@ -226,8 +226,9 @@ int bench(const Args& args) {
   }
 
   const int64_t rss_before = rss_now();
+  const std::string attn = !o.attn.empty() ? o.attn : spec.attn.sinks ? "eager" : "sdpa";
   BackendConfig backend =
-      BackendConfig::from_map({{"attn", o.attn}, {"experts", o.experts}, {"loss", o.loss}},
+      BackendConfig::from_map({{"attn", attn}, {"experts", o.experts}, {"loss", o.loss}},
                               "automoe bench");
   backend.fake_balanced_gate = o.fake_gate;
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
@@ -280,7 +281,7 @@ int bench(const Args& args) {
   const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
   json j = {
       {"side", "automoe"},
-      {"impl", "automoe (experts=" + o.experts + ", attn=" + o.attn + ", loss=" + o.loss + ")"},
+      {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss + ")"},
       {"device", o.device},
       {"dtype", dtype_to_name(o.dtype)},
       {"batch", o.batch},

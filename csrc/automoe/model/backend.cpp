@@ -89,12 +89,22 @@ at::Tensor repeat_kv(const at::Tensor& x, int64_t groups) {
 
 // Transformers' eager_attention_forward: scores in the model dtype, softmax in float32.
 at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
-                           const std::optional<at::Tensor>& mask, bool /*is_causal*/,
-                           double scale) {
+                           const std::optional<at::Tensor>& mask, bool /*is_causal*/, double scale,
+                           const std::optional<at::Tensor>& sinks) {
   const int64_t groups = q.size(1) / k_in.size(1);
   const at::Tensor k = repeat_kv(k_in, groups), v = repeat_kv(v_in, groups);
   at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
   if (mask) scores = scores + *mask;
+  if (sinks) {
+    // GPT-OSS (Transformers' eager_attention_forward there): the sink joins the softmax, which
+    // runs in the scores' dtype after subtracting the row max, and is dropped afterwards.
+    const int64_t B = q.size(0), N = q.size(1), S = q.size(2);
+    const at::Tensor sink = sinks->to(scores.scalar_type()).view({1, N, 1, 1}).expand({B, N, S, 1});
+    at::Tensor logits = at::cat({scores, sink}, -1);
+    logits = logits - std::get<0>(logits.max(-1, /*keepdim=*/true));
+    const at::Tensor probs = at::softmax(logits, -1).narrow(-1, 0, scores.size(-1));
+    return at::matmul(probs.to(v.scalar_type()), v);
+  }
   const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
   return at::matmul(probs, v);
 }
@@ -102,7 +112,10 @@ at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k_in, const at
 // Transformers' sdpa_attention_forward: grouped-query attention inside SDPA when there is no mask,
 // key/value heads repeated otherwise.
 at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k_in, const at::Tensor& v_in,
-                          const std::optional<at::Tensor>& mask, bool is_causal, double scale) {
+                          const std::optional<at::Tensor>& mask, bool is_causal, double scale,
+                          const std::optional<at::Tensor>& sinks) {
+  AUTOMOE_CHECK(!sinks, "backend attn=sdpa: attention sinks (GPT-OSS) are not supported by SDPA "
+                        "(Transformers has no sdpa for GPT-OSS either); use attn=eager");
   const int64_t groups = q.size(1) / k_in.size(1);
   const bool gqa_in_sdpa = !mask && q.size(3) <= 256;
   const at::Tensor k = gqa_in_sdpa ? k_in : repeat_kv(k_in, groups);
@@ -152,6 +165,16 @@ ComponentOps resolve(const BackendConfig& b) {
     case ExpertsBackend::kGrouped:
       o.experts = b.fused_swiglu ? &moe::experts_grouped : &moe::experts_grouped_reference_swiglu;
       break;
+  }
+  if (b.experts == ExpertsBackend::kEager) {
+    o.gpt_oss_experts = &moe::experts_gpt_oss_eager;
+  } else {
+    const bool fused = b.fused_swiglu;
+    o.gpt_oss_experts = [fused](const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
+                                const at::Tensor& gu, const at::Tensor& gub, const at::Tensor& d,
+                                const at::Tensor& db) {
+      return moe::experts_gpt_oss_grouped(x, idx, w, gu, gub, d, db, fused);
+    };
   }
   // The eager experts keep Transformers' semantics end to end, the router's reference included.
   o.router_fused = b.experts != ExpertsBackend::kEager;

@@ -56,6 +56,12 @@ struct ComponentOps {
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up,
                            const at::Tensor& w_down)>
       experts;
+  // GPT-OSS's experts (moe/experts.h): transposed, interleaved, with biases.
+  std::function<at::Tensor(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                           const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
+                           const at::Tensor& b_gate_up, const at::Tensor& w_down_EIH,
+                           const at::Tensor& b_down)>
+      gpt_oss_experts;
   // Scores, top-k and combine weights from float32 router logits (ops::router / _reference).
   std::function<ops::RouterResult(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
                                   const ops::RouterParams& p)>
@@ -63,8 +69,10 @@ struct ComponentOps {
   bool router_fused = false;  // whether `router` is the fused op (deterministic: re-run to recompute)
   // Attention core over [B, N, S, D] queries and [B, N_kv, S_kv, D] keys / values (N_kv divides N):
   // sdpa (a bool mask or is_causal) or eager (an additive mask), as Transformers' interfaces.
+  // `sinks` [N] (GPT-OSS): a per-head logit joining each query's softmax, then dropped (eager only).
   std::function<at::Tensor(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                           const std::optional<at::Tensor>& mask, bool is_causal, double scale)>
+                           const std::optional<at::Tensor>& mask, bool is_causal, double scale,
+                           const std::optional<at::Tensor>& sinks)>
       attention;
   bool eager_attention = false;  // masks are additive (eager) rather than bool (sdpa)
   // true: the LM head and the loss run fused (ops::linear_cross_entropy) and no logits are formed.

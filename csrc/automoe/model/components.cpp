@@ -46,6 +46,7 @@ AttentionSlots gqa(Declarer& d, const AttentionSpec& a, int64_t H, const std::st
     s.q_norm = rms_norm(d, pre + "q_norm", a.qk_norm_full_width ? N * D : D);
     s.k_norm = rms_norm(d, pre + "k_norm", a.qk_norm_full_width ? KV * D : D);
   }
+  if (a.sinks) s.sinks = d.add(pre + "sinks", {N});
   return s;
 }
 
@@ -83,6 +84,14 @@ MlpSlots mlp(Declarer& d, int64_t H, int64_t I, const std::string& pre) {
 MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
   MoESlots s;
   const int64_t E = m.num_experts, I = m.intermediate_size;
+  if (m.gpt_oss) {  // Transformers' GptOssMLP: router, then experts stored transposed with biases
+    linear(d, pre + "router", H, E, true, &s.router, &s.router_bias);
+    s.gate_up = d.add(pre + "experts.gate_up_proj", {E, H, 2 * I});
+    s.gate_up_bias = d.add(pre + "experts.gate_up_proj_bias", {E, 2 * I}, Init::kZeros);
+    s.down = d.add(pre + "experts.down_proj", {E, I, H});
+    s.down_bias = d.add(pre + "experts.down_proj_bias", {E, H}, Init::kZeros);
+    return s;
+  }
   s.gate_up = d.add(pre + "experts.gate_up_proj", {E, 2 * I, H});
   s.down = d.add(pre + "experts.down_proj", {E, H, I});
   s.router = d.add(pre + "gate.weight", {E, H});

@@ -38,6 +38,7 @@ struct AttentionSlots {
   int64_t q_a = -1, q_a_bias = -1, q_a_norm = -1, q_b = -1, kv_a = -1, kv_a_bias = -1,
           kv_a_norm = -1, kv_b = -1;
   int64_t o = -1, o_bias = -1;
+  int64_t sinks = -1;  // GPT-OSS [N]
 };
 
 struct MlpSlots {
@@ -46,6 +47,7 @@ struct MlpSlots {
 
 struct MoESlots {
   int64_t gate_up = -1, down = -1, router = -1, correction_bias = -1;
+  int64_t router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS
   MlpSlots shared;  // shared experts (absent: gate == -1)
   int64_t shared_gate = -1;  // Qwen2-MoE's shared_expert_gate [1, H]
 };

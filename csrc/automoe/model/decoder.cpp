@@ -288,7 +288,8 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   const at::Tensor q_BNSD = rotate(q_BSND, c).transpose(1, 2);
   at::Tensor k_BNSD = rotate(k_BSND, c).transpose(1, 2);
   if (c.cache) std::tie(k_BNSD, v_BNSD) = c.cache->append(layer, k_BNSD, v_BNSD);
-  const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_);
+  const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_,
+                                             opt_param(params_, A.sinks));
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
   return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
 }
@@ -331,7 +332,8 @@ at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
   const at::Tensor k_BNSD =
       at::cat({kv_BNSD.narrow(3, 0, Dn), k_rot_B1SD.expand({B, N, Skv, Dr})}, 3);
   const at::Tensor v_BNSD = kv_BNSD.narrow(3, Dn, Dv);
-  const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_);
+  const at::Tensor out_BNSD =
+      ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_, std::nullopt);
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * Dv});
   return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
 }
@@ -493,11 +495,15 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
       routing = moe::route_round_robin(x_TH, p(M.router), spec_.moe.top_k);
     } else if (fixed_idx) {
       routing = moe::route_given(x_TH, p(M.router), bias, router_, *fixed_idx, ops_.router,
-                                 ops_.router_fused);
+                                 ops_.router_fused, opt_param(params_, M.router_bias));
     } else {
-      routing = moe::route(x_TH, p(M.router), bias, router_, ops_.router);
+      routing = moe::route(x_TH, p(M.router), bias, router_, ops_.router,
+                           opt_param(params_, M.router_bias));
     }
-    y_TH = experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
+    y_TH = spec_.moe.gpt_oss
+               ? ops_.gpt_oss_experts(x_TH, routing.idx_TK, routing.weights_TK, p(M.gate_up),
+                                      p(M.gate_up_bias), p(M.down), p(M.down_bias))
+               : experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
     if (spec_.moe.shared_intermediate_size > 0) {
       at::Tensor shared = ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
       if (M.shared_gate >= 0) shared = at::sigmoid(at::linear(x_TH, p(M.shared_gate))) * shared;

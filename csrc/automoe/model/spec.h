@@ -46,6 +46,8 @@ struct AttentionSpec {
   // true: over each projection's full width [N*D] (OLMoE); false: per head [D] (Qwen3, GLM-4.5).
   bool qk_norm_full_width = false;
   double clip_qkv = 0.0;  // > 0: q, k, v clamped to [-clip, clip] after the norms (OLMoE)
+  // GPT-OSS: a learned logit per head that joins every query's softmax and is then dropped.
+  bool sinks = false;
   // MLA shapes (Transformers' DeepseekV3Attention).
   int64_t q_lora_rank = 0;  // 0: a plain q_proj
   int64_t kv_lora_rank = 0;
@@ -87,6 +89,10 @@ struct MoESpec {
   std::string shared_name = "shared_experts";  // its module name (Qwen2-MoE: "shared_expert")
   // Qwen2-MoE: the shared expert's output is scaled by sigmoid(shared_expert_gate(x)), [1, H].
   bool shared_gate = false;
+  // GPT-OSS: the router is `mlp.router` with a bias; the experts are stored transposed
+  // (`gate_up_proj` [E, H, 2I] with gate and up interleaved, `down_proj` [E, I, H]), carry biases,
+  // and use the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), clamped at 7).
+  bool gpt_oss = false;
   // Whether Transformers computes the load-balancing loss for this type (forward(
   // output_router_logits=True)); DeepSeek-V3 and GLM-4.5 train without one.
   bool aux_loss = true;

@@ -36,6 +36,20 @@ at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                             const at::Tensor& w_down_EHI);
 
+// GPT-OSS's experts (Transformers' GptOssExperts): weights stored transposed, w_gate_up [E, H, 2I]
+// with gate and up interleaved along the last dim, w_down [E, I, H], biases [E, 2I] and [E, H],
+// and the clamped SwiGLU (ops::SwigluParams::gpt_oss). The eager loop follows Transformers' order;
+// the grouped one runs the fused permute -> grouped GEMM (+ per-row expert bias) -> SwiGLU ->
+// grouped GEMM -> unpermute (`fused_swiglu` false: ATen's SwiGLU reference in between).
+at::Tensor experts_gpt_oss_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                                 const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
+                                 const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
+                                 const at::Tensor& b_down_EH);
+at::Tensor experts_gpt_oss_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                                   const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
+                                   const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
+                                   const at::Tensor& b_down_EH, bool fused_swiglu);
+
 // By BackendConfig name: "grouped", "torch_mm" or "eager".
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,

@@ -8,32 +8,36 @@ namespace automoe::moe {
 namespace {
 
 // Router logits in float32 whatever the model dtype, torch.autocast included.
-at::Tensor router_logits(const at::Tensor& x_TH, const at::Tensor& w_router_EH) {
+at::Tensor router_logits(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
+                         const std::optional<at::Tensor>& logit_bias_E = std::nullopt) {
   const AutocastGuard no_autocast(x_TH.device().type(), std::nullopt);
-  return at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat));
+  std::optional<at::Tensor> b;
+  if (logit_bias_E) b = logit_bias_E->to(at::kFloat);
+  return at::linear(x_TH.to(at::kFloat), w_router_EH.to(at::kFloat), b);
 }
 
 }  // namespace
 
 Routing route(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
               const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
-              const RouterOp& op) {
-  at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
+              const RouterOp& op, const std::optional<at::Tensor>& logit_bias_E) {
+  at::Tensor logits_TE = router_logits(x_TH, w_router_EH, logit_bias_E);
   const ops::RouterResult r = op(logits_TE, bias_E, p);
   return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), r.idx_TK};
 }
 
 Routing route_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                     const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
-                    const at::Tensor& idx_TK, const RouterOp& op, bool deterministic) {
+                    const at::Tensor& idx_TK, const RouterOp& op, bool deterministic,
+                    const std::optional<at::Tensor>& logit_bias_E) {
   if (deterministic) {
     // On the forward's inputs a deterministic router makes the forward's choice, and then its
     // weights (and backward) are the forward's bit for bit. Should the recomputed logits ever
     // differ in a last bit and flip a near-tie, fall back to the given experts.
-    Routing r = route(x_TH, w_router_EH, bias_E, p, op);
+    Routing r = route(x_TH, w_router_EH, bias_E, p, op, logit_bias_E);
     if (at::equal(r.idx_TK, idx_TK)) return r;
   }
-  at::Tensor logits_TE = router_logits(x_TH, w_router_EH);
+  at::Tensor logits_TE = router_logits(x_TH, w_router_EH, logit_bias_E);
   const ops::RouterResult r = ops::router_given(logits_TE, idx_TK, p);
   return {logits_TE, r.weights_TK.to(x_TH.scalar_type()), idx_TK};
 }

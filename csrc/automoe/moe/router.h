@@ -21,10 +21,11 @@ struct Routing {
 using RouterOp = std::function<ops::RouterResult(
     const at::Tensor&, const std::optional<at::Tensor>&, const ops::RouterParams&)>;
 
-// x [T, H], w_router [E, H], bias_E: the correction bias (selection only) or nullopt.
+// x [T, H], w_router [E, H], bias_E: the correction bias (selection only) or nullopt;
+// logit_bias_E: a bias of the router's linear layer (GPT-OSS), part of the logits.
 Routing route(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
               const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
-              const RouterOp& op);
+              const RouterOp& op, const std::optional<at::Tensor>& logit_bias_E = std::nullopt);
 
 // The same scores and combine weights for experts already chosen (idx_TK from an earlier call):
 // what a checkpointed layer's recompute uses, so that the backward never re-routes. A deterministic
@@ -32,7 +33,8 @@ Routing route(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
 // bit; otherwise the weights are gathered from the scores of the given experts.
 Routing route_given(const at::Tensor& x_TH, const at::Tensor& w_router_EH,
                     const std::optional<at::Tensor>& bias_E, const ops::RouterParams& p,
-                    const at::Tensor& idx_TK, const RouterOp& op, bool deterministic);
+                    const at::Tensor& idx_TK, const RouterOp& op, bool deterministic,
+                    const std::optional<at::Tensor>& logit_bias_E = std::nullopt);
 
 // Round-robin routing for benchmarks: idx[t, k] = (t*K + k) mod E, weights 1/K; the router logits
 // are still computed (and differentiable) so that the router's cost and gradient stay in the step.

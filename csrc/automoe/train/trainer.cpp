@@ -23,6 +23,7 @@
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
 #include "automoe/model/checkpoint.h"
+#include "automoe/model/config.h"
 #include "automoe/io/safetensors.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/bias_balance.h"
@@ -359,6 +360,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // Training never needs the [B, S, V] logits: the fused LM head + loss is the default here.
   auto backend_fields = rc.model.backend;
   backend_fields.emplace("loss", "fused_linear_ce");
+  // Attention sinks (GPT-OSS) have no SDPA kernel: eager unless the recipe chose (then an error).
+  if (load_config(rc.model.path).spec.attn.sinks) backend_fields.emplace("attn", "eager");
   PretrainedModel pm = load_pretrained(rc.model.path, std::nullopt,
                                        BackendConfig::from_map(backend_fields, "model.backend"));
   const ModelSpec& spec = pm.decoder->spec();

@@ -14,7 +14,8 @@ const std::vector<Architecture>& all() {
     kimi_k2.model_type = "kimi_k2";
     return std::vector<Architecture>{qwen3_moe_architecture(), deepseek_v3_architecture(),
                                      glm4_moe_architecture(), kimi_k2, mixtral_architecture(),
-                                     qwen2_moe_architecture(), olmoe_architecture()};
+                                     qwen2_moe_architecture(), olmoe_architecture(),
+                                     gpt_oss_architecture()};
   }();
   return archs;
 }

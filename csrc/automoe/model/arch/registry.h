@@ -37,5 +37,6 @@ Architecture glm4_moe_architecture();
 Architecture mixtral_architecture();
 Architecture olmoe_architecture();
 Architecture qwen2_moe_architecture();
+Architecture gpt_oss_architecture();
 
 }  // namespace automoe

@@ -1,0 +1,81 @@
+// GPT-OSS (model_type "gpt_oss"): GQA attention with biases and a learned sink logit per head,
+// sliding and full attention alternating by layer_types, YaRN RoPE (half-split); MoE on every layer:
+// a router with a bias whose top-k logits are softmaxed (= softmax, top-k, renormalise), experts
+// stored transposed with gate/up interleaved and biases, and the clamped SwiGLU. One on-disk layout
+// (Transformers keeps the in-memory names). MXFP4-quantised checkpoints are refused (their
+// quantization_config): dequantise to bfloat16 first.
+#include <nlohmann/json.hpp>
+
+#include "automoe/model/arch/common.h"
+#include "automoe/model/arch/registry.h"
+
+namespace automoe {
+namespace {
+
+ModelSpec parse_gpt_oss(const ConfigReader& given) {
+  arch::reject_unsupported(given);
+  // GptOssConfig's RoPE when a config has none: YaRN, factor 32 over 4096 positions, no truncation.
+  auto json = std::make_shared<nlohmann::json>(given.raw());
+  if (!given.has("rope_parameters") && !given.has("rope_scaling")) {
+    (*json)["rope_parameters"] = {{"rope_type", "yarn"},   {"factor", 32.0},
+                                  {"beta_fast", 32.0},     {"beta_slow", 1.0},
+                                  {"truncate", false},     {"original_max_position_embeddings", 4096}};
+  }
+  const ConfigReader cfg(json, given.path());
+  arch::Defaults d;  // GptOssConfig's
+  d.max_position_embeddings = 131072;
+  d.rms_norm_eps = 1e-5;
+  ModelSpec s;
+  s.model_type = "gpt_oss";
+  arch::parse_decoder_basics(cfg, d, &s);
+  AttentionSpec& a = s.attn;
+  a.num_heads = arch::positive(cfg, "num_attention_heads");
+  a.num_kv_heads = arch::positive(cfg, "num_key_value_heads", 8);
+  if (a.num_heads % a.num_kv_heads != 0) {
+    cfg.fail_key("num_key_value_heads",
+                 "a divisor of num_attention_heads (" + std::to_string(a.num_heads) + ")");
+  }
+  a.head_dim = arch::positive(cfg, "head_dim", 64);
+  a.qkv_bias = a.o_bias = cfg.get_bool("attention_bias", true);
+  a.sinks = true;
+  s.rope = arch::parse_rope(cfg, a.head_dim, "head_dim", /*partial_default=*/0,
+                            s.max_position_embeddings, /*theta_default=*/150000.0);
+  s.intermediate_size = arch::positive(cfg, "intermediate_size");
+  arch::parse_softmax_moe(cfg, "num_local_experts", "intermediate_size", /*norm_default=*/true,
+                          /*aux_default=*/0.001, &s);
+  if (s.num_moe_layers() != s.num_layers) {
+    cfg.fail_key("num_local_experts", "a positive expert count (every GPT-OSS layer is MoE)");
+  }
+  s.moe.norm_topk_prob = true;  // softmax over the top-k logits
+  s.moe.gpt_oss = true;
+
+  // layer_types, or GptOssConfig's default: sliding on even layers.
+  const int64_t window = cfg.has("sliding_window") ? arch::positive(cfg, "sliding_window") : 0;
+  const nlohmann::json& raw = cfg.raw();
+  const bool listed = raw.contains("layer_types") && !raw.at("layer_types").is_null();
+  if (listed && (!raw.at("layer_types").is_array() ||
+                 static_cast<int64_t>(raw.at("layer_types").size()) != s.num_layers)) {
+    cfg.fail_key("layer_types", "a list of " + std::to_string(s.num_layers) + " layer types");
+  }
+  for (int64_t l = 0; l < s.num_layers; ++l) {
+    bool sliding = (l + 1) % 2 == 1;
+    if (listed) {
+      const nlohmann::json& t = raw.at("layer_types").at(l);
+      if (t != "sliding_attention" && t != "full_attention") {
+        cfg.fail_key("layer_types", "\"sliding_attention\" or \"full_attention\" per layer");
+      }
+      sliding = t == "sliding_attention";
+    }
+    s.layers[l].sliding_window = sliding ? window : 0;
+  }
+  return s;
+}
+
+}  // namespace
+
+Architecture gpt_oss_architecture() {
+  return Architecture{"gpt_oss", "GptOssForCausalLM", &parse_gpt_oss, /*per_expert_rules=*/{},
+                      /*renames=*/{}};
+}
+
+}  // namespace automoe
