@@ -238,6 +238,7 @@ class _EngineModule:
             # only when it runs without a KV cache.
             split_packed_documents=cache is None,
             activation_checkpointing=checkpointing,
+            training=self.training,
             inputs_embeds=inputs_embeds,
             cache=None if cache is None else cache.storage,
             lm_head=lm_head,

@@ -140,11 +140,13 @@ TEST(Config, GptOssRefusesMxfp4AndDefaultsToYarn) {
   expect_error(j, {"quantization_config", "bfloat16"});
 }
 
-TEST(Config, MixtralRefusesRouterJitterNoise) {
+TEST(Config, MixtralReadsRouterJitterNoiseInRange) {
   auto j = base_config();
   j["model_type"] = "mixtral";
   j["router_jitter_noise"] = 0.1;
-  expect_error(j, {"router_jitter_noise", "not implemented"});
+  EXPECT_DOUBLE_EQ(parse(j).moe.router_jitter_noise, 0.1);
+  j["router_jitter_noise"] = 1.5;
+  expect_error(j, {"router_jitter_noise", "[0, 1)"});
 }
 
 TEST(Config, RejectsValuesTheEngineDoesNotImplement) {

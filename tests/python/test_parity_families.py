@@ -251,9 +251,14 @@ def test_correction_bias_steers_the_choice_of_experts(family_checkpoint, family,
     assert rel_err(after, before) > 1e-3
 
 
-@pytest.mark.parametrize("family, name", [("deepseek_v3", "qlora_groups2of1_shared1_dense1"),
-                                          ("glm4_moe", "yarn_shared2_dense2")])
-@pytest.mark.parametrize("layout", ["per-expert", "fused"])
+SAVE_CASES = [(family, name, layout) for family, name in [
+    ("deepseek_v3", "qlora_groups2of1_shared1_dense1"), ("glm4_moe", "yarn_shared2_dense2"),
+    ("mixtral", "sliding4_e7_top3"), ("qwen2_moe", "norm_top3_e6_mlp_only"),
+    ("olmoe", "clip_qkv_bias")] for layout in ("per-expert", "fused")] + \
+    [("gpt_oss", "e7_top3_three_layers_window3", "fused")]
+
+
+@pytest.mark.parametrize("family, name, layout", SAVE_CASES)
 def test_saved_checkpoint_loads_back_into_transformers_bit_identically(family_checkpoint, tmp_path,
                                                                        family, name, layout):
     from transformers import AutoModelForCausalLM as HFModel
@@ -267,6 +272,14 @@ def test_saved_checkpoint_loads_back_into_transformers_bit_identically(family_ch
     for key, t in original.items():
         assert reloaded[key].dtype == t.dtype and torch.equal(reloaded[key], t), key
     assert automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "out").layout == layout
+    # the same tensor names on disk as Transformers writes for that layout (Mixtral's originals too)
+    from safetensors import safe_open
+
+    def names(directory):
+        with safe_open(str(next(directory.glob("*.safetensors"))), "pt") as f:
+            return set(f.keys())
+
+    assert names(tmp_path / "out") == names(path)
 
 
 def test_bfloat16_load_keeps_the_correction_bias_float32(family_checkpoint):
@@ -421,3 +434,46 @@ def test_gpt_oss_runs_eager_by_default_and_refuses_sdpa(family_checkpoint):
     assert ours.config._attn_implementation == "eager" and ours.automoe_accelerated["attn"] == "eager"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'.*sinks"):
         automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+
+
+def test_mixtral_router_jitter_noise_draws_as_transformers_in_training(family_checkpoint, tmp_path):
+    """router_jitter_noise multiplies the MoE input by uniform(1 - j, 1 + j) in training only,
+    drawn from torch's default generator as Transformers draws it: with the same seed both sides
+    draw the same noise (loss and gradients match); in eval mode there is none; a checkpointed
+    layer's recompute replays the forward's draws (its gradients equal the plain backward's)."""
+    import json
+    import shutil
+
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = shutil.copytree(family_checkpoint("mixtral", "e5_top2_gqa2"), tmp_path / "jitter")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["router_jitter_noise"] = 0.2
+    (path / "config.json").write_text(json.dumps(cfg))
+    hf = HFModel.from_pretrained(path, attn_implementation="eager")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", backend=FUSED)
+    ids, mask, labels = padded_batch(hf.config.vocab_size)
+    with torch.no_grad():  # eval: no noise, so the seed does not matter
+        assert rel_err(ours(input_ids=ids, labels=labels).loss, hf(input_ids=ids, labels=labels).loss) <= 1e-5
+    losses = {}
+    for model in (hf, ours):
+        model.train()
+        torch.manual_seed(123)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        losses[model is ours] = out.loss
+    assert rel_err(losses[True], losses[False]) <= 1e-5
+    with torch.no_grad():  # and the noise really changed the result
+        plain = ours.eval()(input_ids=ids, attention_mask=mask, labels=labels).loss
+    assert rel_err(losses[True], plain) > 1e-4
+    ref_params = dict(hf.named_parameters())
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
+    grads = {n: p.grad.clone() for n, p in ours.named_parameters()}
+    ours.zero_grad()
+    ours.train()
+    ours.gradient_checkpointing_enable()
+    torch.manual_seed(123)
+    ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
+    for pname, p in ours.named_parameters():
+        assert rel_err(p.grad, grads[pname]) <= 1e-6, pname

@@ -1,6 +1,7 @@
 #include "automoe/model/decoder.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
@@ -374,7 +375,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   if (a.output_expert_counts && token_mask_BS) token_mask_T = token_mask_BS->reshape({-1}).ne(0);
 
   ForwardResult r;
-  LayerContext ctx{cos_BSh, sin_BSh, {}, {}, a.cache, autocast_dtype(dev.type())};
+  LayerContext ctx{cos_BSh, sin_BSh, {}, {}, a.cache, autocast_dtype(dev.type()), a.training};
   for (const LayerSpec& l : spec_.layers) {
     ctx.mask.push_back(masks.at(l.sliding_window).mask);
     ctx.is_causal.push_back(masks.at(l.sliding_window).is_causal);
@@ -484,8 +485,14 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
                               ? latent_attention(L.attn, L.index, x_BSH, c, ac)
                               : attention(L.attn, L.index, x_BSH, c, ac);
   const at::Tensor h_BSH = h_in + attn;
-  const at::Tensor x_TH = norm(h_BSH, L.post_norm).reshape({B * S, H});
+  at::Tensor x_TH = norm(h_BSH, L.post_norm).reshape({B * S, H});
   at::Tensor y_TH;
+  if (L.moe && c.training && spec_.moe.router_jitter_noise > 0) {
+    // Mixtral's jitter, drawn as Transformers draws it (a checkpointed layer's recompute replays
+    // the generator state of its forward, so it draws the same noise).
+    const double j = spec_.moe.router_jitter_noise;
+    x_TH = x_TH * at::empty_like(x_TH).uniform_(1.0 - j, 1.0 + j);
+  }
   if (L.moe) {
     const MoESlots& M = L.experts;
     const std::optional<at::Tensor> bias =
@@ -526,6 +533,9 @@ namespace {
 struct LayerRecompute : torch::CustomClassHolder {
   std::function<Decoder::LayerOutput(const at::Tensor&, const at::Tensor*)> run;
   std::vector<at::Tensor> params;  // the layer's parameters (what gradients are asked for)
+  // The CPU generator's state before the forward ran the layer (only when the layer draws random
+  // numbers): the recompute replays it, as torch.utils.checkpoint's preserve_rng_state does.
+  std::optional<at::Tensor> rng_state;
 };
 
 // Runs a decoder layer without keeping its activations; the backward recomputes it from the saved
@@ -538,6 +548,7 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
     Decoder::LayerOutput out;
     {
       at::NoGradGuard no_grad;
+      if (rec->rng_state) rec->rng_state = at::detail::getDefaultCPUGenerator().get_state();
       out = rec->run(h, nullptr);
     }
     // The parameters are saved only for autograd's version check: modifying one in place between
@@ -568,7 +579,16 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
     Decoder::LayerOutput out;
     {
       at::AutoGradMode enable(true);
-      out = rec->run(h, moe ? &idx : nullptr);
+      if (rec->rng_state) {
+        // Replay the forward's random draws, then put the generator back where it was.
+        at::Generator gen = at::detail::getDefaultCPUGenerator();
+        const at::Tensor now = gen.get_state();
+        gen.set_state(*rec->rng_state);
+        out = rec->run(h, moe ? &idx : nullptr);
+        gen.set_state(now);
+      } else {
+        out = rec->run(h, moe ? &idx : nullptr);
+      }
     }
     std::vector<at::Tensor> outputs;
     if (grads[0].defined()) {
@@ -603,6 +623,11 @@ Decoder::LayerOutput Decoder::checkpointed_layer(const LayerSlots& L, const at::
                                                  const std::shared_ptr<const Decoder>& self) const {
   auto rec = c10::make_intrusive<LayerRecompute>();
   for (int64_t i : L.all) rec->params.push_back(p(i));
+  if (L.moe && c.training && spec_.moe.router_jitter_noise > 0) {
+    AUTOMOE_CHECK(h_in.device().is_cpu(), "router_jitter_noise with activation checkpointing: "
+                  "replaying the noise is implemented for the CPU generator only");
+    rec->rng_state = at::Tensor();  // captured in the forward
+  }
   rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
     // The backward runs outside torch.autocast: recompute under the forward's autocast state.
     const AutocastGuard autocast(h.device().type(), c.autocast);

@@ -58,6 +58,9 @@ struct ForwardArgs {
   // Fill ForwardResult::hidden_states: the embeddings, then each layer's output, the last one
   // after the final norm (Transformers' output_hidden_states).
   bool output_hidden_states = false;
+  // Training mode (Transformers' module.training): turns on train-time noise (Mixtral's
+  // router_jitter_noise).
+  bool training = false;
 };
 
 struct ForwardResult {
@@ -121,6 +124,7 @@ class Decoder {
     // torch.autocast's dtype when it was on for the forward (a checkpointed layer's recompute in
     // the backward, where autocast is off, restores it), else nullopt.
     std::optional<c10::ScalarType> autocast;
+    bool training = false;  // ForwardArgs::training
     struct Attention {  // one layer's mask
       const std::optional<at::Tensor>& mask;
       bool is_causal;

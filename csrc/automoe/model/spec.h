@@ -93,6 +93,9 @@ struct MoESpec {
   // (`gate_up_proj` [E, H, 2I] with gate and up interleaved, `down_proj` [E, I, H]), carry biases,
   // and use the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), clamped at 7).
   bool gpt_oss = false;
+  // Mixtral: in training, the MoE input is multiplied by uniform(1 - j, 1 + j) noise (drawn from
+  // torch's default generator, as Transformers draws it) before routing and experts.
+  double router_jitter_noise = 0.0;
   // Whether Transformers computes the load-balancing loss for this type (forward(
   // output_router_logits=True)); DeepSeek-V3 and GLM-4.5 train without one.
   bool aux_loss = true;

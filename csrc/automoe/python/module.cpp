@@ -31,7 +31,7 @@ py::dict forward(const PretrainedModel& m, std::optional<at::Tensor> input_ids,
                  bool activation_checkpointing, std::optional<at::Tensor> inputs_embeds,
                  std::shared_ptr<KVCache> cache, bool lm_head, int64_t logits_to_keep,
                  std::optional<at::Tensor> logits_indices, bool output_hidden_states,
-                 std::optional<double> router_aux_loss_coef) {
+                 std::optional<double> router_aux_loss_coef, bool training) {
   ForwardArgs args;
   if (input_ids) args.input_ids = *input_ids;
   args.attention_mask = std::move(attention_mask);
@@ -48,6 +48,7 @@ py::dict forward(const PretrainedModel& m, std::optional<at::Tensor> input_ids,
   args.logits_indices = std::move(logits_indices);
   args.output_hidden_states = output_hidden_states;
   args.router_aux_loss_coef = router_aux_loss_coef;
+  args.training = training;
   ForwardResult r;
   {
     py::gil_scoped_release no_gil;
@@ -142,7 +143,7 @@ PYBIND11_MODULE(_C, m) {
            py::arg("activation_checkpointing") = false, py::arg("inputs_embeds") = py::none(),
            py::arg("cache") = nullptr, py::arg("lm_head") = true, py::arg("logits_to_keep") = 0,
            py::arg("logits_indices") = py::none(), py::arg("output_hidden_states") = false,
-           py::arg("router_aux_loss_coef") = py::none())
+           py::arg("router_aux_loss_coef") = py::none(), py::arg("training") = false)
       .def("rebind",
            [](PretrainedModel& self, const std::vector<std::optional<at::Tensor>>& tensors) {
              self.decoder->rebind(tensors);

@@ -581,6 +581,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       a.output_router_logits = true;
       a.output_expert_counts = true;
       a.activation_checkpointing = rc.train.activation_checkpointing;
+      a.training = true;
       a.num_items_in_batch = window_loss_tokens;
       a.router_aux_loss_coef = aux_coef;
       // Each micro-batch's aux loss counts with its share of the window's loss tokens, so the

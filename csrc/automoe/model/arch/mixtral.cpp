@@ -1,6 +1,6 @@
 // Mixtral (model_type "mixtral"): GQA attention (no biases, no q/k norms), an optional sliding
-// window on every layer, MoE on every layer with a softmax router renormalised over its top-k, and
-// experts as wide as `intermediate_size`. Original checkpoints name the block `block_sparse_moe`
+// window on every layer, MoE on every layer with a softmax router renormalised over its top-k (and
+// router_jitter_noise in training), and experts as wide as `intermediate_size`. Original checkpoints name the block `block_sparse_moe`
 // and the experts `w1` (gate), `w3` (up), `w2` (down).
 #include "automoe/model/arch/common.h"
 #include "automoe/model/arch/registry.h"
@@ -10,9 +10,6 @@ namespace {
 
 ModelSpec parse_mixtral(const ConfigReader& cfg) {
   arch::reject_unsupported(cfg);
-  if (cfg.get_double("router_jitter_noise", 0.0) != 0.0) {
-    cfg.fail_key("router_jitter_noise", "0.0 (router jitter noise is not implemented)");
-  }
   arch::Defaults d;  // MixtralConfig's
   d.max_position_embeddings = 4096 * 32;
   d.rms_norm_eps = 1e-5;
@@ -29,6 +26,10 @@ ModelSpec parse_mixtral(const ConfigReader& cfg) {
     cfg.fail_key("num_local_experts", "a positive expert count (every Mixtral layer is MoE)");
   }
   s.moe.norm_topk_prob = true;  // Mixtral always renormalises its top-k
+  s.moe.router_jitter_noise = cfg.get_double("router_jitter_noise", 0.0);
+  if (s.moe.router_jitter_noise < 0 || s.moe.router_jitter_noise >= 1) {
+    cfg.fail_key("router_jitter_noise", "a number in [0, 1)");
+  }
   const int64_t window = cfg.has("sliding_window") ? arch::positive(cfg, "sliding_window") : 0;
   for (LayerSpec& l : s.layers) l.sliding_window = window;
   return s;
