@@ -174,6 +174,9 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
     chosen = dtype if dtype is not None else torch_dtype
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
                                 config_json=config.to_json_string(use_diff=False))
+    if engine.spec["mxfp4_experts"]:  # dequantised on load: the model is no longer quantised
+        config.quantization_config = None
+        del config.quantization_config
     model = cls._automoe_build(engine, config, source_dir=path)
     model.config._name_or_path = os.fspath(pretrained_model_name_or_path)
     model.name_or_path = os.fspath(pretrained_model_name_or_path)

@@ -125,7 +125,7 @@ TEST(Config, RejectsUnsupportedArchitectureNamingSupportedOnes) {
                    "mixtral", "qwen2_moe", "olmoe", "gpt_oss"});
 }
 
-TEST(Config, GptOssRefusesMxfp4AndDefaultsToYarn) {
+TEST(Config, GptOssReadsMxfp4RefusesOtherQuantizationAndDefaultsToYarn) {
   auto j = base_config();
   j["model_type"] = "gpt_oss";
   j.erase("rope_parameters");
@@ -136,7 +136,10 @@ TEST(Config, GptOssRefusesMxfp4AndDefaultsToYarn) {
   EXPECT_DOUBLE_EQ(s.rope.theta, 150000.0);
   EXPECT_TRUE(s.attn.sinks);
   EXPECT_EQ(s.layers[0].sliding_window, 0);  // no sliding_window key: full attention
+  EXPECT_FALSE(s.mxfp4_experts);
   j["quantization_config"] = {{"quant_method", "mxfp4"}};
+  EXPECT_TRUE(parse(j).mxfp4_experts);  // the released checkpoints: dequantised on load
+  j["quantization_config"] = {{"quant_method", "fp8"}};
   expect_error(j, {"quantization_config", "bfloat16"});
 }
 

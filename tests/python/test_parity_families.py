@@ -477,3 +477,56 @@ def test_mixtral_router_jitter_noise_draws_as_transformers_in_training(family_ch
     ours(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss.backward()
     for pname, p in ours.named_parameters():
         assert rel_err(p.grad, grads[pname]) <= 1e-6, pname
+
+
+def test_gpt_oss_mxfp4_experts_are_dequantised_on_load_as_transformers_does(tmp_path, capfd):
+    """GPT-OSS's released checkpoints store the experts as MXFP4 (`*_blocks` + `*_scales`). They
+    load dequantised exactly as Transformers' convert_moe_packed_tensors does (the oracle), with
+    one message, and save dequantised without the quantization_config: what we save loads in
+    Transformers with the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM as HFModel
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    config = make_config("gpt_oss", "e5_top2_alternating_sliding4_default_yarn")
+    config.hidden_size, config.intermediate_size = 32, 32  # MXFP4 blocks are 32 wide
+    torch.manual_seed(0)
+    HFModel.from_config(config).save_pretrained(tmp_path / "plain")
+    weights = load_file(tmp_path / "plain" / "model.safetensors")
+    g = torch.Generator().manual_seed(1)
+    for name in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        E, K, O = weights[name].shape  # in memory [E, K, O]; stored as [E, O, K/32, 16] + scales
+        blocks = torch.randint(0, 256, (E, O, K // 32, 16), generator=g, dtype=torch.uint8)
+        scales = torch.randint(120, 126, (E, O, K // 32), generator=g, dtype=torch.uint8)
+        del weights[name]
+        weights[name + "_blocks"], weights[name + "_scales"] = blocks, scales
+        dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert dense.shape == (E, K, O)
+        weights.setdefault("_dequantised", {})[name] = dense
+    dequantised = weights.pop("_dequantised")
+    (tmp_path / "mxfp4").mkdir()
+    save_file(weights, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    oracle = {k: v for k, v in weights.items() if not k.endswith(("_blocks", "_scales"))}
+    oracle.update(dequantised)
+    (tmp_path / "oracle").mkdir()
+    save_file(oracle, tmp_path / "oracle" / "model.safetensors", metadata={"format": "pt"})
+    (tmp_path / "oracle" / "config.json").write_text(json.dumps(cfg))
+
+    ours = automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "mxfp4", dtype=torch.float32)
+    assert "dequantised 4 MXFP4 expert tensors to float32" in capfd.readouterr().err
+    for name, dense in dequantised.items():
+        assert torch.equal(ours.state_dict()[name], dense), name
+    hf = HFModel.from_pretrained(tmp_path / "oracle")
+    ids, mask, _ = padded_batch(config.vocab_size)
+    with torch.no_grad():
+        assert rel_err(ours(input_ids=ids, attention_mask=mask).logits,
+                       hf(input_ids=ids, attention_mask=mask).logits) <= 1e-5
+    ours.save_pretrained(tmp_path / "saved")
+    assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    with torch.no_grad():
+        again = HFModel.from_pretrained(tmp_path / "saved")(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(again, hf(input_ids=ids, attention_mask=mask).logits) <= 1e-6

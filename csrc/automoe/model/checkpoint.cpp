@@ -11,6 +11,7 @@
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
 #include "automoe/core/log.h"
+#include "automoe/io/mxfp4.h"
 #include "automoe/model/init.h"
 
 namespace automoe {
@@ -77,13 +78,28 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     used.insert(name);
     return ckpt.get(name);
   };
+  // MXFP4 experts dequantise to the dtype asked for, else the config's (Transformers: bf16).
+  const c10::ScalarType dequant_dtype =
+      dtype ? *dtype : at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16;
+  int64_t dequantised = 0;
   NamedTensors out;
   for (const auto& decl : parameter_layout(spec)) {
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
-    at::Tensor t = (rule && layout == ExpertsLayout::kPerExpert)
-                       ? gather_experts(*rule, prefix, spec.moe.num_experts, get)
-                       : get(decl.name);
+    at::Tensor t;
+    if (spec.mxfp4_experts && decl.shape.size() == 3 && !ckpt.contains(decl.name) &&
+        ckpt.contains(decl.name + "_blocks")) {
+      // Stored [E, O, G, 16] + [E, O, G] for the transposed in-memory [E, K, O]: as Transformers.
+      t = dequantize_mxfp4(get(decl.name + "_blocks"), get(decl.name + "_scales"), dequant_dtype,
+                           ckpt.dir() + ": tensor " + decl.name)
+              .transpose(1, 2)
+              .contiguous();
+      ++dequantised;
+    } else {
+      t = (rule && layout == ExpertsLayout::kPerExpert)
+              ? gather_experts(*rule, prefix, spec.moe.num_experts, get)
+              : get(decl.name);
+    }
     AUTOMOE_CHECK(t.sizes() == at::IntArrayRef(decl.shape), ckpt.dir(), ": tensor ", decl.name,
                   ": expected shape ", at::IntArrayRef(decl.shape), " from config.json, found ",
                   t.sizes());
@@ -102,6 +118,10 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
       t = t.clone(at::MemoryFormat::Contiguous);
     }
     out.emplace_back(decl.name, std::move(t));
+  }
+  if (dequantised > 0) {
+    log_info(ckpt.dir(), ": dequantised ", dequantised, " MXFP4 expert tensors to ",
+             dtype_to_name(dequant_dtype), " (saves write them in that dtype)");
   }
   std::vector<std::string> extra;
   std::set<int64_t> mtp_layers;
@@ -270,6 +290,8 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
     nlohmann::json config = *model.config.json;
     config["dtype"] = dtype_to_name(params.front().second.scalar_type());
     config.erase("torch_dtype");
+    // Dequantised on load, written dequantised: the checkpoint is no longer MXFP4.
+    if (spec.mxfp4_experts) config.erase("quantization_config");
     config_text = config.dump(2) + "\n";
   }
   save_sharded(dir, to_disk_tensors(params, spec, arch, options.layout.value_or(model.layout)),

@@ -128,6 +128,9 @@ struct ModelSpec {
   // Multi-token-prediction layers a checkpoint may hold after the last layer (DeepSeek-V3's
   // num_nextn_predict_layers): skipped on load, as Transformers ignores them.
   int64_t num_mtp_layers = 0;
+  // GPT-OSS's released checkpoints: experts stored as MXFP4 blocks + scales (quantization_config
+  // quant_method "mxfp4"), dequantised to the compute dtype on load; saves write them dequantised.
+  bool mxfp4_experts = false;
 
   bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
   int64_t num_moe_layers() const;

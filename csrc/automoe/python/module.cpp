@@ -98,6 +98,7 @@ py::dict spec_dict(const ModelSpec& s) {
   for (int64_t l = 0; l < s.num_layers; ++l) is_moe.push_back(s.is_moe(l));
   d["layer_is_moe"] = is_moe;
   d["aux_loss"] = s.moe.aux_loss;
+  d["mxfp4_experts"] = s.mxfp4_experts;
   d["tie_word_embeddings"] = s.tie_word_embeddings;
   d["dtype"] = dtype_to_name(s.dtype);
   return d;

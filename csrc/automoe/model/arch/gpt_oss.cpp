@@ -2,8 +2,8 @@
 // sliding and full attention alternating by layer_types, YaRN RoPE (half-split); MoE on every layer:
 // a router with a bias whose top-k logits are softmaxed (= softmax, top-k, renormalise), experts
 // stored transposed with gate/up interleaved and biases, and the clamped SwiGLU. One on-disk layout
-// (Transformers keeps the in-memory names). MXFP4-quantised checkpoints are refused (their
-// quantization_config): dequantise to bfloat16 first.
+// (Transformers keeps the in-memory names). The released MXFP4 experts (`*_blocks` + `*_scales`,
+// quantization_config quant_method "mxfp4") are dequantised on load, as Transformers does on CPUs.
 #include <nlohmann/json.hpp>
 
 #include "automoe/model/arch/common.h"
@@ -13,9 +13,19 @@ namespace automoe {
 namespace {
 
 ModelSpec parse_gpt_oss(const ConfigReader& given) {
-  arch::reject_unsupported(given);
-  // GptOssConfig's RoPE when a config has none: YaRN, factor 32 over 4096 positions, no truncation.
   auto json = std::make_shared<nlohmann::json>(given.raw());
+  // The released checkpoints' MXFP4 experts are dequantised on load; any other quantization is
+  // refused (by reject_unsupported, naming the key).
+  bool mxfp4 = false;
+  if (given.has("quantization_config")) {
+    const ConfigReader q = given.child("quantization_config");
+    if (q.get_string("quant_method", "") == "mxfp4") {
+      mxfp4 = true;
+      json->erase("quantization_config");
+    }
+  }
+  arch::reject_unsupported(ConfigReader(json, given.path()));
+  // GptOssConfig's RoPE when a config has none: YaRN, factor 32 over 4096 positions, no truncation.
   if (!given.has("rope_parameters") && !given.has("rope_scaling")) {
     (*json)["rope_parameters"] = {{"rope_type", "yarn"},   {"factor", 32.0},
                                   {"beta_fast", 32.0},     {"beta_slow", 1.0},
@@ -48,6 +58,7 @@ ModelSpec parse_gpt_oss(const ConfigReader& given) {
   }
   s.moe.norm_topk_prob = true;  // softmax over the top-k logits
   s.moe.gpt_oss = true;
+  s.mxfp4_experts = mxfp4;
 
   // layer_types, or GptOssConfig's default: sliding on even layers.
   const int64_t window = cfg.has("sliding_window") ? arch::positive(cfg, "sliding_window") : 0;
