@@ -12,7 +12,9 @@ from typing import Any
 
 @dataclass
 class BackendConfig:
-    attn: str = "sdpa"  # "sdpa" | "eager"
+    # "sdpa" | "eager"; None: the model's default, as Transformers picks it (sdpa; eager where its
+    # class has no sdpa: GPT-OSS, for its attention sinks)
+    attn: str | None = None
     # fused ops: router -> permute -> grouped GEMM -> SwiGLU -> grouped GEMM -> unpermute;
     # "torch_mm" (ATen _grouped_mm) or "eager" (Transformers' per-expert loop)
     experts: str = "grouped"
@@ -41,7 +43,9 @@ class BackendConfig:
         raise TypeError(f"backend: expected a BackendConfig or a dict, got {type(value).__name__}")
 
     def to_dict(self) -> dict[str, str]:
-        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()}
+        """The engine's fields (an unresolved attn is left out: the engine keeps its own)."""
+        return {k: (str(v).lower() if isinstance(v, bool) else str(v)) for k, v in asdict(self).items()
+                if v is not None}
 
     @classmethod
     def from_engine(cls, fields: dict[str, str]) -> "BackendConfig":

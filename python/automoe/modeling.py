@@ -111,16 +111,16 @@ def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
     """Transformers' attn_implementation / experts_implementation folded into a BackendConfig.
     A class whose Transformers model has no sdpa (GPT-OSS, for its attention sinks) defaults to
     eager, as in Transformers, and refuses sdpa."""
-    cfg = BackendConfig.coerce(backend)
-    chosen_in_backend = isinstance(backend, BackendConfig) or (isinstance(backend, dict) and "attn" in backend)
+    cfg = copy.copy(BackendConfig.coerce(backend))  # (the caller's BackendConfig stays as given)
+    has_sdpa = getattr(cls, "_supports_sdpa", True)
     if attn_implementation is not None:
         if attn_implementation not in ("sdpa", "eager"):
             raise ValueError(f"attn_implementation={attn_implementation!r}: the AutoMoE engine implements "
                              "'sdpa' and 'eager'")
         cfg.attn = attn_implementation
-    elif not chosen_in_backend and not getattr(cls, "_supports_sdpa", True):
-        cfg.attn = "eager"
-    if cfg.attn == "sdpa" and not getattr(cls, "_supports_sdpa", True):
+    elif cfg.attn is None:
+        cfg.attn = "sdpa" if has_sdpa else "eager"
+    if cfg.attn == "sdpa" and not has_sdpa:
         raise ValueError(f"attn_implementation='sdpa': {cls.__name__} has no sdpa attention (its "
                          "attention sinks need 'eager'), in Transformers as in AutoMoE")
     if experts_implementation is not None:
@@ -207,6 +207,9 @@ def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=Non
     name = dtype_name(chosen) or dtype_name(getattr(config, "dtype", None)) or "float32"
     seed = int(torch.randint(0, 2**62, (1,)).item())
     engine = _C.init_model(config.to_json_string(use_diff=False), name, cfg.to_dict(), seed)
+    if engine.spec["mxfp4_experts"]:  # fresh experts are dense: the model is not quantised
+        config.quantization_config = None
+        del config.quantization_config
     return cls._automoe_build(engine, config)
 
 

@@ -369,7 +369,12 @@ class EngineCausalLM(_EngineModule):
         return BackendConfig.from_engine(self._automoe_engine.backend())
 
     def set_backend(self, backend: BackendConfig | dict) -> None:
-        cfg = BackendConfig.coerce(backend)
+        cfg = copy.copy(BackendConfig.coerce(backend))
+        if cfg.attn is None:  # not chosen: the attention stays what it is
+            cfg.attn = self.config._attn_implementation or self._automoe_engine.backend()["attn"]
+        if cfg.attn == "sdpa" and not type(self)._supports_sdpa:
+            raise AutoMoEError(f"backend attn='sdpa': {type(self).__name__} has no sdpa attention "
+                               "(its attention sinks need 'eager')")
         self._automoe_engine.set_backend(cfg.to_dict())
         self.config._attn_implementation = cfg.attn
         self.config._experts_implementation_internal = ENGINE_EXPERTS[cfg.experts]

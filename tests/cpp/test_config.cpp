@@ -135,12 +135,33 @@ TEST(Config, GptOssReadsMxfp4RefusesOtherQuantizationAndDefaultsToYarn) {
   EXPECT_FALSE(s.rope.truncate);
   EXPECT_DOUBLE_EQ(s.rope.theta, 150000.0);
   EXPECT_TRUE(s.attn.sinks);
-  EXPECT_EQ(s.layers[0].sliding_window, 0);  // no sliding_window key: full attention
+  EXPECT_EQ(s.layers[0].sliding_window, 128);  // GptOssConfig's default, on even layers
+  EXPECT_EQ(s.layers[1].sliding_window, 0);
   EXPECT_FALSE(s.mxfp4_experts);
   j["quantization_config"] = {{"quant_method", "mxfp4"}};
   EXPECT_TRUE(parse(j).mxfp4_experts);  // the released checkpoints: dequantised on load
   j["quantization_config"] = {{"quant_method", "fp8"}};
   expect_error(j, {"quantization_config", "bfloat16"});
+  j.erase("quantization_config");
+  j["sliding_window"] = nullptr;  // no window, yet layer_types says sliding
+  expect_error(j, {"sliding_window", "sliding_attention"});
+}
+
+TEST(Config, NullAndAbsentKeysFollowEachConfigClass) {
+  auto j = base_config();
+  j["model_type"] = "mixtral";
+  j["num_key_value_heads"] = nullptr;  // MixtralConfig.__post_init__: = num_attention_heads
+  EXPECT_EQ(parse(j).attn.num_kv_heads, 4);
+  j.erase("num_key_value_heads");  // absent: the class default, 8 (does not divide 4 heads)
+  expect_error(j, {"num_key_value_heads", "divisor"});
+  auto o = base_config();
+  o["model_type"] = "olmoe";
+  o["num_experts"] = 5;
+  o["intermediate_size"] = 12;
+  o.erase("head_dim");
+  EXPECT_EQ(parse(o).pad_token_id, 1);  // OlmoeConfig's pad_token_id
+  o["pad_token_id"] = nullptr;
+  EXPECT_EQ(parse(o).pad_token_id, -1);
 }
 
 TEST(Config, MixtralReadsRouterJitterNoiseInRange) {

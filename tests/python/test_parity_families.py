@@ -190,7 +190,7 @@ COMBOS = [("per-expert", "torch", "sdpa"), ("fused", "torch", "eager"),
 PARITY_CASES = [(family, name, *combo) for family, name in CASES for combo in COMBOS
                 if family not in SINGLE_LAYOUT_EAGER_ONLY] + \
                [(family, name, "fused", backend, "eager") for family, name in CASES
-                for backend in ("torch", "fused") if family in SINGLE_LAYOUT_EAGER_ONLY]
+                for backend in ("torch", "fused", "torch_mm") if family in SINGLE_LAYOUT_EAGER_ONLY]
 
 
 @pytest.mark.parametrize("family, name, layout, backend, attn", PARITY_CASES)
@@ -198,7 +198,8 @@ def test_matches_transformers_logits_loss_and_grads(family_checkpoint, family, n
                                                     attn):
     path = family_checkpoint(family, name, layout)
     aux = family in AUX_LOSS
-    hf, ours, ref, out = run_both(path, attn, TORCH if backend == "torch" else FUSED,
+    backends = {"torch": TORCH, "fused": FUSED, "torch_mm": dict(FUSED, experts="torch_mm", loss="torch")}
+    hf, ours, ref, out = run_both(path, attn, backends[backend],
                                   **(dict(output_router_logits=True) if aux else {}))
     assert type(ours).__name__ == type(hf).__name__ and isinstance(ours, type(hf))
     assert ours.layout == layout
@@ -527,6 +528,53 @@ def test_gpt_oss_mxfp4_experts_are_dequantised_on_load_as_transformers_does(tmp_
                        hf(input_ids=ids, attention_mask=mask).logits) <= 1e-5
     ours.save_pretrained(tmp_path / "saved")
     assert "quantization_config" not in json.loads((tmp_path / "saved" / "config.json").read_text())
+    # As released: bf16 tensors and no dtype key in config.json. The experts dequantise to the
+    # checkpoint's dtype (their biases'), so the model stays in one dtype and runs.
+    bf16 = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights.items()}
+    (tmp_path / "released").mkdir()
+    save_file(bf16, tmp_path / "released" / "model.safetensors", metadata={"format": "pt"})
+    released_cfg = {k: v for k, v in cfg.items() if k not in ("dtype", "torch_dtype")}
+    (tmp_path / "released" / "config.json").write_text(
+        json.dumps({**released_cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    released = automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "released")
+    assert {p.dtype for p in released.parameters()} == {torch.bfloat16}
+    assert torch.isfinite(released(input_ids=ids, attention_mask=mask, labels=ids).loss)
     with torch.no_grad():
         again = HFModel.from_pretrained(tmp_path / "saved")(input_ids=ids, attention_mask=mask).logits
     assert rel_err(again, hf(input_ids=ids, attention_mask=mask).logits) <= 1e-6
+
+
+def test_gpt_oss_under_bf16_autocast_follows_transformers(family_checkpoint):
+    """Under torch.autocast (float32 parameters, bf16 matmuls) GPT-OSS runs on the eager and the
+    grouped experts, its logits come out bf16 and agree with Transformers' under autocast to bf16
+    noise. (This guards agreement; bf16 rounding elsewhere in the model is as large as the
+    difference fp32 experts would make, so it does not prove the experts' precision.
+    torch_mm: ATen's _grouped_mm needs 16-byte row strides, which this bf16 width of 12 lacks.)"""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = family_checkpoint("gpt_oss", "e7_top3_three_layers_window3", "fused")
+    hf = HFModel.from_pretrained(path, experts_implementation="eager")
+    ids, mask, labels = padded_batch(hf.config.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    for experts in ("eager", "grouped"):
+        ours = automoe.AutoModelForCausalLM.from_pretrained(path, backend={"experts": experts})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = ours(input_ids=ids, attention_mask=mask, labels=labels)
+        assert out.logits.dtype == ref.logits.dtype == torch.bfloat16
+        assert rel_err(out.logits, ref.logits) <= 2e-2, experts
+        assert rel_err(out.loss, ref.loss) <= 1e-2, experts
+
+
+def test_a_backend_config_object_keeps_gpt_oss_on_eager(family_checkpoint):
+    """A BackendConfig that does not choose the attention leaves the model's default (eager for
+    GPT-OSS); set_backend without an attention keeps the current one; sdpa is refused by name."""
+    path = family_checkpoint("gpt_oss", "e5_top2_alternating_sliding4_default_yarn", "fused")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, backend=automoe.BackendConfig(experts="eager"))
+    assert ours.backend.attn == "eager" and ours.backend.experts == "eager"
+    ours.set_backend({"experts": "grouped"})
+    assert ours.backend.attn == "eager" and ours.backend.experts == "grouped"
+    ids, mask, labels = padded_batch(ours.config.vocab_size)
+    assert torch.isfinite(ours(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    with pytest.raises(automoe.AutoMoEError, match="attn='sdpa'.*sinks"):
+        ours.set_backend({"attn": "sdpa"})

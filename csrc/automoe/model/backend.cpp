@@ -166,14 +166,16 @@ ComponentOps resolve(const BackendConfig& b) {
       o.experts = b.fused_swiglu ? &moe::experts_grouped : &moe::experts_grouped_reference_swiglu;
       break;
   }
-  if (b.experts == ExpertsBackend::kEager) {
-    o.gpt_oss_experts = &moe::experts_gpt_oss_eager;
-  } else {
+  {
+    const std::string name = b.experts == ExpertsBackend::kEager     ? "eager"
+                             : b.experts == ExpertsBackend::kTorchMM ? "torch_mm"
+                                                                     : "grouped";
     const bool fused = b.fused_swiglu;
-    o.gpt_oss_experts = [fused](const at::Tensor& x, const at::Tensor& idx, const at::Tensor& w,
-                                const at::Tensor& gu, const at::Tensor& gub, const at::Tensor& d,
-                                const at::Tensor& db) {
-      return moe::experts_gpt_oss_grouped(x, idx, w, gu, gub, d, db, fused);
+    o.gpt_oss_experts = [name, fused](const at::Tensor& x, const at::Tensor& idx,
+                                      const at::Tensor& w, const at::Tensor& gu,
+                                      const at::Tensor& gub, const at::Tensor& d,
+                                      const at::Tensor& db, std::optional<c10::ScalarType> dt) {
+      return moe::experts_gpt_oss(name, x, idx, w, gu, gub, d, db, fused, dt);
     };
   }
   // The eager experts keep Transformers' semantics end to end, the router's reference included.

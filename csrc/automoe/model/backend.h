@@ -56,11 +56,12 @@ struct ComponentOps {
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up,
                            const at::Tensor& w_down)>
       experts;
-  // GPT-OSS's experts (moe/experts.h): transposed, interleaved, with biases.
+  // GPT-OSS's experts (moe/experts.h experts_gpt_oss): transposed, interleaved, with biases; the
+  // last argument is autocast's dtype (nullopt: the inputs').
   std::function<at::Tensor(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
                            const at::Tensor& b_gate_up, const at::Tensor& w_down_EIH,
-                           const at::Tensor& b_down)>
+                           const at::Tensor& b_down, std::optional<c10::ScalarType> compute_dtype)>
       gpt_oss_experts;
   // Scores, top-k and combine weights from float32 router logits (ops::router / _reference).
   std::function<ops::RouterResult(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,

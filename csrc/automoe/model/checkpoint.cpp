@@ -78,9 +78,14 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     used.insert(name);
     return ckpt.get(name);
   };
-  // MXFP4 experts dequantise to the dtype asked for, else the config's (Transformers: bf16).
-  const c10::ScalarType dequant_dtype =
-      dtype ? *dtype : at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16;
+  // MXFP4 experts dequantise to the dtype asked for, else to the dtype the checkpoint's other
+  // tensors are stored in (their biases'), so that the model stays in one dtype.
+  auto dequant_dtype_for = [&](const std::string& name) -> c10::ScalarType {
+    if (dtype) return *dtype;
+    if (ckpt.contains(name + "_bias")) return ckpt.info(name + "_bias").dtype;
+    return at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16;
+  };
+  std::optional<c10::ScalarType> dequant_dtype;
   int64_t dequantised = 0;
   NamedTensors out;
   for (const auto& decl : parameter_layout(spec)) {
@@ -90,7 +95,8 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     if (spec.mxfp4_experts && decl.shape.size() == 3 && !ckpt.contains(decl.name) &&
         ckpt.contains(decl.name + "_blocks")) {
       // Stored [E, O, G, 16] + [E, O, G] for the transposed in-memory [E, K, O]: as Transformers.
-      t = dequantize_mxfp4(get(decl.name + "_blocks"), get(decl.name + "_scales"), dequant_dtype,
+      dequant_dtype = dequant_dtype_for(decl.name);
+      t = dequantize_mxfp4(get(decl.name + "_blocks"), get(decl.name + "_scales"), *dequant_dtype,
                            ckpt.dir() + ": tensor " + decl.name)
               .transpose(1, 2)
               .contiguous();
@@ -121,7 +127,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   }
   if (dequantised > 0) {
     log_info(ckpt.dir(), ": dequantised ", dequantised, " MXFP4 expert tensors to ",
-             dtype_to_name(dequant_dtype), " (saves write them in that dtype)");
+             dtype_to_name(*dequant_dtype), " (saves write them in that dtype)");
   }
   std::vector<std::string> extra;
   std::set<int64_t> mtp_layers;

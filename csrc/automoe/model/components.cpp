@@ -85,7 +85,8 @@ MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
   MoESlots s;
   const int64_t E = m.num_experts, I = m.intermediate_size;
   if (m.gpt_oss) {  // Transformers' GptOssMLP: router, then experts stored transposed with biases
-    linear(d, pre + "router", H, E, true, &s.router, &s.router_bias);
+    s.router = d.add(pre + "router.weight", {E, H});
+    s.router_bias = d.add(pre + "router.bias", {E});  // drawn like the weight, as Transformers
     s.gate_up = d.add(pre + "experts.gate_up_proj", {E, H, 2 * I});
     s.gate_up_bias = d.add(pre + "experts.gate_up_proj_bias", {E, 2 * I}, Init::kZeros);
     s.down = d.add(pre + "experts.down_proj", {E, I, H});

@@ -509,7 +509,7 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
     }
     y_TH = spec_.moe.gpt_oss
                ? ops_.gpt_oss_experts(x_TH, routing.idx_TK, routing.weights_TK, p(M.gate_up),
-                                      p(M.gate_up_bias), p(M.down), p(M.down_bias))
+                                      p(M.gate_up_bias), p(M.down), p(M.down_bias), c.autocast)
                : experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
     if (spec_.moe.shared_intermediate_size > 0) {
       at::Tensor shared = ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
@@ -533,9 +533,11 @@ namespace {
 struct LayerRecompute : torch::CustomClassHolder {
   std::function<Decoder::LayerOutput(const at::Tensor&, const at::Tensor*)> run;
   std::vector<at::Tensor> params;  // the layer's parameters (what gradients are asked for)
-  // The CPU generator's state before the forward ran the layer (only when the layer draws random
-  // numbers): the recompute replays it, as torch.utils.checkpoint's preserve_rng_state does.
+  // The device's default generator state before the forward ran the layer (only when the layer
+  // draws random numbers): the recompute replays it, as torch.utils.checkpoint's
+  // preserve_rng_state does.
   std::optional<at::Tensor> rng_state;
+  c10::Device device = c10::kCPU;  // whose default generator rng_state is
 };
 
 // Runs a decoder layer without keeping its activations; the backward recomputes it from the saved
@@ -548,7 +550,7 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
     Decoder::LayerOutput out;
     {
       at::NoGradGuard no_grad;
-      if (rec->rng_state) rec->rng_state = at::detail::getDefaultCPUGenerator().get_state();
+      if (rec->rng_state) rec->rng_state = at::globalContext().defaultGenerator(rec->device).get_state();
       out = rec->run(h, nullptr);
     }
     // The parameters are saved only for autograd's version check: modifying one in place between
@@ -581,7 +583,7 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
       at::AutoGradMode enable(true);
       if (rec->rng_state) {
         // Replay the forward's random draws, then put the generator back where it was.
-        at::Generator gen = at::detail::getDefaultCPUGenerator();
+        at::Generator gen = at::globalContext().defaultGenerator(rec->device);
         const at::Tensor now = gen.get_state();
         gen.set_state(*rec->rng_state);
         out = rec->run(h, moe ? &idx : nullptr);
@@ -624,9 +626,8 @@ Decoder::LayerOutput Decoder::checkpointed_layer(const LayerSlots& L, const at::
   auto rec = c10::make_intrusive<LayerRecompute>();
   for (int64_t i : L.all) rec->params.push_back(p(i));
   if (L.moe && c.training && spec_.moe.router_jitter_noise > 0) {
-    AUTOMOE_CHECK(h_in.device().is_cpu(), "router_jitter_noise with activation checkpointing: "
-                  "replaying the noise is implemented for the CPU generator only");
     rec->rng_state = at::Tensor();  // captured in the forward
+    rec->device = h_in.device();
   }
   rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
     // The backward runs outside torch.autocast: recompute under the forward's autocast state.

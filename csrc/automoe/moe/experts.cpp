@@ -63,49 +63,57 @@ at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
   return ops::unpermute_reference(y, plan, weights_TK);
 }
 
-at::Tensor experts_gpt_oss_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
-                                 const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
-                                 const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
-                                 const at::Tensor& b_down_EH) {
+at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
+                           const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& w_gate_up_EHI2, const at::Tensor& b_gate_up_EI2,
+                           const at::Tensor& w_down_EIH, const at::Tensor& b_down_EH,
+                           bool fused_swiglu, std::optional<c10::ScalarType> compute_dtype) {
   const int64_t E = w_gate_up_EHI2.size(0);
-  at::Tensor out_TH = at::zeros_like(x_TH);
-  const at::Tensor counts_E = at::bincount(idx_TK.reshape({-1}), {}, E).cpu();
-  const int64_t* counts = counts_E.data_ptr<int64_t>();
+  const c10::ScalarType mm = compute_dtype.value_or(x_TH.scalar_type());
+  const at::Tensor x = x_TH.to(mm), w_gu = w_gate_up_EHI2.to(mm), w_d = w_down_EIH.to(mm);
   ops::SwigluParams gpt_oss;
   gpt_oss.gpt_oss = true;
-  for (int64_t e = 0; e < E; ++e) {
-    if (counts[e] == 0) continue;
-    const auto where = at::where(idx_TK.t().eq(e));
-    const at::Tensor& slot_idx = where[0];
-    const at::Tensor& token_idx = where[1];
-    const at::Tensor x_eH = x_TH.index_select(0, token_idx);
-    const at::Tensor gate_up = at::matmul(x_eH, w_gate_up_EHI2[e]) + b_gate_up_EI2[e];
-    at::Tensor y_eH = at::matmul(ops::swiglu_reference(gate_up, gpt_oss), w_down_EIH[e]) + b_down_EH[e];
-    y_eH = y_eH * weights_TK.index({token_idx, slot_idx}).unsqueeze(-1);
-    out_TH.index_add_(0, token_idx, y_eH.to(out_TH.scalar_type()));
+  auto swiglu = [&](const at::Tensor& gu) {
+    // The fused op takes one dtype; promoted inputs (autocast) take the reference.
+    return fused_swiglu && gu.scalar_type() == mm ? ops::swiglu(gu, gpt_oss)
+                                                  : ops::swiglu_reference(gu, gpt_oss);
+  };
+  if (backend == "eager") {  // Transformers' GptOssExperts loop, in its order
+    at::Tensor out_TH = at::zeros_like(x_TH);
+    const at::Tensor counts_E = at::bincount(idx_TK.reshape({-1}), {}, E).cpu();
+    const int64_t* counts = counts_E.data_ptr<int64_t>();
+    for (int64_t e = 0; e < E; ++e) {
+      if (counts[e] == 0) continue;
+      const auto where = at::where(idx_TK.t().eq(e));
+      const at::Tensor& slot_idx = where[0];
+      const at::Tensor& token_idx = where[1];
+      const at::Tensor gate_up = at::matmul(x.index_select(0, token_idx), w_gu[e]) + b_gate_up_EI2[e];
+      at::Tensor y_eH = at::matmul(ops::swiglu_reference(gate_up, gpt_oss).to(mm), w_d[e]) + b_down_EH[e];
+      y_eH = y_eH * weights_TK.index({token_idx, slot_idx}).unsqueeze(-1);
+      out_TH.index_add_(0, token_idx, y_eH.to(out_TH.scalar_type()));
+    }
+    return out_TH;
   }
-  return out_TH;
-}
-
-at::Tensor experts_gpt_oss_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
-                                   const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
-                                   const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
-                                   const at::Tensor& b_down_EH, bool fused_swiglu) {
-  const int64_t E = w_gate_up_EHI2.size(0);
   const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, E);
   // The expert of each permuted row, for the per-expert biases.
   const at::Tensor counts_E = plan.offsets.narrow(0, 1, E) - plan.offsets.narrow(0, 0, E);
-  const at::Tensor expert_N =
-      at::repeat_interleave(at::arange(E, plan.offsets.options()), counts_E);
-  ops::SwigluParams gpt_oss;
-  gpt_oss.gpt_oss = true;
-  const at::Tensor x_NH = ops::permute(x_TH, plan);
-  const at::Tensor gu = ops::grouped_gemm(x_NH, w_gate_up_EHI2.transpose(1, 2), plan.offsets) +
+  const at::Tensor expert_N = at::repeat_interleave(at::arange(E, plan.offsets.options()), counts_E);
+  at::Tensor y;
+  if (backend == "torch_mm") {  // ATen's grouped GEMM reads the stored layout directly
+    const at::Tensor ends = plan.offsets.narrow(0, 1, E).to(at::kInt);
+    const at::Tensor gu = at::_grouped_mm(ops::permute_reference(x, plan), w_gu, ends) +
+                          b_gate_up_EI2.index_select(0, expert_N);
+    y = at::_grouped_mm(ops::swiglu_reference(gu, gpt_oss).to(mm), w_d, ends) +
+        b_down_EH.index_select(0, expert_N);
+    return ops::unpermute_reference(y, plan, weights_TK).to(x_TH.scalar_type());
+  }
+  AUTOMOE_CHECK(backend == "grouped", "GPT-OSS experts: unknown backend \"", backend, "\"");
+  // Our grouped GEMM takes [E, O, K] weights: the transposed views (copied per call).
+  const at::Tensor gu = ops::grouped_gemm(ops::permute(x, plan), w_gu.transpose(1, 2), plan.offsets) +
                         b_gate_up_EI2.index_select(0, expert_N);
-  const at::Tensor h = fused_swiglu ? ops::swiglu(gu, gpt_oss) : ops::swiglu_reference(gu, gpt_oss);
-  const at::Tensor y = ops::grouped_gemm(h, w_down_EIH.transpose(1, 2), plan.offsets) +
-                       b_down_EH.index_select(0, expert_N);
-  return ops::unpermute(y, plan, weights_TK);
+  y = ops::grouped_gemm(swiglu(gu).to(mm), w_d.transpose(1, 2), plan.offsets) +
+      b_down_EH.index_select(0, expert_N);
+  return ops::unpermute(y, plan, weights_TK).to(x_TH.scalar_type());
 }
 
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 namespace automoe::moe {
@@ -41,14 +42,15 @@ at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 // and the clamped SwiGLU (ops::SwigluParams::gpt_oss). The eager loop follows Transformers' order;
 // the grouped one runs the fused permute -> grouped GEMM (+ per-row expert bias) -> SwiGLU ->
 // grouped GEMM -> unpermute (`fused_swiglu` false: ATen's SwiGLU reference in between).
-at::Tensor experts_gpt_oss_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
-                                 const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
-                                 const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
-                                 const at::Tensor& b_down_EH);
-at::Tensor experts_gpt_oss_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
-                                   const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EHI2,
-                                   const at::Tensor& b_gate_up_EI2, const at::Tensor& w_down_EIH,
-                                   const at::Tensor& b_down_EH, bool fused_swiglu);
+// `compute_dtype` (torch.autocast's): the two GEMMs run in it, as autocast runs Transformers'
+// matmuls; the biases, SwiGLU and combine then promote as Transformers' do.
+// `backend`: "eager" (the loop), "grouped" (our grouped GEMM on the weights' transposed view) or
+// "torch_mm" (ATen's _grouped_mm, which reads the stored [E, H, 2I] / [E, I, H] as they are).
+at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
+                           const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                           const at::Tensor& w_gate_up_EHI2, const at::Tensor& b_gate_up_EI2,
+                           const at::Tensor& w_down_EIH, const at::Tensor& b_down_EH,
+                           bool fused_swiglu, std::optional<c10::ScalarType> compute_dtype);
 
 // By BackendConfig name: "grouped", "torch_mm" or "eager".
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,

@@ -40,7 +40,7 @@ void parse_decoder_basics(const ConfigReader& cfg, const Defaults& d, ModelSpec*
   s->rms_norm_eps = cfg.get_double("rms_norm_eps", d.rms_norm_eps);
   if (s->rms_norm_eps < 0) cfg.fail_key("rms_norm_eps", "a non-negative number");
   s->tie_word_embeddings = cfg.get_bool("tie_word_embeddings", false);
-  s->pad_token_id = cfg.get_int("pad_token_id", -1);
+  s->pad_token_id = cfg.is_null("pad_token_id") ? -1 : cfg.get_int("pad_token_id", d.pad_token_id);
   const std::string dtype_key = cfg.has("dtype") ? "dtype" : "torch_dtype";
   s->dtype = cfg.has(dtype_key) ? dtype_from_name(cfg.get_string(dtype_key),
                                                   cfg.path() + ": key \"" + dtype_key + "\"")
@@ -51,7 +51,10 @@ void parse_gqa(const ConfigReader& cfg, int64_t kv_default, ModelSpec* s) {
   AttentionSpec& a = s->attn;
   a.kind = AttentionKind::kGQA;
   a.num_heads = positive(cfg, "num_attention_heads");
-  a.num_kv_heads = positive(cfg, "num_key_value_heads", kv_default > 0 ? kv_default : a.num_heads);
+  // Absent: the config class's default; null: num_attention_heads (the classes' __post_init__).
+  a.num_kv_heads = cfg.is_null("num_key_value_heads")
+                       ? a.num_heads
+                       : positive(cfg, "num_key_value_heads", kv_default > 0 ? kv_default : a.num_heads);
   if (a.num_heads % a.num_kv_heads != 0) {
     cfg.fail_key("num_key_value_heads",
                  "a divisor of num_attention_heads (" + std::to_string(a.num_heads) + ")");

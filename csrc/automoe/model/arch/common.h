@@ -24,6 +24,7 @@ void reject_unsupported(const ConfigReader& cfg);
 struct Defaults {
   int64_t max_position_embeddings = 32768;
   double rms_norm_eps = 1e-6;
+  int64_t pad_token_id = -1;  // -1: none
   // DeepSeek-style MoE
   int64_t n_group = 1, topk_group = 1, first_k_dense_replace = 1;
   double routed_scaling_factor = 1.0;

@@ -40,12 +40,16 @@ ModelSpec parse_gpt_oss(const ConfigReader& given) {
   arch::parse_decoder_basics(cfg, d, &s);
   AttentionSpec& a = s.attn;
   a.num_heads = arch::positive(cfg, "num_attention_heads");
-  a.num_kv_heads = arch::positive(cfg, "num_key_value_heads", 8);
+  // Absent: GptOssConfig's defaults; null: what its __post_init__ / attention make of it.
+  a.num_kv_heads = cfg.is_null("num_key_value_heads")
+                       ? a.num_heads
+                       : arch::positive(cfg, "num_key_value_heads", 8);
   if (a.num_heads % a.num_kv_heads != 0) {
     cfg.fail_key("num_key_value_heads",
                  "a divisor of num_attention_heads (" + std::to_string(a.num_heads) + ")");
   }
-  a.head_dim = arch::positive(cfg, "head_dim", 64);
+  a.head_dim = cfg.is_null("head_dim") ? s.hidden_size / a.num_heads
+                                       : arch::positive(cfg, "head_dim", 64);
   a.qkv_bias = a.o_bias = cfg.get_bool("attention_bias", true);
   a.sinks = true;
   s.rope = arch::parse_rope(cfg, a.head_dim, "head_dim", /*partial_default=*/0,
@@ -60,8 +64,9 @@ ModelSpec parse_gpt_oss(const ConfigReader& given) {
   s.moe.gpt_oss = true;
   s.mxfp4_experts = mxfp4;
 
-  // layer_types, or GptOssConfig's default: sliding on even layers.
-  const int64_t window = cfg.has("sliding_window") ? arch::positive(cfg, "sliding_window") : 0;
+  // layer_types, or GptOssConfig's default: sliding on even layers, 128 wide.
+  const bool no_window = cfg.is_null("sliding_window");
+  const int64_t window = no_window ? 0 : arch::positive(cfg, "sliding_window", 128);
   const nlohmann::json& raw = cfg.raw();
   const bool listed = raw.contains("layer_types") && !raw.at("layer_types").is_null();
   if (listed && (!raw.at("layer_types").is_array() ||
@@ -76,6 +81,9 @@ ModelSpec parse_gpt_oss(const ConfigReader& given) {
         cfg.fail_key("layer_types", "\"sliding_attention\" or \"full_attention\" per layer");
       }
       sliding = t == "sliding_attention";
+    }
+    if (sliding && no_window) {
+      cfg.fail_key("sliding_window", "a positive integer (layer_types has sliding_attention layers)");
     }
     s.layers[l].sliding_window = sliding ? window : 0;
   }

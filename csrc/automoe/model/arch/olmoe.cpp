@@ -12,6 +12,7 @@ ModelSpec parse_olmoe(const ConfigReader& cfg) {
   arch::Defaults d;  // OlmoeConfig's
   d.max_position_embeddings = 4096;
   d.rms_norm_eps = 1e-5;
+  d.pad_token_id = 1;
   ModelSpec s;
   s.model_type = "olmoe";
   arch::parse_decoder_basics(cfg, d, &s);

@@ -18,7 +18,8 @@ struct Architecture {
   ModelSpec (*parse)(const ConfigReader& cfg);  // throws automoe::Error on unsupported values
   // Rules between the fused in-memory experts and the per-expert on-disk layout.
   std::vector<WeightRule> per_expert_rules;
-  // Tensors stored under another name than Transformers' in-memory one (both layouts).
+  // Tensors stored under another name than Transformers' in-memory one, in the original
+  // (per-expert) format only: the fused one keeps the in-memory names, as Transformers v5.
   std::vector<RenameRule> renames;
 };
 
