@@ -66,11 +66,11 @@ timeout 420 $PY bench/compare_hf.py --preset "$PRESET" --device "$DEVICE" --dtyp
   --batch "$BATCH" --seq "$SEQ" --warmup 1 --steps 3 --fake-balanced-gate \
   --automoe "$PKG/automoe/bin/automoe" --timeout 90 --out "$OUT/$PRESET" \
   || echo "compare_hf failed or ran out of time (see above)"
-step "side by side through the drop-in's Transformers path: Mixtral (bench/configs), bf16"
-timeout 100 $PY bench/compare_hf.py --config bench/configs/mixtral-cpu-small.json --device "$DEVICE" \
+step "side by side on another native family: DeepSeek-V3 (MLA, group routing; bench/configs), bf16"
+timeout 100 $PY bench/compare_hf.py --config bench/configs/deepseek_v3-cpu-small.json --device "$DEVICE" \
   --dtype bfloat16 --batch 4 --seq 1024 --warmup 1 --steps 3 --impls grouped_mm \
-  --automoe "$PKG/automoe/bin/automoe" --timeout 40 --out "$OUT/mixtral-cpu-small" \
-  || echo "compare_hf (mixtral) failed or ran out of time (see above)"
+  --automoe "$PKG/automoe/bin/automoe" --timeout 40 --out "$OUT/deepseek_v3-cpu-small" \
+  || echo "compare_hf (deepseek_v3) failed or ran out of time (see above)"
 step "trainer: examples/chat.yaml on $DEVICE, bf16 compute + fp32 masters, 60 steps"
 # The demo's tiny model and tokenizer, then a short packed chat fine-tune with metrics and export.
 $PY - "$OUT/train-model" <<'PYEOF' || echo "trainer model build failed"

@@ -74,12 +74,12 @@ def test_bench_print_config_gives_the_exact_qwen3_30b_layer_geometry():
 
 
 def test_compare_hf_runs_a_fallback_type_through_the_drop_in(tmp_path):
-    """A Mixtral config: the AutoMoE side is Transformers' model with AutoMoE's kernels (the
+    """A GraniteMoE config: the AutoMoE side is Transformers' model with AutoMoE's kernels (the
     drop-in's path for types without a native engine model), the same model on both sides."""
-    cfg = tmp_path / "mixtral.json"
-    cfg.write_text(json.dumps({"model_type": "mixtral", "vocab_size": 64, "hidden_size": 16,
+    cfg = tmp_path / "granitemoe.json"
+    cfg.write_text(json.dumps({"model_type": "granitemoe", "vocab_size": 64, "hidden_size": 16,
                                "intermediate_size": 8, "num_hidden_layers": 2, "num_attention_heads": 2,
-                               "num_key_value_heads": 1, "head_dim": 8, "num_local_experts": 4,
+                               "num_key_value_heads": 1, "num_local_experts": 4,
                                "num_experts_per_tok": 2}))
     out = tmp_path / "out"
     proc = subprocess.run(
