@@ -7,29 +7,42 @@
 
 namespace automoe::moe {
 
-at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
-                         const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                         const at::Tensor& w_down_EHI) {
-  const int64_t E = w_gate_up_EIH.size(0);
-  at::Tensor out_TH = at::zeros_like(x_TH);
-  // counts_E on the host once: the loop below visits only experts with tokens.
+namespace {
+
+// Transformers' experts loop: for each expert that received tokens, in ascending order, its
+// (slot, token) pairs slot-major (the same summation order in the expert's weight gradient);
+// `expert_out(e, x_eH)` is the expert's output for its tokens, weighted here and index_added
+// into a zeroed output of `out_dtype` (the layer input's, under autocast too, as Transformers).
+template <class ExpertOut>
+at::Tensor loop_over_experts(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                             const at::Tensor& weights_TK, int64_t E, c10::ScalarType out_dtype,
+                             ExpertOut&& expert_out) {
+  at::Tensor out_TH = at::zeros(x_TH.sizes(), x_TH.options().dtype(out_dtype));
+  // counts_E on the host once: the loop visits only experts with tokens.
   const at::Tensor counts_E = at::bincount(idx_TK.reshape({-1}), {}, E).cpu();
   const int64_t* counts = counts_E.data_ptr<int64_t>();
   for (int64_t e = 0; e < E; ++e) {
     if (counts[e] == 0) continue;
-    // (slot, token) pairs routed to e, slot-major as in Transformers (same summation order in the
-    // expert's weight gradient).
     const auto where = at::where(idx_TK.t().eq(e));
     const at::Tensor& slot_idx = where[0];
     const at::Tensor& token_idx = where[1];
-    const at::Tensor x_eH = x_TH.index_select(0, token_idx);
-    const auto gate_up = at::linear(x_eH, w_gate_up_EIH[e]).chunk(2, -1);
-    const at::Tensor h_eI = at::silu(gate_up[0]) * gate_up[1];
-    at::Tensor y_eH = at::linear(h_eI, w_down_EHI[e]);
+    at::Tensor y_eH = expert_out(e, x_TH.index_select(0, token_idx));
     y_eH = y_eH * weights_TK.index({token_idx, slot_idx}).unsqueeze(-1);
     out_TH.index_add_(0, token_idx, y_eH.to(out_TH.scalar_type()));
   }
   return out_TH;
+}
+
+}  // namespace
+
+at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
+                         const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
+                         const at::Tensor& w_down_EHI) {
+  return loop_over_experts(x_TH, idx_TK, weights_TK, w_gate_up_EIH.size(0), x_TH.scalar_type(),
+                           [&](int64_t e, const at::Tensor& x_eH) {
+                             const auto gate_up = at::linear(x_eH, w_gate_up_EIH[e]).chunk(2, -1);
+                             return at::linear(at::silu(gate_up[0]) * gate_up[1], w_down_EHI[e]);
+                           });
 }
 
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
@@ -79,20 +92,13 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
                                                   : ops::swiglu_reference(gu, gpt_oss);
   };
   if (backend == "eager") {  // Transformers' GptOssExperts loop, in its order
-    at::Tensor out_TH = at::zeros_like(x_TH);
-    const at::Tensor counts_E = at::bincount(idx_TK.reshape({-1}), {}, E).cpu();
-    const int64_t* counts = counts_E.data_ptr<int64_t>();
-    for (int64_t e = 0; e < E; ++e) {
-      if (counts[e] == 0) continue;
-      const auto where = at::where(idx_TK.t().eq(e));
-      const at::Tensor& slot_idx = where[0];
-      const at::Tensor& token_idx = where[1];
-      const at::Tensor gate_up = at::matmul(x.index_select(0, token_idx), w_gu[e]) + b_gate_up_EI2[e];
-      at::Tensor y_eH = at::matmul(ops::swiglu_reference(gate_up, gpt_oss).to(mm), w_d[e]) + b_down_EH[e];
-      y_eH = y_eH * weights_TK.index({token_idx, slot_idx}).unsqueeze(-1);
-      out_TH.index_add_(0, token_idx, y_eH.to(out_TH.scalar_type()));
-    }
-    return out_TH;
+    return loop_over_experts(x, idx_TK, weights_TK, E, x_TH.scalar_type(),
+                             [&](int64_t e, const at::Tensor& x_eH) {
+                               const at::Tensor gate_up = at::matmul(x_eH, w_gu[e]) + b_gate_up_EI2[e];
+                               return at::matmul(ops::swiglu_reference(gate_up, gpt_oss).to(mm),
+                                                 w_d[e]) +
+                                      b_down_EH[e];
+                             });
   }
   const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, E);
   // The expert of each permuted row, for the per-expert biases.

@@ -240,4 +240,28 @@ void parse_softmax_moe(const ConfigReader& cfg, const std::string& experts_key,
   m.score = RouterScore::kSoftmax;
 }
 
+void parse_layer_types(const ConfigReader& cfg, const std::function<bool(int64_t)>& default_sliding,
+                       int64_t window, const std::string& window_key, ModelSpec* s) {
+  const nlohmann::json& raw = cfg.raw();
+  const bool listed = raw.contains("layer_types") && !raw.at("layer_types").is_null();
+  if (listed && (!raw.at("layer_types").is_array() ||
+                 static_cast<int64_t>(raw.at("layer_types").size()) != s->num_layers)) {
+    cfg.fail_key("layer_types", "a list of " + std::to_string(s->num_layers) + " layer types");
+  }
+  for (int64_t l = 0; l < s->num_layers; ++l) {
+    bool sliding = default_sliding(l);
+    if (listed) {
+      const nlohmann::json& t = raw.at("layer_types").at(l);
+      if (t != "sliding_attention" && t != "full_attention") {
+        cfg.fail_key("layer_types", "\"sliding_attention\" or \"full_attention\" per layer");
+      }
+      sliding = t == "sliding_attention";
+    }
+    if (sliding && window <= 0) {
+      cfg.fail_key(window_key, "a sliding window (layer_types has sliding_attention layers)");
+    }
+    s->layers[l].sliding_window = sliding ? window : 0;
+  }
+}
+
 }  // namespace automoe::arch

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "automoe/io/hf_config.h"
@@ -63,6 +64,12 @@ double yarn_mscale(double factor, double m);
 // moe_intermediate_size, sigmoid scores with e_score_correction_bias, n_group / topk_group,
 // norm_topk_prob, routed_scaling_factor, n_shared_experts; first_k_dense_replace dense layers.
 void parse_deepseek_moe(const ConfigReader& cfg, const Defaults& d, ModelSpec* s);
+
+// Per-layer sliding windows from `layer_types` ("sliding_attention" | "full_attention", one per
+// layer) when the config lists them, else from `default_sliding(layer)`; sliding layers get
+// `window`, which must then be positive (else an error naming `window_key`).
+void parse_layer_types(const ConfigReader& cfg, const std::function<bool(int64_t)>& default_sliding,
+                       int64_t window, const std::string& window_key, ModelSpec* s);
 
 // num_nextn_predict_layers (DeepSeek's multi-token prediction; default 1 as in Transformers).
 int64_t parse_mtp_layers(const ConfigReader& cfg);

@@ -67,26 +67,8 @@ ModelSpec parse_gpt_oss(const ConfigReader& given) {
   // layer_types, or GptOssConfig's default: sliding on even layers, 128 wide.
   const bool no_window = cfg.is_null("sliding_window");
   const int64_t window = no_window ? 0 : arch::positive(cfg, "sliding_window", 128);
-  const nlohmann::json& raw = cfg.raw();
-  const bool listed = raw.contains("layer_types") && !raw.at("layer_types").is_null();
-  if (listed && (!raw.at("layer_types").is_array() ||
-                 static_cast<int64_t>(raw.at("layer_types").size()) != s.num_layers)) {
-    cfg.fail_key("layer_types", "a list of " + std::to_string(s.num_layers) + " layer types");
-  }
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    bool sliding = (l + 1) % 2 == 1;
-    if (listed) {
-      const nlohmann::json& t = raw.at("layer_types").at(l);
-      if (t != "sliding_attention" && t != "full_attention") {
-        cfg.fail_key("layer_types", "\"sliding_attention\" or \"full_attention\" per layer");
-      }
-      sliding = t == "sliding_attention";
-    }
-    if (sliding && no_window) {
-      cfg.fail_key("sliding_window", "a positive integer (layer_types has sliding_attention layers)");
-    }
-    s.layers[l].sliding_window = sliding ? window : 0;
-  }
+  arch::parse_layer_types(cfg, [](int64_t l) { return (l + 1) % 2 == 1; }, window,
+                          "sliding_window", &s);
   return s;
 }
 

@@ -2,8 +2,6 @@
 // sliding windows per layer (layer_types), softmax top-k router (norm_topk_prob), a shared expert
 // scaled by sigmoid(shared_expert_gate(x)), dense MLP on `mlp_only_layers` and off the
 // `decoder_sparse_step` grid.
-#include <nlohmann/json.hpp>
-
 #include "automoe/model/arch/common.h"
 #include "automoe/model/arch/registry.h"
 
@@ -35,29 +33,9 @@ ModelSpec parse_qwen2_moe(const ConfigReader& cfg) {
   const bool use_sliding = cfg.get_flag("use_sliding_window", false);
   const int64_t window = use_sliding ? arch::positive(cfg, "sliding_window", 4096) : 0;
   const int64_t max_window_layers = cfg.get_int("max_window_layers", 28);
-  const nlohmann::json& raw = cfg.raw();
-  const bool listed = raw.contains("layer_types") && !raw.at("layer_types").is_null();
-  if (listed) {
-    const nlohmann::json& types = raw.at("layer_types");
-    if (!types.is_array() || static_cast<int64_t>(types.size()) != s.num_layers) {
-      cfg.fail_key("layer_types", "a list of " + std::to_string(s.num_layers) + " layer types");
-    }
-  }
-  for (int64_t l = 0; l < s.num_layers; ++l) {
-    bool sliding = use_sliding && (l + 1) % 2 == 1 && l < max_window_layers;
-    if (listed) {
-      const nlohmann::json& t = raw.at("layer_types").at(l);
-      if (t != "sliding_attention" && t != "full_attention") {
-        cfg.fail_key("layer_types", "\"sliding_attention\" or \"full_attention\" per layer");
-      }
-      sliding = t == "sliding_attention";
-    }
-    if (sliding && window == 0) {
-      cfg.fail_key("use_sliding_window",
-                   "true when layer_types has sliding_attention layers (no window otherwise)");
-    }
-    s.layers[l].sliding_window = sliding ? window : 0;
-  }
+  arch::parse_layer_types(
+      cfg, [&](int64_t l) { return use_sliding && (l + 1) % 2 == 1 && l < max_window_layers; },
+      window, "use_sliding_window", &s);
   return s;
 }
 
