@@ -151,8 +151,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
         fwd_bwd(lambda a: OPS.router_reference(a, K)[0], [logits]), bytes_=4 * T * E * 4)
 
     idx, wts = routing(T, K, E, device)
-    plan = OPS.moe_dispatch_plan(idx, E)
-    add("dispatch plan", lambda: OPS.moe_dispatch_plan(idx, E), None, bytes_=3 * T * K * 8)
+    plan = OPS.moe_permute_plan(idx, E)
+    add("permute plan", lambda: OPS.moe_permute_plan(idx, E), None, bytes_=3 * T * K * 8)
     add("permute", fwd_bwd(lambda a: OPS.permute(a, *plan), [x]),
         fwd_bwd(lambda a: OPS.permute_reference(a, *plan), [x]), bytes_=4 * T * K * H * es)
     y = leaf(mk(T * K, H))

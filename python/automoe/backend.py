@@ -24,7 +24,9 @@ class BackendConfig:
     # "torch": full logits then cross-entropy (logits returned, as in Transformers);
     # "fused_linear_ce": chunked LM head + loss, no logits returned when labels are given
     loss: str = "torch"
-    dispatcher: str = "local"
+    # expert parallelism: "auto" (local at ep_size 1, else alltoall), "local", "allgather",
+    # "alltoall", "alltoall_overlap" (see docs/parallelism.md)
+    dispatcher: str = "auto"
     fake_balanced_gate: bool = False  # round-robin routing, for performance measurements only
 
     @classmethod

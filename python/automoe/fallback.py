@@ -133,7 +133,7 @@ def _experts_kwargs(cfg: BackendConfig, kwargs: dict, explicit_backend: bool) ->
     if cfg.loss != "torch":
         raise ValueError(f"backend loss={cfg.loss!r}: on Transformers' model (no native AutoMoE model for "
                          "this type) the loss is Transformers' own; use loss='torch'")
-    if cfg.dispatcher != "local":
+    if cfg.dispatcher not in ("auto", "local"):
         raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: expert parallelism is not available")
     if cfg.fake_balanced_gate:
         raise ValueError("backend fake_balanced_gate=True needs AutoMoE's native engine")

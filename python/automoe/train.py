@@ -17,11 +17,13 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...]
+USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...] [--nproc-per-node N]
 
 Fine-tunes model.path on data.train and exports a Hugging Face checkpoint to
 <checkpoint.dir>/export; re-running on the same checkpoint.dir resumes. Overrides use YAML
 values: train.max_steps=100 optimizer.lr=2e-5 data.packing=false. See docs/recipes.md.
+--nproc-per-node N runs N processes on this machine (torchrun); under torchrun or Slurm each
+process is one rank. The recipe's `parallel` section sets ep and dp (docs/parallelism.md).
 """
 
 
@@ -153,11 +155,17 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr, end="")
         raise SystemExit(0 if argv else 2)
-    from automoe import cli, data
+    from automoe import cli, data, distributed
 
     try:
+        nproc, argv = distributed.split_nproc(argv)
+        if nproc is not None and nproc > 1 and not distributed.launched():
+            load_recipe(argv[0], argv[1:])  # a bad recipe fails here, once, not in N processes
+            distributed.exec_torchrun(nproc, argv)
         doc = load_recipe(argv[0], argv[1:])
         recipe = resolve(doc, argv[0])
+        if distributed.launched():
+            raise SystemExit(_train_rank(recipe, argv[0]))
         engine_args = prepare(recipe)
     except (RecipeError, data.DataError, ValueError, OSError) as e:
         print(f"automoe train: error: {e}", file=sys.stderr)
@@ -165,3 +173,31 @@ def main(argv: list[str]) -> None:
     sys.stderr.flush()
     # The engine validates the recipe again and records it as <checkpoint.dir>/recipe.json.
     cli.exec_engine(["train", "--recipe-text", json.dumps(recipe), "--origin", argv[0], *engine_args])
+
+
+def _train_rank(recipe: dict, origin: str) -> int:
+    """One rank of a distributed run: rank 0 tokenises (the others then find the data cached), and
+    every rank runs the C++ trainer in this process on torch.distributed's groups."""
+    import io
+
+    from automoe import _C, distributed
+
+    groups = distributed.init(recipe)
+    rank = distributed.rank()
+    if rank == 0:
+        engine_args = prepare(recipe)
+        distributed.barrier()
+    else:
+        distributed.barrier()
+        engine_args = prepare(recipe, log=io.StringIO())
+    args = dict(zip(engine_args[::2], engine_args[1::2]))
+    sys.stderr.flush()
+    try:
+        code = _C.train(json.dumps(recipe), origin, args["--train-data"], args.get("--validation-data", ""),
+                        args["--train-key"], **groups)
+    except Exception as e:  # noqa: BLE001 (the engine's errors, reported per rank)
+        print(f"automoe train (rank {rank}): error: {e}", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)  # the other ranks' collectives fail (torchrun stops them, or the timeout does)
+    distributed.finish()
+    return code

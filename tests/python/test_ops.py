@@ -63,7 +63,7 @@ def randn(g, *shape, scale=1.0):
     return torch.randn(tuple(shape), generator=g, dtype=torch.float64) * scale
 
 
-# ---- dispatch plans -------------------------------------------------------------------------
+# ---- permute plans -------------------------------------------------------------------------
 
 
 def plan_reference(idx: torch.Tensor, E: int):
@@ -96,19 +96,19 @@ ROUTINGS = [(1, 1, 3, "random"), (7, 2, 5, "empty_and_dropped"), (13, 1, 4, "one
             (33, 4, 9, "random")]
 
 
-def test_dispatch_plan_matches_a_stable_sort():
+def test_permute_plan_matches_a_stable_sort():
     g = torch.Generator().manual_seed(0)
     for T, K, E, pattern in ROUTINGS:
         idx = routing(g, T, K, E, pattern)
         for device in DEVICES:
-            got = OPS.moe_dispatch_plan(idx.to(device), E)
+            got = OPS.moe_permute_plan(idx.to(device), E)
             for a, b in zip(got, plan_reference(idx, E)):
                 assert torch.equal(a.cpu(), b), (T, K, E, pattern, device)
 
 
-def test_dispatch_plan_rejects_out_of_range_experts():
+def test_permute_plan_rejects_out_of_range_experts():
     with pytest.raises(Exception, match=r"indices must be in \[-1, 4\)"):
-        OPS.moe_dispatch_plan(torch.tensor([[0, 4]]), 4)
+        OPS.moe_permute_plan(torch.tensor([[0, 4]]), 4)
 
 
 # ---- cases ------------------------------------------------------------------------------------
@@ -287,7 +287,7 @@ def test_finite_differences_rmsnorm_rope_swiglu():
 def test_finite_differences_permute_grouped_gemm_unpermute():
     g = torch.Generator().manual_seed(4)
     idx = routing(g, 5, 2, 4, "empty_and_dropped")
-    plan = OPS.moe_dispatch_plan(idx, 4)
+    plan = OPS.moe_permute_plan(idx, 4)
     x = randn(g, 5, 3).requires_grad_()
     gradcheck_case(lambda a: OPS.permute(a, *plan), (x,))
     xp = randn(g, 10, 3).requires_grad_()

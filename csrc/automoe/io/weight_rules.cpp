@@ -62,12 +62,13 @@ std::string disk_name(const std::string& prefix, const std::string& part, int64_
 }
 
 at::Tensor gather_experts(const WeightRule& rule, const std::string& prefix, int64_t num_experts,
-                          const std::function<at::Tensor(const std::string&)>& get) {
+                          const std::function<at::Tensor(const std::string&)>& get,
+                          int64_t first_expert) {
   std::vector<at::Tensor> parts;
   for (const auto& part : rule.parts) {
     std::vector<at::Tensor> experts;
     experts.reserve(num_experts);
-    for (int64_t e = 0; e < num_experts; ++e) {
+    for (int64_t e = first_expert; e < first_expert + num_experts; ++e) {
       at::Tensor t = get(disk_name(prefix, part, e));
       if (!experts.empty()) {
         AUTOMOE_CHECK(t.sizes() == experts.front().sizes() && t.dtype() == experts.front().dtype(),

@@ -54,8 +54,9 @@ const WeightRule* find_rule(const std::vector<WeightRule>& rules, const std::str
 std::string disk_name(const std::string& prefix, const std::string& part, int64_t expert);
 
 // Builds the in-memory tensor from its per-expert disk tensors, fetched through `get`.
+// `first_expert`: the disk index of the first expert gathered (expert parallelism reads a range).
 at::Tensor gather_experts(const WeightRule& rule, const std::string& prefix, int64_t num_experts,
-                          const std::function<at::Tensor(const std::string&)>& get);
+                          const std::function<at::Tensor(const std::string&)>& get, int64_t first_expert = 0);
 
 // Splits an in-memory tensor back into its per-expert disk tensors (views, in expert order).
 std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule& rule,

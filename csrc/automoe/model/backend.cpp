@@ -18,7 +18,7 @@ const std::map<std::string, std::vector<std::string>>& implemented() {
       {"attn", {"sdpa", "eager"}},      {"experts", {"grouped", "torch_mm", "eager"}},
       {"rms_norm", {"fused", "torch"}}, {"rope", {"fused", "torch"}},
       {"swiglu", {"fused", "torch"}},   {"loss", {"torch", "fused_linear_ce"}},
-      {"dispatcher", {"local"}},        {"fake_balanced_gate", {"false", "true"}},
+      {"dispatcher", {"auto", "local", "allgather", "alltoall", "alltoall_overlap"}},        {"fake_balanced_gate", {"false", "true"}},
   };
   return fields;
 }
@@ -53,6 +53,7 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
                     : value == "torch_mm" ? ExpertsBackend::kTorchMM
                                           : ExpertsBackend::kGrouped;
     }
+    if (key == "dispatcher") cfg.dispatcher = value;
     if (key == "rms_norm") cfg.fused_rms_norm = value == "fused";
     if (key == "rope") cfg.fused_rope = value == "fused";
     if (key == "swiglu") cfg.fused_swiglu = value == "fused";
@@ -75,6 +76,7 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   out["swiglu"] = fused_swiglu ? "fused" : "torch";
   out["loss"] = loss == LossBackend::kFusedLinearCE ? "fused_linear_ce" : "torch";
   out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
+  out["dispatcher"] = dispatcher;
   return out;
 }
 

@@ -29,6 +29,10 @@ struct BackendConfig {
   // Round-robin routing (token t -> experts (t*K + k) mod E, weights 1/K) for performance
   // measurements with perfectly balanced experts, as NeMo AutoModel's benchmarks do.
   bool fake_balanced_gate = false;
+  // How tokens reach the experts of other ranks under expert parallelism (moe/dispatcher.h):
+  // "allgather", "alltoall", "alltoall_overlap"; "local" (no exchange) needs ep = 1; "auto":
+  // local at ep = 1, alltoall otherwise.
+  std::string dispatcher = "auto";
 
   // From {"attn": "sdpa", ...}; an unknown field or value is an automoe::Error naming it and the
   // accepted values; `origin` says where the map came from (a recipe key, a Python argument).

@@ -78,6 +78,16 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     used.insert(name);
     return ckpt.get(name);
   };
+  // Expert parallelism: this process's experts only, as byte ranges of the files.
+  const MoESpec& moe = spec.moe;
+  const bool sharded = moe.sharded();
+  auto get_experts = [&](const std::string& memory_name) {
+    const std::string name = to_disk_name(renames, memory_name);
+    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
+                  to_string(layout), " layout)");
+    used.insert(name);
+    return ckpt.get_rows(name, moe.expert_begin, moe.expert_begin + moe.expert_count);
+  };
   // MXFP4 experts dequantise to the dtype asked for, else to the dtype the checkpoint's other
   // tensors are stored in (their biases'), so that the model stays in one dtype.
   auto dequant_dtype_for = [&](const std::string& name) -> c10::ScalarType {
@@ -96,15 +106,22 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
         ckpt.contains(decl.name + "_blocks")) {
       // Stored [E, O, G, 16] + [E, O, G] for the transposed in-memory [E, K, O]: as Transformers.
       dequant_dtype = dequant_dtype_for(decl.name);
-      t = dequantize_mxfp4(get(decl.name + "_blocks"), get(decl.name + "_scales"), *dequant_dtype,
+      auto part = [&](const std::string& n) { return sharded ? get_experts(n) : get(n); };
+      t = dequantize_mxfp4(part(decl.name + "_blocks"), part(decl.name + "_scales"), *dequant_dtype,
                            ckpt.dir() + ": tensor " + decl.name)
               .transpose(1, 2)
               .contiguous();
       ++dequantised;
     } else {
-      t = (rule && layout == ExpertsLayout::kPerExpert)
-              ? gather_experts(*rule, prefix, spec.moe.num_experts, get)
-              : get(decl.name);
+      if (rule && layout == ExpertsLayout::kPerExpert) {
+        t = gather_experts(*rule, prefix, moe.local_experts(), get, sharded ? moe.expert_begin : 0);
+        for (int64_t e = 0; sharded && e < moe.num_experts; ++e) {  // other ranks' experts
+          if (e >= moe.expert_begin && e < moe.expert_begin + moe.expert_count) continue;
+          for (const auto& part : rule->parts) used.insert(to_disk_name(renames, disk_name(prefix, part, e)));
+        }
+      } else {
+        t = sharded && decl.routed_expert ? get_experts(decl.name) : get(decl.name);
+      }
     }
     AUTOMOE_CHECK(t.sizes() == at::IntArrayRef(decl.shape), ckpt.dir(), ": tensor ", decl.name,
                   ": expected shape ", at::IntArrayRef(decl.shape), " from config.json, found ",
@@ -216,10 +233,15 @@ NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spe
 
 PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
                                 const BackendConfig& backend,
-                                const std::optional<std::string>& config_json) {
+                                const std::optional<std::string>& config_json,
+                                ExpertShard experts) {
   PretrainedModel m;
   m.config = config_json ? parse_config(*config_json, (fs::path(dir) / "config.json").string())
                          : load_config(dir);
+  if (experts.count > 0 && experts.count < m.config.spec.moe.num_experts) {
+    m.config.spec.moe.expert_begin = experts.begin;
+    m.config.spec.moe.expert_count = experts.count;
+  }
   m.source_dir = dir;
   const Architecture& arch = find_architecture(m.config.spec.model_type, m.config.path);
   SafetensorsCheckpoint ckpt(dir);

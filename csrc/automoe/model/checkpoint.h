@@ -47,9 +47,15 @@ NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spe
 
 // `config_json`: the config to build from instead of `dir`/config.json (a caller that changed it,
 // e.g. the drop-in applying from_pretrained's config overrides); errors still name `dir`.
+// `experts`: expert parallelism's [begin, begin + count) of every MoE layer, read as byte ranges
+// (count 0: all experts).
+struct ExpertShard {
+  int64_t begin = 0, count = 0;
+};
 PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
                                 const BackendConfig& backend = {},
-                                const std::optional<std::string>& config_json = std::nullopt);
+                                const std::optional<std::string>& config_json = std::nullopt,
+                                ExpertShard experts = {});
 
 // A model with fresh parameters for a config (Transformers' from_config): see init_parameters.
 PretrainedModel init_pretrained(const std::string& config_json, const std::string& origin,

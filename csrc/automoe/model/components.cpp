@@ -18,6 +18,7 @@ class Declarer {
     return i;
   }
   int64_t size() const { return static_cast<int64_t>(out_->size()); }
+  void mark_routed_expert(int64_t slot) { (*out_)[slot].routed_expert = true; }
 
  private:
   std::vector<ParamDecl>* out_;
@@ -84,17 +85,24 @@ MlpSlots mlp(Declarer& d, int64_t H, int64_t I, const std::string& pre) {
 MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
   MoESlots s;
   const int64_t E = m.num_experts, I = m.intermediate_size;
+  const int64_t El = m.local_experts();
+  auto expert = [&](const std::string& name, std::vector<int64_t> shape, Init init = Init::kNormal) {
+    shape.insert(shape.begin(), El);
+    const int64_t slot = d.add(name, shape, init);
+    d.mark_routed_expert(slot);
+    return slot;
+  };
   if (m.gpt_oss) {  // Transformers' GptOssMLP: router, then experts stored transposed with biases
     s.router = d.add(pre + "router.weight", {E, H});
     s.router_bias = d.add(pre + "router.bias", {E});  // drawn like the weight, as Transformers
-    s.gate_up = d.add(pre + "experts.gate_up_proj", {E, H, 2 * I});
-    s.gate_up_bias = d.add(pre + "experts.gate_up_proj_bias", {E, 2 * I}, Init::kZeros);
-    s.down = d.add(pre + "experts.down_proj", {E, I, H});
-    s.down_bias = d.add(pre + "experts.down_proj_bias", {E, H}, Init::kZeros);
+    s.gate_up = expert(pre + "experts.gate_up_proj", {H, 2 * I});
+    s.gate_up_bias = expert(pre + "experts.gate_up_proj_bias", {2 * I}, Init::kZeros);
+    s.down = expert(pre + "experts.down_proj", {I, H});
+    s.down_bias = expert(pre + "experts.down_proj_bias", {H}, Init::kZeros);
     return s;
   }
-  s.gate_up = d.add(pre + "experts.gate_up_proj", {E, 2 * I, H});
-  s.down = d.add(pre + "experts.down_proj", {E, H, I});
+  s.gate_up = expert(pre + "experts.gate_up_proj", {2 * I, H});
+  s.down = expert(pre + "experts.down_proj", {H, I});
   s.router = d.add(pre + "gate.weight", {E, H});
   if (m.correction_bias) s.correction_bias = d.buffer(pre + "gate.e_score_correction_bias", {E}, Init::kZeros);
   if (m.shared_intermediate_size >= 0) {
@@ -159,8 +167,9 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
     total += core;
     for (int64_t w : {t.q, t.k, t.v, t.o, t.q_a, t.q_b, t.kv_a, t.kv_b}) total += matmul(w);
     if (L.moe) {
-      // Each token runs top_k of the E experts.
-      const double share = static_cast<double>(s.moe.top_k) / static_cast<double>(s.moe.num_experts);
+      // Each token runs top_k experts (the declared shapes hold this process's experts).
+      const double share =
+          static_cast<double>(s.moe.top_k) / static_cast<double>(s.moe.local_experts());
       total += matmul(L.experts.router) +
                share * (matmul(L.experts.gate_up) + matmul(L.experts.down)) +
                mlp_flops(L.experts.shared) + matmul(L.experts.shared_gate);

@@ -26,6 +26,8 @@ struct ParamDecl {
   // (DeepSeek-V3's e_score_correction_bias).
   bool trainable = true;
   bool keep_float32 = false;  // stays float32 whatever dtype the model is loaded in
+  // A routed expert tensor: dim 0 is the expert (this process's spec.moe.local_experts()).
+  bool routed_expert = false;
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;

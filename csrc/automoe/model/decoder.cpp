@@ -48,6 +48,13 @@ Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
   router_.scaling = spec_.moe.routed_scaling_factor;
 }
 
+void Decoder::set_dispatcher(std::shared_ptr<moe::Dispatcher> dispatcher) {
+  AUTOMOE_CHECK(!dispatcher || !spec_.moe.gpt_oss,
+                "expert parallelism: GPT-OSS's experts (biases, transposed storage) do not run "
+                "under an expert-parallel dispatcher yet; use ep = 1 (data parallelism)");
+  dispatcher_ = std::move(dispatcher);
+}
+
 void Decoder::set_backend(BackendConfig backend) {
   backend_ = backend;
   ops_ = resolve(backend);
@@ -448,6 +455,22 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
 at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
                             const at::Tensor& w_gate_up, const at::Tensor& w_down,
                             std::optional<c10::ScalarType> compute_dtype) const {
+  if (spec_.moe.sharded()) {
+    AUTOMOE_CHECK(dispatcher_, "this model holds experts [", spec_.moe.expert_begin, ", ",
+                  spec_.moe.expert_begin + spec_.moe.expert_count, ") of ", spec_.moe.num_experts,
+                  " and needs an expert-parallel dispatcher to run");
+    const c10::ScalarType mm = compute_dtype.value_or(x_TH.scalar_type());
+    const at::Tensor gu = w_gate_up.to(mm), dn = w_down.to(mm);
+    const std::string backend = backend_.to_map().at("experts");
+    const bool fused_swiglu = backend_.fused_swiglu;
+    auto local = [&](const at::Tensor& x_NH, const at::Tensor& offsets_L1) {
+      return moe::experts_on_rows(backend, x_NH, offsets_L1, gu, dn, fused_swiglu);
+    };
+    return dispatcher_
+        ->run(x_TH.to(mm), routing.idx_TK, routing.weights_TK, local,
+              backend_.experts == ExpertsBackend::kGrouped)
+        .to(x_TH.scalar_type());
+  }
   if (compute_dtype && *compute_dtype != x_TH.scalar_type()) {
     return ops_
         .experts(x_TH.to(*compute_dtype), routing.idx_TK, routing.weights_TK,

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "automoe/model/backend.h"
+#include "automoe/moe/dispatcher.h"
 #include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/model/spec.h"
@@ -83,6 +84,11 @@ class Decoder {
   const ModelSpec& spec() const { return spec_; }
   const BackendConfig& backend() const { return backend_; }
   void set_backend(BackendConfig backend);
+  // Expert parallelism: how this process's tokens reach the experts of the other ranks of its EP
+  // group (the spec holds this rank's experts, ModelSpec::moe.expert_begin/expert_count). A
+  // sharded model refuses to run without one.
+  void set_dispatcher(std::shared_ptr<moe::Dispatcher> dispatcher);
+  moe::Dispatcher* dispatcher() const { return dispatcher_.get(); }
   // Parameters and buffers, in parameter_layout order; trainable()[i] says which is which.
   const NamedTensors& named_parameters() const { return params_; }
   const std::vector<bool>& trainable() const { return trainable_; }
@@ -162,6 +168,7 @@ class Decoder {
   at::Tensor inv_freq_;
   double scale_ = 1.0;            // attention softmax scale
   ops::RouterParams router_;      // from spec_.moe
+  std::shared_ptr<moe::Dispatcher> dispatcher_;  // expert parallelism, else null
 };
 
 }  // namespace automoe

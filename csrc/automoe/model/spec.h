@@ -99,6 +99,12 @@ struct MoESpec {
   // Whether Transformers computes the load-balancing loss for this type (forward(
   // output_router_logits=True)); DeepSeek-V3 and GLM-4.5 train without one.
   bool aux_loss = true;
+  // Expert parallelism: this process holds the routed experts [expert_begin, expert_begin +
+  // expert_count) of every MoE layer (their parameters are [expert_count, ...]); 0: all of them.
+  // Routing is always over all num_experts.
+  int64_t expert_begin = 0, expert_count = 0;
+  int64_t local_experts() const { return expert_count > 0 ? expert_count : num_experts; }
+  bool sharded() const { return expert_count > 0 && expert_count < num_experts; }
 };
 
 enum class MlpKind { kDense, kMoE };

@@ -48,7 +48,7 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI) {
-  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor x_NH = ops::permute(x_TH, plan);
   const at::Tensor h_NI = ops::swiglu(ops::grouped_gemm(x_NH, w_gate_up_EIH, plan.offsets));
   return ops::unpermute(ops::grouped_gemm(h_NI, w_down_EHI, plan.offsets), plan, weights_TK);
@@ -58,7 +58,7 @@ at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Te
                                             const at::Tensor& weights_TK,
                                             const at::Tensor& w_gate_up_EIH,
                                             const at::Tensor& w_down_EHI) {
-  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor gu = ops::grouped_gemm(ops::permute(x_TH, plan), w_gate_up_EIH, plan.offsets);
   return ops::unpermute(ops::grouped_gemm(ops::swiglu_reference(gu), w_down_EHI, plan.offsets),
                         plan, weights_TK);
@@ -67,7 +67,7 @@ at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Te
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                             const at::Tensor& w_down_EHI) {
-  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, w_gate_up_EIH.size(0));
+  const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   // _grouped_mm takes the cumulative row ends of each group as int32.
   const at::Tensor ends = plan.offsets.narrow(0, 1, w_gate_up_EIH.size(0)).to(at::kInt);
   const at::Tensor x_NH = ops::permute_reference(x_TH, plan);
@@ -100,7 +100,7 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
                                       b_down_EH[e];
                              });
   }
-  const ops::DispatchPlan plan = ops::dispatch_plan(idx_TK, E);
+  const ops::PermutePlan plan = ops::permute_plan(idx_TK, E);
   // The expert of each permuted row, for the per-expert biases.
   const at::Tensor counts_E = plan.offsets.narrow(0, 1, E) - plan.offsets.narrow(0, 0, E);
   const at::Tensor expert_N = at::repeat_interleave(at::arange(E, plan.offsets.options()), counts_E);
@@ -120,6 +120,34 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
   y = ops::grouped_gemm(swiglu(gu).to(mm), w_d.transpose(1, 2), plan.offsets) +
       b_down_EH.index_select(0, expert_N);
   return ops::unpermute(y, plan, weights_TK).to(x_TH.scalar_type());
+}
+
+at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
+                           const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
+                           const at::Tensor& w_down_GHI, bool fused_swiglu) {
+  const int64_t G = w_gate_up_GIH.size(0);
+  if (backend == "eager") {  // one expert at a time, on its rows
+    const at::Tensor off = offsets_G1.cpu();
+    std::vector<at::Tensor> ys;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t lo = off[g].item<int64_t>(), n = off[g + 1].item<int64_t>() - lo;
+      if (n == 0) continue;
+      const auto gate_up = at::linear(x_NH.narrow(0, lo, n), w_gate_up_GIH[g]).chunk(2, -1);
+      ys.push_back(at::linear(at::silu(gate_up[0]) * gate_up[1], w_down_GHI[g]));
+    }
+    return ys.empty() ? at::zeros({0, w_down_GHI.size(1)}, x_NH.options()) : at::cat(ys, 0);
+  }
+  auto swiglu = [&](const at::Tensor& gu) {
+    return fused_swiglu ? ops::swiglu(gu) : ops::swiglu_reference(gu);
+  };
+  if (backend == "torch_mm") {
+    const at::Tensor ends = offsets_G1.narrow(0, 1, G).to(at::kInt);
+    const at::Tensor gu = at::_grouped_mm(x_NH, w_gate_up_GIH.transpose(1, 2), ends);
+    return at::_grouped_mm(ops::swiglu_reference(gu), w_down_GHI.transpose(1, 2), ends);
+  }
+  AUTOMOE_CHECK(backend == "grouped", "experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
+  return ops::grouped_gemm(swiglu(ops::grouped_gemm(x_NH, w_gate_up_GIH, offsets_G1)), w_down_GHI,
+                           offsets_G1);
 }
 
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,

@@ -18,7 +18,7 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 
 // The `grouped` backend: the fused ops router -> permute -> grouped_gemm -> swiglu -> grouped_gemm
 // -> unpermute (ops/ops.h). Rows are grouped by expert in the deterministic order of
-// ops::dispatch_plan; each token's K expert outputs are combined in slot order with float32
+// ops::permute_plan; each token's K expert outputs are combined in slot order with float32
 // accumulation. weights_TK may be float32 (the router's) or x's dtype.
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
@@ -51,6 +51,14 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& w_gate_up_EHI2, const at::Tensor& b_gate_up_EI2,
                            const at::Tensor& w_down_EIH, const at::Tensor& b_down_EH,
                            bool fused_swiglu, std::optional<c10::ScalarType> compute_dtype);
+
+// The experts on rows already grouped by expert (what an expert-parallel dispatcher delivers):
+// rows [offsets[g], offsets[g+1]) run expert g of w_gate_up [G, 2I, H] / w_down [G, H, I]; the
+// unweighted outputs [N, H] in x's dtype. `backend` as BackendConfig.experts; `fused_swiglu`
+// false takes ATen's SwiGLU (ops::swiglu_reference).
+at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
+                           const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
+                           const at::Tensor& w_down_GHI, bool fused_swiglu);
 
 // By BackendConfig name: "grouped", "torch_mm" or "eager".
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,

@@ -30,17 +30,17 @@ RouterResult router_given(const at::Tensor& logits_TE, const at::Tensor& idx_TK,
                           const RouterParams& p);
 
 // ---- permute / unpermute ------------------------------------------------------------------
-struct DispatchPlan {
+struct PermutePlan {
   at::Tensor offsets;    // [E+1] int64 row ranges per expert
   at::Tensor slot_pos;   // [T, K] int64 permuted row of each slot, -1 if dropped
   at::Tensor src_token;  // [T*K] int64 token of each permuted row, -1 past offsets[E]
 };
-DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts);
-at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan);
-at::Tensor permute_reference(const at::Tensor& x_TH, const DispatchPlan& plan);
+PermutePlan permute_plan(const at::Tensor& idx_TK, int64_t num_experts);
+at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan);
+at::Tensor permute_reference(const at::Tensor& x_TH, const PermutePlan& plan);
 // out[t] = sum_k weights[t, k] * y[slot_pos[t, k]], float32 accumulation, in y's dtype.
-at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan, const at::Tensor& weights_TK);
-at::Tensor unpermute_reference(const at::Tensor& y_NH, const DispatchPlan& plan,
+at::Tensor unpermute(const at::Tensor& y_NH, const PermutePlan& plan, const at::Tensor& weights_TK);
+at::Tensor unpermute_reference(const at::Tensor& y_NH, const PermutePlan& plan,
                                const at::Tensor& weights_TK);
 
 // ---- grouped GEMM -------------------------------------------------------------------------

@@ -33,21 +33,21 @@ Tensor3 router_op(const Tensor& logits, int64_t top_k, std::string score_func,
   return {r.weights_TK, r.idx_TK, r.scores_TE};
 }
 
-Tensor3 dispatch_plan_op(const Tensor& indices, int64_t num_experts) {
-  const DispatchPlan p = dispatch_plan(indices, num_experts);
+Tensor3 permute_plan_op(const Tensor& indices, int64_t num_experts) {
+  const PermutePlan p = permute_plan(indices, num_experts);
   return {p.offsets, p.slot_pos, p.src_token};
 }
 
-template <Tensor (*Fn)(const Tensor&, const DispatchPlan&)>
+template <Tensor (*Fn)(const Tensor&, const PermutePlan&)>
 Tensor permute_op(const Tensor& x, const Tensor& offsets, const Tensor& slot_pos,
                   const Tensor& src_token) {
-  return Fn(x, DispatchPlan{offsets, slot_pos, src_token});
+  return Fn(x, PermutePlan{offsets, slot_pos, src_token});
 }
 
-template <Tensor (*Fn)(const Tensor&, const DispatchPlan&, const Tensor&)>
+template <Tensor (*Fn)(const Tensor&, const PermutePlan&, const Tensor&)>
 Tensor unpermute_op(const Tensor& y, const Tensor& offsets, const Tensor& slot_pos,
                     const Tensor& src_token, const Tensor& weights) {
-  return Fn(y, DispatchPlan{offsets, slot_pos, src_token}, weights);
+  return Fn(y, PermutePlan{offsets, slot_pos, src_token}, weights);
 }
 
 SwigluParams swiglu_params(const std::string& variant, double alpha, double limit) {
@@ -82,9 +82,9 @@ TORCH_LIBRARY(automoe, m) {
       "float routed_scaling_factor=1.0) -> (Tensor weights, Tensor indices, Tensor scores)";
   m.def((std::string("router") + router_args).c_str(), TORCH_FN(router_op<router>));
   m.def((std::string("router_reference") + router_args).c_str(), TORCH_FN(router_op<router_reference>));
-  m.def("moe_dispatch_plan(Tensor indices, int num_experts) -> "
+  m.def("moe_permute_plan(Tensor indices, int num_experts) -> "
         "(Tensor offsets, Tensor slot_pos, Tensor src_token)",
-        TORCH_FN(dispatch_plan_op));
+        TORCH_FN(permute_plan_op));
   const char* permute_args = "(Tensor x, Tensor offsets, Tensor slot_pos, Tensor src_token) -> Tensor";
   m.def((std::string("permute") + permute_args).c_str(), TORCH_FN(permute_op<permute>));
   m.def((std::string("permute_reference") + permute_args).c_str(), TORCH_FN(permute_op<permute_reference>));

@@ -12,7 +12,12 @@
 #include "automoe/model/config.h"
 #include "automoe/model/arch/registry.h"
 #include "automoe/model/kv_cache.h"
+#include "automoe/moe/dispatcher.h"
+#include "automoe/moe/experts.h"
+#include "automoe/parallel/world.h"
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include "automoe/train/recipe.h"
+#include "automoe/train/trainer.h"
 
 namespace py = pybind11;
 using namespace automoe;
@@ -280,4 +285,59 @@ PYBIND11_MODULE(_C, m) {
         return save_sharded(dir, tensors, max_shard_bytes);
       },
       py::arg("dir"), py::arg("tensors"), py::arg("max_shard_bytes"));
+
+  // ---- distributed ----
+  m.def(
+      "train",
+      [](const std::string& recipe_text, const std::string& origin, const std::string& train_data,
+         const std::string& validation_data, const std::string& train_key,
+         const std::string& world_group, const std::string& ep_group, const std::string& dp_group,
+         int64_t world_size, int64_t ep, const std::string& collective_device) {
+        py::gil_scoped_release no_gil;
+        const train::Recipe rc = train::Recipe::parse(recipe_text, origin);
+        parallel::World w;
+        if (world_size > 1) {
+          AUTOMOE_CHECK(ep >= 1 && world_size % ep == 0, "parallel.ep = ", ep,
+                        " does not divide the ", world_size, " processes");
+          parallel::Mesh mesh;
+          mesh.world = world_size;
+          mesh.ep = ep;
+          mesh.dp = world_size / ep;
+          w = parallel::world_from_group_names(world_group, ep_group, dp_group, mesh,
+                                               c10::Device(collective_device));
+        }
+        return train::run_training(rc, {train_data, validation_data, train_key}, {}, w);
+      },
+      py::arg("recipe_text"), py::arg("origin"), py::arg("train_data"),
+      py::arg("validation_data"), py::arg("train_key"), py::arg("world_group"),
+      py::arg("ep_group"), py::arg("dp_group"), py::arg("world_size"), py::arg("ep"),
+      py::arg("collective_device"),
+      "Runs `automoe train` in this process as one rank of a torch.distributed run (the groups "
+      "by their registered names). Returns the trainer's exit status.");
+  m.def(
+      "dispatch_experts",
+      [](const std::string& kind, const std::string& ep_group, int64_t num_experts,
+         const at::Tensor& x_TH, const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+         const at::Tensor& w_gate_up, const at::Tensor& w_down, const std::string& experts,
+         int64_t chunks) {
+        auto d = moe::make_dispatcher(kind, c10d::resolve_process_group(ep_group), num_experts,
+                                      chunks);
+        auto local = [&](const at::Tensor& x_NH, const at::Tensor& offsets) {
+          return moe::experts_on_rows(experts, x_NH, offsets, w_gate_up, w_down, true);
+        };
+        at::Tensor out = d->run(x_TH, idx_TK, weights_TK, local, experts == "grouped");
+        const moe::DispatchStats st = d->take_stats();
+        py::dict stats;
+        stats["bytes_sent"] = st.bytes_sent;
+        stats["bytes_received"] = st.bytes_received;
+        stats["rows_computed"] = st.rows_computed;
+        stats["wait_s"] = st.wait_s;
+        return py::make_tuple(out, stats);
+      },
+      py::arg("kind"), py::arg("ep_group"), py::arg("num_experts"), py::arg("x"), py::arg("idx"),
+      py::arg("weights"), py::arg("w_gate_up"), py::arg("w_down"), py::arg("experts") = "grouped",
+      py::arg("chunks") = 4,
+      "The routed experts through an expert-parallel dispatcher (this rank holds w_gate_up / "
+      "w_down, its share of the experts): the exchange the engine's MoE layers run, for tests "
+      "and benchmarks. The statistics count only this call's forward.");
 }

@@ -4,8 +4,9 @@
 // which experts are chosen; it is a buffer the optimizer never sees.
 #pragma once
 
-#include <ATen/core/Tensor.h>
+#include <ATen/ATen.h>
 
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <vector>
 
@@ -20,6 +21,14 @@ class BiasBalance {
   bool enabled() const { return !biases_.empty(); }
   // A micro-batch's per-MoE-layer expert counts (ForwardResult::expert_counts).
   void add_counts(const std::vector<at::Tensor>& counts_per_layer);
+  // Hands this step's loads to `reduce` (expert parallelism sums them over the ranks).
+  void sum_counts(const std::function<void(std::vector<at::Tensor>&)>& reduce) {
+    if (!enabled()) return;
+    if (counts_.empty()) {  // every rank joins, whether or not it counted anything
+      for (const auto& b : biases_) counts_.push_back(at::zeros(b.sizes(), b.options()));
+    }
+    reduce(counts_);
+  }
   // After the optimizer step: moves the biases by this step's loads, then forgets them.
   void apply();
   // {"<layer>": {"min": .., "max": ..}} per MoE layer: how far the balancing has moved each bias.

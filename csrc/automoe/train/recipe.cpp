@@ -142,12 +142,12 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   AUTOMOE_CHECK(root.is_object(), origin, ": a recipe is a mapping of sections, got ",
                 type_name(root));
   const std::set<std::string> sections = {"model",    "data",       "train", "optimizer",
-                                          "schedule", "checkpoint", "log",   "router"};
+                                          "schedule", "checkpoint", "log",   "router", "parallel"};
   for (const auto& [k, v] : root.items()) {
     if (!sections.count(k)) {
       fail(origin, ": unknown section `", k,
            "` (a recipe has: model, data, train, optimizer, schedule, checkpoint, log, "
-           "router)");
+           "router, parallel)");
     }
   }
   Recipe r;
@@ -271,6 +271,21 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   Section rt(root, "router", origin);
   r.router.bias_update_rate = rt.number("bias_update_rate", 0.0, 0.0, 1.0);
   rt.finish();
+
+  Section pa(root, "parallel", origin);
+  r.parallel.ep = pa.integer("ep", 1, 1);
+  if (const json* dp = pa.raw("dp"); dp && dp->is_string()) {
+    AUTOMOE_CHECK(dp->get<std::string>() == "auto", pa.where("dp"),
+                  "expected a positive integer or \"auto\", got \"", dp->get<std::string>(), "\"");
+  } else if (dp) {
+    r.parallel.dp = pa.integer("dp", 0, 1);
+  }
+  r.parallel.zero = pa.integer("zero", 0, 0);
+  AUTOMOE_CHECK(r.parallel.zero == 0, pa.where("zero"), r.parallel.zero,
+                ": sharded optimizer state (ZeRO) is not implemented yet; every rank keeps the "
+                "full optimizer state of what it holds (zero: 0)");
+  r.parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
+  pa.finish();
   return r;
 }
 
@@ -318,6 +333,10 @@ std::string Recipe::to_json() const {
               {"peak_tflops", log.peak_tflops},
               {"progress", log.progress}};
   j["router"] = {{"bias_update_rate", router.bias_update_rate}};
+  j["parallel"] = {{"ep", parallel.ep},
+                   {"dp", parallel.dp > 0 ? json(parallel.dp) : json("auto")},
+                   {"zero", parallel.zero},
+                   {"timeout_s", parallel.timeout_s}};
   return j.dump(2);
 }
 

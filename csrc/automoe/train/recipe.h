@@ -84,6 +84,15 @@ struct RouterSection {
   double bias_update_rate = 0.0;
 };
 
+// Multi-process training (docs/parallelism.md): world = dp x ep processes under torchrun or
+// `automoe train --nproc-per-node N`; every rank trains on its own slice of each step's batch.
+struct ParallelSection {
+  int64_t ep = 1;          // expert-parallel ranks: each holds num_experts / ep experts
+  int64_t dp = 0;          // data-parallel replicas; 0 (auto) = world / ep
+  int64_t zero = 0;        // optimizer-state sharding stage; only 0 (none) is implemented
+  double timeout_s = 600;  // a collective waiting longer than this fails the run on every rank
+};
+
 struct Recipe {
   ModelSection model;
   DataSection data;
@@ -93,6 +102,7 @@ struct Recipe {
   CheckpointSection checkpoint;
   LogSection log;
   RouterSection router;
+  ParallelSection parallel;
 
   // From the recipe as JSON text (the YAML document converted). `origin` names it in errors.
   static Recipe parse(const std::string& json_text, const std::string& origin);

@@ -29,6 +29,8 @@
 #include "automoe/train/bias_balance.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
+#include "automoe/train/optimizer.h"
+#include "automoe/train/state.h"
 #include "automoe/train/tensorboard.h"
 
 namespace automoe::train {
@@ -42,22 +44,6 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p);
-  AUTOMOE_CHECK(in.good(), p.string(), ": cannot open");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-void fsync_path(const fs::path& p) {
-  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd >= 0) {
-    ::fsync(fd);
-    ::close(fd);
-  }
-}
-
 c10::Device resolve_device(const std::string& name) {
   if (name == "auto") return torch::cuda::is_available() ? c10::Device("cuda") : c10::Device("cpu");
   const c10::Device dev(name);
@@ -67,171 +53,6 @@ c10::Device resolve_device(const std::string& name) {
                 "train.device: \"", name, "\" but this machine has ", torch::cuda::device_count(),
                 " CUDA device(s)");
   return dev;
-}
-
-// ---- optimizer ---------------------------------------------------------------------------------
-
-// AdamW over float32 master weights: one fused ATen call (at::_fused_adamw_) per group, decay and
-// no-decay (1-D parameters: norms and biases), with a shared step count.
-struct AdamW {
-  std::vector<std::string> names;
-  std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
-  std::vector<bool> decay;
-
-  // own_grads: float32 accumulators of our own (bf16 compute); otherwise `grad` is pointed at
-  // the parameters' .grad before each step.
-  void init(const NamedTensors& masters, bool own_grads) {
-    for (const auto& [n, t] : masters) {
-      names.push_back(n);
-      master.push_back(t);
-      grad.push_back(own_grads ? at::zeros_like(t) : at::Tensor());
-      exp_avg.push_back(at::zeros_like(t));
-      exp_avg_sq.push_back(at::zeros_like(t));
-      step.push_back(at::zeros({}, t.options()));
-      decay.push_back(t.dim() >= 2);
-    }
-  }
-
-  void update(const OptimizerSection& o, double lr) {
-    at::NoGradGuard no_grad;
-    std::vector<at::Tensor> g[2][5];
-    for (size_t i = 0; i < master.size(); ++i) {
-      auto& G = g[decay[i] ? 1 : 0];
-      G[0].push_back(master[i]);
-      G[1].push_back(grad[i]);
-      G[2].push_back(exp_avg[i]);
-      G[3].push_back(exp_avg_sq[i]);
-      G[4].push_back(step[i]);
-    }
-    at::_foreach_add_(step, 1.0);  // the fused kernel reads the step count, it does not advance it
-    for (int d = 0; d < 2; ++d) {
-      if (g[d][0].empty()) continue;
-      at::_fused_adamw_(g[d][0], g[d][1], g[d][2], g[d][3], {}, g[d][4], lr, o.beta1, o.beta2,
-                        d ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false, /*maximize=*/false);
-    }
-  }
-
-  // Global L2 norm of the gradients (before clipping), as a host double.
-  double grad_norm() const {
-    const auto norms = at::_foreach_norm(grad, 2);
-    return at::stack(norms).to(at::kDouble).norm().item<double>();
-  }
-  void scale_grads(double s) { at::_foreach_mul_(grad, s); }
-  void zero_grads() { at::_foreach_zero_(grad); }
-};
-
-// ---- checkpoints ------------------------------------------------------------------------------
-
-std::optional<int64_t> step_of(const std::string& dirname) {
-  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5 || dirname.size() > 5 + 18) {
-    return std::nullopt;
-  }
-  const std::string digits = dirname.substr(5);
-  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-  return std::stoll(digits);
-}
-
-struct TrainerState {
-  int64_t step = 0;
-  DataPosition pos;
-  int64_t tokens_seen = 0, skipped_steps = 0, consecutive_nonfinite = 0;
-};
-
-// Writes step-N/ (master weights, optimizer state, trainer state) under a temporary name, fsyncs
-// it, renames it into place and only then points `latest` at it; then prunes old checkpoints.
-void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
-                     const NamedTensors& buffers, const json& extra, int64_t keep_last) {
-  const std::string name = "step-" + std::to_string(st.step);
-  const fs::path final_dir = run / name;
-  if (fs::exists(final_dir)) {
-    std::string latest;
-    if (fs::exists(run / "latest")) latest = read_text(run / "latest");
-    if (latest.rfind(name + "\n", 0) == 0 || latest == name) return;  // this state is what latest holds
-    // A killed run renamed this step into place but never pointed `latest` at it: replace it.
-    fs::remove_all(final_dir);
-  }
-  const fs::path tmp = run / (".tmp-" + name + "-" + std::to_string(::getpid()));
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
-  NamedTensors weights, state;
-  for (size_t i = 0; i < opt.names.size(); ++i) {
-    weights.emplace_back(opt.names[i], opt.master[i]);
-    state.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
-    state.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
-  }
-  for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
-  if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
-  state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-  save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
-  save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
-  json j = extra;
-  j["step"] = st.step;
-  j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
-  j["tokens_seen"] = st.tokens_seen;
-  j["skipped_steps"] = st.skipped_steps;
-  j["consecutive_nonfinite"] = st.consecutive_nonfinite;
-  write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
-  fsync_path(tmp);
-  fs::rename(tmp, final_dir);
-  fsync_path(run);
-  write_file_atomic((run / "latest").string(), name + "\n");
-
-  std::vector<std::pair<int64_t, fs::path>> steps;
-  for (const auto& e : fs::directory_iterator(run)) {
-    if (auto s = step_of(e.path().filename().string()); s && e.is_directory()) {
-      steps.emplace_back(*s, e.path());
-    }
-  }
-  std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + keep_last < steps.size(); ++i) {
-    if (steps[i].first != st.step) fs::remove_all(steps[i].second);
-  }
-}
-
-// Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
-json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, TrainerState& st) {
-  std::string name = read_text(run / "latest");
-  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
-  AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
-                name, "\"");
-  const fs::path dir = run / name;
-  AUTOMOE_CHECK(fs::is_directory(dir), (run / "latest").string(), " names ", name,
-                ", which does not exist");
-  const SafetensorsFile model((dir / "model.safetensors").string());
-  const SafetensorsFile state((dir / "optimizer.safetensors").string());
-  auto load_into = [](const SafetensorsFile& f, const std::string& key, at::Tensor& dst) {
-    AUTOMOE_CHECK(f.contains(key), f.path(), ": missing tensor ", key);
-    const at::Tensor src = f.get(key);
-    AUTOMOE_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type(), f.path(),
-                  ": tensor ", key, " is ", src.scalar_type(), src.sizes(), ", expected ",
-                  dst.scalar_type(), dst.sizes());
-    dst.copy_(src);
-  };
-  at::NoGradGuard no_grad;
-  for (size_t i = 0; i < opt.names.size(); ++i) {
-    load_into(model, opt.names[i], opt.master[i]);
-    load_into(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
-    load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
-    if (state.contains("step")) load_into(state, "step", opt.step[i]);
-  }
-  for (auto& [name, t] : buffers) load_into(model, name, t);
-  if (state.contains("rng.cpu")) {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    gen.set_state(state.get("rng.cpu").clone());
-  }
-  json j;
-  try {
-    j = json::parse(read_text(dir / "trainer_state.json"));
-    st.step = j.at("step").get<int64_t>();
-    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
-    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
-    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
-    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
-  } catch (const json::exception& e) {
-    fail((dir / "trainer_state.json").string(), ": ", e.what());
-  }
-  return j;
 }
 
 // ---- metrics ----------------------------------------------------------------------------------
@@ -334,7 +155,8 @@ class Progress {
 
 }  // namespace
 
-int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in) {
+int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in,
+                 const parallel::World& world) {
   TrainerHooks hooks = hooks_in;
   if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
   if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
@@ -343,14 +165,21 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   if (dev.is_cuda()) device_guard.reset_device(dev);
   const c10::ScalarType compute = dtype_from_name(rc.model.dtype, "model.dtype");
   const fs::path run(rc.checkpoint.dir);
-  fs::create_directories(run);
-  // One trainer per run directory at a time (the lock goes with the process, however it ends).
-  const int lock_fd = ::open((run / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  AUTOMOE_CHECK(lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, "checkpoint.dir ",
-                run.string(), " is in use by another automoe train process");
-  for (const auto& e : fs::directory_iterator(run)) {  // leftovers of a killed save
-    if (e.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
+  // Rank 0 owns the run directory: the lock, metrics, the recipe record; every rank reads it.
+  const bool lead = world.rank == 0;
+  const bool dist = world.distributed();
+  if (lead) {
+    fs::create_directories(run);
+    // One trainer per run directory at a time (the lock goes with the process, however it ends).
+    const int lock_fd = ::open((run / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    AUTOMOE_CHECK(lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, "checkpoint.dir ",
+                  run.string(), " is in use by another automoe train process");
+    for (const auto& e : fs::directory_iterator(run)) {  // leftovers of a killed save
+      if (e.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
+    }
   }
+  // Every rank sees the directory as rank 0 left it (a shared file system across nodes).
+  if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "run directory");
   const bool has_latest = fs::exists(run / "latest");
   AUTOMOE_CHECK(!has_latest || rc.checkpoint.resume, "checkpoint.dir ", run.string(),
                 " already holds a run (", (run / "latest").string(),
@@ -361,9 +190,35 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   auto backend_fields = rc.model.backend;
   backend_fields.emplace("loss", "fused_linear_ce");
   // Attention sinks (GPT-OSS) have no SDPA kernel: eager unless the recipe chose (then an error).
-  if (load_config(rc.model.path).spec.attn.sinks) backend_fields.emplace("attn", "eager");
-  PretrainedModel pm = load_pretrained(rc.model.path, std::nullopt,
-                                       BackendConfig::from_map(backend_fields, "model.backend"));
+  const LoadedConfig config = load_config(rc.model.path);
+  if (config.spec.attn.sinks) backend_fields.emplace("attn", "eager");
+  const BackendConfig backend = BackendConfig::from_map(backend_fields, "model.backend");
+  // The mesh is checked against the model before any weight is read.
+  const parallel::Mesh mesh = parallel::make_mesh(world.mesh.world, rc.parallel.ep, rc.parallel.dp,
+                                                  config.spec.moe.num_experts, "parallel");
+  AUTOMOE_CHECK(mesh.ep == world.mesh.ep && mesh.dp == world.mesh.dp, "parallel: the recipe's ep = ",
+                mesh.ep, " and dp = ", mesh.dp, " differ from the process groups' (ep = ",
+                world.mesh.ep, ", dp = ", world.mesh.dp, ")");
+  AUTOMOE_CHECK(backend.dispatcher == "auto" || (backend.dispatcher == "local") == (mesh.ep == 1),
+                "model.backend.dispatcher: \"", backend.dispatcher, "\" ",
+                mesh.ep == 1 ? "exchanges tokens between expert-parallel ranks, but parallel.ep is 1"
+                             : "cannot reach the experts of other ranks; with parallel.ep > 1 use "
+                               "allgather, alltoall or alltoall_overlap");
+  const parallel::ExpertRange own =
+      mesh.ep > 1 ? parallel::experts_of(world.ep_rank(), mesh.ep, config.spec.moe.num_experts)
+                  : parallel::ExpertRange{0, 0};
+  PretrainedModel pm =
+      load_pretrained(rc.model.path, std::nullopt, backend, std::nullopt, {own.begin, own.count});
+  if (mesh.ep > 1) {
+    pm.decoder->set_dispatcher(moe::make_dispatcher(
+        backend.dispatcher == "auto" ? "alltoall" : backend.dispatcher, world.ep,
+        config.spec.moe.num_experts));
+  }
+  AUTOMOE_CHECK(rc.train.grad_accumulation_steps % mesh.world == 0, "train.global_batch_size: ",
+                rc.train.global_batch_size, " rows are ", rc.train.grad_accumulation_steps,
+                " micro-batches of ", rc.train.micro_batch_size,
+                ", which do not split evenly over ", mesh.world,
+                " processes (each trains on its own micro-batches of every step)");
   const ModelSpec& spec = pm.decoder->spec();
   const c10::ScalarType stored = pm.decoder->named_parameters().front().second.scalar_type();
   AdamW opt;
@@ -384,7 +239,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         buffers.emplace_back(n, std::move(f32));
       }
     }
-    opt.init(masters, /*own_grads=*/compute != at::kFloat);
+    std::vector<bool> routed;
+    std::vector<ParamDecl> layout = parameter_layout(pm.decoder->spec());
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (trainable[i]) routed.push_back(layout[i].routed_expert);
+    }
+    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat);
   }
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
   AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
@@ -440,7 +300,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                              {"train_documents", train_set.num_docs()},
                              {"train_tokens", train_set.num_tokens()}};
   if (has_latest) {
-    const json saved = load_checkpoint(run, opt, buffers, st);
+    const json saved = load_checkpoint(run, opt, buffers, st, own.begin);
     if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
       std::cerr << "automoe train: note: resuming a run that started from "
                 << saved["model_path"].get<std::string>() << "; its weights come from the "
@@ -455,6 +315,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     // Checkpoints past the one `latest` names are leftovers of a killed run (renamed into place,
     // `latest` never moved): this run recreates them, and they must not count for keep_last.
     for (const auto& e : fs::directory_iterator(run)) {
+      if (!lead) break;
       if (auto s = step_of(e.path().filename().string()); s && *s > st.step) fs::remove_all(e.path());
     }
     AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_set.num_docs(),
@@ -466,16 +327,20 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       for (size_t i = 0; i < opt.names.size(); ++i) model_params[i].copy_(opt.master[i]);
     }
   }
-  write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
+  if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
 
   // Metrics.
   const fs::path jsonl_path = rc.log.jsonl.empty() ? run / "metrics.jsonl" : fs::path(rc.log.jsonl);
   if (jsonl_path.has_parent_path()) fs::create_directories(jsonl_path.parent_path());
-  std::ofstream jsonl(jsonl_path, std::ios::app);
-  AUTOMOE_CHECK(jsonl.good(), "log.jsonl: cannot open ", jsonl_path.string(), " for appending");
+  std::ofstream jsonl;
   std::unique_ptr<TensorBoardWriter> tb;
-  if (!rc.log.tensorboard.empty()) tb = std::make_unique<TensorBoardWriter>(rc.log.tensorboard);
+  if (lead) {
+    jsonl.open(jsonl_path, std::ios::app);
+    AUTOMOE_CHECK(jsonl.good(), "log.jsonl: cannot open ", jsonl_path.string(), " for appending");
+    if (!rc.log.tensorboard.empty()) tb = std::make_unique<TensorBoardWriter>(rc.log.tensorboard);
+  }
   auto emit = [&](const json& rec) {
+    if (!lead) return;
     jsonl << rec.dump() << "\n";
     jsonl.flush();
     if (!tb) return;
@@ -503,11 +368,15 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     tb->flush();
   };
-  Progress progress(rc.log.progress, total_steps);
+  Progress progress(lead ? rc.log.progress : "off", total_steps);
   progress.line("automoe train: " + std::to_string(total_steps) + " steps of " +
                 std::to_string(rc.train.global_batch_size) + " x " +
                 std::to_string(rc.data.seq_len) + " tokens, " + dtype_to_name(compute) + " on " +
-                dev.str() + (st.step > 0 ? ", resuming at step " + std::to_string(st.step) : "") +
+                dev.str() +
+                (dist ? " x " + std::to_string(mesh.world) + " processes (ep " +
+                            std::to_string(mesh.ep) + ", dp " + std::to_string(mesh.dp) + ")"
+                      : std::string()) +
+                (st.step > 0 ? ", resuming at step " + std::to_string(st.step) : "") +
                 " -> " + run.string());
   if (st.step > 0) {
     emit({{"type", "resume"}, {"step", st.step}});  // steps after it may be logged a second time
@@ -539,13 +408,30 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   auto evaluate = [&]() {
     at::NoGradGuard no_grad;
     double ce = 0, n = 0;
-    for (const MicroBatch& mb : val_batches) {
-      if (mb.loss_tokens == 0) continue;
+    // Rank r evaluates batches r, r + world, ...; under expert parallelism every rank runs the
+    // same number of forwards (a rank out of batches reruns batch 0 and ignores it).
+    const int64_t nb = static_cast<int64_t>(val_batches.size()), W = mesh.world;
+    const int64_t rounds = mesh.ep > 1 ? (nb + W - 1) / W : nb;
+    for (int64_t j = 0; j < rounds; ++j) {
+      const int64_t i = mesh.ep > 1 ? j * W + world.rank : j;
+      if (mesh.ep == 1 && i % W != world.rank) continue;
+      const bool counted = i < nb;
+      const MicroBatch& mb = val_batches[counted ? i : 0];
+      if (mb.loss_tokens == 0 && mesh.ep == 1) continue;
       ForwardArgs a = batch_args(mb);
       a.output_router_logits = false;
       a.num_items_in_batch = 1.0;  // the loss is then the token sum
-      ce += pm.decoder->forward(a).loss->item<double>();
+      const double sum = pm.decoder->forward(a).loss->item<double>();
+      if (!counted) continue;
+      ce += sum;
       n += static_cast<double>(mb.loss_tokens);
+    }
+    if (dist) {
+      at::Tensor t = at::tensor({ce, n}, at::kDouble).to(world.device);
+      parallel::all_reduce_sum(world.world, t, "evaluation");
+      t = t.cpu();
+      ce = t[0].item<double>();
+      n = t[1].item<double>();
     }
     emit({{"type", "eval"}, {"step", st.step}, {"eval_loss", n > 0 ? ce / n : NAN},
           {"eval_tokens", n}});
@@ -562,21 +448,30 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   int exit_code = 0;
   while (st.step < total_steps) {
     const auto t0 = Clock::now();
+    // Every rank builds every micro-batch of the step (so the position and the step's loss-token
+    // count are the same everywhere without a collective) and trains on micro-batches
+    // rank, rank + world, ...
     std::vector<MicroBatch> mbs;
-    double window_loss_tokens = 0;
+    double window_loss_tokens = 0, all_tokens = 0, all_flops = 0;
     for (int64_t i = 0; i < accum; ++i) {
-      mbs.push_back(batcher.next(st.pos));
-      window_loss_tokens += static_cast<double>(mbs.back().loss_tokens);
-      win.truncated += mbs.back().truncated;
+      MicroBatch mb = batcher.next(st.pos);
+      window_loss_tokens += static_cast<double>(mb.loss_tokens);
+      win.truncated += mb.truncated;
+      if (mb.loss_tokens > 0) {
+        all_tokens += static_cast<double>(mb.real_tokens);
+        all_flops += static_cast<double>(mb.real_tokens) *
+                     training_flops_per_token(spec, mb.input_ids.size(1));
+      }
+      if (i % mesh.world == world.rank) mbs.push_back(std::move(mb));
     }
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
     for (const MicroBatch& mb : mbs) {
-      if (mb.loss_tokens == 0 || window_loss_tokens == 0) continue;  // nothing to learn: not run
-      step_tokens += static_cast<double>(mb.real_tokens);
-      step_flops += static_cast<double>(mb.real_tokens) *
-                    training_flops_per_token(spec, mb.input_ids.size(1));
+      if (window_loss_tokens == 0) break;  // nothing to learn in the whole step: not run
+      // Nothing to learn in this micro-batch: not run, unless the ranks of an EP group must meet
+      // in its collectives (its loss and aux loss then count zero).
+      if (mb.loss_tokens == 0 && mesh.ep == 1) continue;
       ForwardArgs a = batch_args(mb);
       a.output_router_logits = true;
       a.output_expert_counts = true;
@@ -597,8 +492,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       if (win.expert_counts.empty()) {
         for (const auto& c : r.expert_counts) win.expert_counts.push_back(at::zeros_like(c));
       }
-      for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
-      bias_balance.add_counts(r.expert_counts);
+      if (mb.loss_tokens > 0) {
+        for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
+        bias_balance.add_counts(r.expert_counts);
+      }
       if (mixed) {  // move the bf16 gradients into the fp32 accumulators at once
         at::NoGradGuard no_grad;
         for (size_t i = 0; i < model_params.size(); ++i) {
@@ -626,7 +523,22 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         for (auto& g : opt.grad) g = at::Tensor();
       }
     };
-    const double norm = window_loss_tokens > 0 ? opt.grad_norm() : 0.0;
+    step_tokens = all_tokens;
+    step_flops = all_flops;
+    if (dist) {
+      // The step's loss and finiteness over every rank; gradients summed where they are shared.
+      at::Tensor t = at::tensor({ce_sum, aux_weighted, finite ? 0.0 : 1.0}, at::kDouble).to(world.device);
+      parallel::all_reduce_sum(world.world, t, "step loss");
+      t = t.cpu();
+      ce_sum = t[0].item<double>();
+      aux_weighted = t[1].item<double>();
+      finite = t[2].item<double>() == 0;
+      if (window_loss_tokens > 0) sync_gradients(opt, world);
+      bias_balance.sum_counts([&](std::vector<at::Tensor>& c) {
+        parallel::all_reduce_sum(world.world, c, "router bias loads");
+      });
+    }
+    const double norm = window_loss_tokens > 0 ? opt.grad_norm(world.ep) : 0.0;
     finite = finite && std::isfinite(norm);
     st.step += 1;
     st.tokens_seen += static_cast<int64_t>(step_tokens);
@@ -644,7 +556,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     " in a row)");
       win.skipped += 1;
       if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
-        save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
+        save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
+                        own.begin);
         progress.done();
         std::cerr << "automoe train: stopping after " << st.consecutive_nonfinite
                   << " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint "
@@ -686,6 +599,40 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     progress.update(st.step, shown_loss, win.tokens / std::max(win.seconds, 1e-9),
                     rate * static_cast<double>(total_steps - st.step));
     if (st.step % rc.log.every == 0 || st.step == total_steps) {
+      // Every rank reaches this step's log together: the window's expert loads over all ranks,
+      // and what each rank's dispatcher moved.
+      json dispatch;
+      if (dist) {
+        if (win.expert_counts.empty()) {
+          for (size_t l = 0; l < moe_layers.size(); ++l) {
+            win.expert_counts.push_back(
+                at::zeros({spec.moe.num_experts}, at::TensorOptions(at::kLong).device(dev)));
+          }
+        }
+        parallel::all_reduce_sum(world.world, win.expert_counts, "expert load metrics");
+        moe::DispatchStats ds;
+        if (pm.decoder->dispatcher()) ds = pm.decoder->dispatcher()->take_stats();
+        const auto all = parallel::all_gather_ints(
+            world.world,
+            {ds.bytes_sent, ds.bytes_received, ds.rows_computed,
+             static_cast<int64_t>(ds.wait_s * 1e6)},
+            world.device, "dispatch metrics");
+        std::vector<int64_t> sent, received, rows;
+        std::vector<double> wait;
+        for (int64_t r = 0; r < mesh.world; ++r) {
+          sent.push_back(all[4 * r]);
+          received.push_back(all[4 * r + 1]);
+          rows.push_back(all[4 * r + 2]);
+          wait.push_back(static_cast<double>(all[4 * r + 3]) / 1e6);
+        }
+        if (pm.decoder->dispatcher()) {
+          dispatch = {{"dispatcher", pm.decoder->dispatcher()->kind()},
+                      {"bytes_sent", sent},
+                      {"bytes_received", received},
+                      {"expert_rows", rows},
+                      {"collective_wait_s", wait}};
+        }
+      }
       const double tflops = win.flops / std::max(win.seconds, 1e-9) / 1e12;
       json rec = {{"type", "train"},
                   {"step", st.step},
@@ -708,6 +655,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
       if (bias_balance.enabled()) rec["router_bias"] = bias_balance.report();
+      if (dist) rec["parallel"] = {{"world", mesh.world}, {"ep", mesh.ep}, {"dp", mesh.dp}};
+      if (!dispatch.is_null()) rec["dispatch"] = dispatch;
       emit(rec);
       progress.log(rec);
       win = Window{};
@@ -717,36 +666,54 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       evaluate();
     }
     if (rc.checkpoint.every > 0 && st.step % rc.checkpoint.every == 0 && st.step != total_steps) {
-      save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
+      save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
+                        own.begin);
     }
   }
   progress.done();
   if (exit_code != 0) return exit_code;
 
   if (!val_batches.empty()) evaluate();
-  save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last);
+  save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
+                        own.begin);
 
   // Export: a Hugging Face directory in the checkpoint's dtype (or the one asked for).
   const c10::ScalarType export_dtype =
       rc.checkpoint.export_dtype == "auto" ? stored
                                            : dtype_from_name(rc.checkpoint.export_dtype,
                                                              "checkpoint.export_dtype");
-  // In parameter_layout order: the trained weights, the buffers as they are (float32).
+  // In parameter_layout order: the trained weights, the buffers as they are (float32). Under
+  // expert parallelism each expert tensor is gathered over the EP group, one at a time.
   NamedTensors exported;
   {
     size_t next_param = 0, next_buffer = 0;
     for (const bool trainable : pm.decoder->trainable()) {
       if (trainable) {
         const size_t i = next_param++;
-        exported.emplace_back(opt.names[i], opt.master[i].detach().to(at::kCPU, export_dtype));
+        at::Tensor t = opt.master[i].detach();
+        if (opt.expert[i] && mesh.ep > 1) {
+          at::Tensor in = t.contiguous().to(world.device);
+          std::vector<int64_t> shape = in.sizes().vec();
+          shape[0] *= mesh.ep;
+          at::Tensor full = at::empty(shape, in.options());
+          parallel::wait(world.ep->_allgather_base(full, in), "export (gathering experts)");
+          t = full;
+        }
+        if (lead) exported.emplace_back(opt.names[i], t.to(at::kCPU, export_dtype));
       } else {
         const auto& [name, t] = buffers[next_buffer++];
-        exported.emplace_back(name, t.detach().to(at::kCPU));
+        if (lead) exported.emplace_back(name, t.detach().to(at::kCPU));
       }
     }
   }
+  if (!lead) {
+    if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "export");
+    return 0;
+  }
+  ModelSpec full_spec = spec;
+  full_spec.moe.expert_begin = full_spec.moe.expert_count = 0;
   PretrainedModel out{pm.config, pm.layout, pm.source_dir,
-                      std::make_unique<Decoder>(spec, pm.decoder->backend(), std::move(exported))};
+                      std::make_unique<Decoder>(full_spec, pm.decoder->backend(), std::move(exported))};
   std::optional<ExpertsLayout> layout;
   if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
   if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
@@ -755,6 +722,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         {"step", st.step},
         {"export", (run / "export").string()},
         {"elapsed_s", seconds_since(t_start)}});
+  if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "export");
   progress.line("automoe train: done at step " + std::to_string(st.step) + "; Hugging Face model in " +
                 (run / "export").string());
   return 0;

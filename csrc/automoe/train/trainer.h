@@ -8,6 +8,7 @@
 #include <functional>
 #include <string>
 
+#include "automoe/parallel/world.h"
 #include "automoe/train/recipe.h"
 
 namespace automoe::train {
@@ -27,6 +28,9 @@ struct TrainerHooks {
 
 // Exit status: 0 done, 3 stopped after too many consecutive non-finite steps (a checkpoint is
 // written first). Bad recipes, data or checkpoints throw automoe::Error.
-int run_training(const Recipe& recipe, const TrainData& data, const TrainerHooks& hooks = {});
+// `world`: the processes of a distributed run (parallel/world.h; every rank calls this with the
+// same recipe and data); the default is one process.
+int run_training(const Recipe& recipe, const TrainData& data, const TrainerHooks& hooks = {},
+                 const parallel::World& world = {});
 
 }  // namespace automoe::train

@@ -41,19 +41,19 @@ struct UnpermuteFn : torch::autograd::Function<UnpermuteFn> {
 };
 
 // `rows` of x must equal `expected` (T for a token tensor, T*K for a permuted one).
-void check_plan(const char* op, const at::Tensor& x, const DispatchPlan& plan, int64_t rows,
+void check_plan(const char* op, const at::Tensor& x, const PermutePlan& plan, int64_t rows,
                 int64_t expected, const char* rows_name) {
   AUTOMOE_CHECK(plan.slot_pos.defined() && plan.src_token.defined() && plan.offsets.defined(), op,
-                ": the dispatch plan is incomplete (use automoe.moe_dispatch_plan)");
+                ": the permute plan is incomplete (use automoe.moe_permute_plan)");
   detail::check_same_device(op, {{"x", &x}, {"slot_pos", &plan.slot_pos},
                                  {"src_token", &plan.src_token}});
   AUTOMOE_CHECK(plan.slot_pos.dim() == 2 && plan.src_token.numel() == plan.slot_pos.numel(), op,
                 ": slot_pos [T, K] and src_token [T*K] disagree: ", plan.slot_pos.sizes(), " vs ",
                 plan.src_token.sizes());
-  AUTOMOE_CHECK(rows == expected, op, ": ", rows_name, " (", rows, ") do not match the dispatch plan (T = ",
+  AUTOMOE_CHECK(rows == expected, op, ": ", rows_name, " (", rows, ") do not match the permute plan (T = ",
                 plan.slot_pos.size(0), ", T*K = ", plan.src_token.size(0), ")");
   AUTOMOE_CHECK(plan.slot_pos.scalar_type() == at::kLong && plan.src_token.scalar_type() == at::kLong,
-                op, ": slot_pos and src_token must be int64 (from automoe.moe_dispatch_plan), got ",
+                op, ": slot_pos and src_token must be int64 (from automoe.moe_permute_plan), got ",
                 plan.slot_pos.scalar_type(), " and ", plan.src_token.scalar_type());
   if (plan.slot_pos.is_cpu() && plan.slot_pos.numel() > 0) {  // CUDA kernels bounds-check rows
     const int64_t T = plan.slot_pos.size(0), N = plan.src_token.numel();
@@ -69,14 +69,14 @@ void check_plan(const char* op, const at::Tensor& x, const DispatchPlan& plan, i
 }
 
 // The plan's index tensors as the kernels read them (raw, contiguous memory).
-DispatchPlan contiguous(const DispatchPlan& p) {
+PermutePlan contiguous(const PermutePlan& p) {
   return {p.offsets.contiguous(), p.slot_pos.contiguous(), p.src_token.contiguous()};
 }
 
 }  // namespace
 
-DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts) {
-  const char* op = "automoe.moe_dispatch_plan";
+PermutePlan permute_plan(const at::Tensor& idx_TK, int64_t num_experts) {
+  const char* op = "automoe.moe_permute_plan";
   AUTOMOE_CHECK(idx_TK.dim() == 2, op, ": indices must be [T, K], got ", idx_TK.sizes());
   AUTOMOE_CHECK(num_experts >= 1, op, ": num_experts must be >= 1, got ", num_experts);
   const at::Tensor idx = idx_TK.to(at::kLong).contiguous();
@@ -86,12 +86,12 @@ DispatchPlan dispatch_plan(const at::Tensor& idx_TK, int64_t num_experts) {
                   ": indices must be in [-1, ", num_experts, "), got [", lo.item<int64_t>(), ", ",
                   hi.item<int64_t>(), "]");
   }
-  auto [offsets, slot_pos, src] = AUTOMOE_KERNEL(dispatch_plan, idx, idx, num_experts);
+  auto [offsets, slot_pos, src] = AUTOMOE_KERNEL(permute_plan, idx, idx, num_experts);
   return {offsets, slot_pos, src};
 }
 
-at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan_in) {
-  const DispatchPlan plan = contiguous(plan_in);
+at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan_in) {
+  const PermutePlan plan = contiguous(plan_in);
   const char* op = "automoe.permute";
   detail::check_float(op, "x", x_TH);
   detail::check_dim(op, "x", x_TH, 2);
@@ -99,14 +99,14 @@ at::Tensor permute(const at::Tensor& x_TH, const DispatchPlan& plan_in) {
   return PermuteFn::apply(x_TH, plan.src_token, plan.slot_pos);
 }
 
-at::Tensor permute_reference(const at::Tensor& x_TH, const DispatchPlan& plan) {
+at::Tensor permute_reference(const at::Tensor& x_TH, const PermutePlan& plan) {
   const at::Tensor valid = plan.src_token.ge(0);
   return x_TH.index_select(0, plan.src_token.clamp_min(0)) * valid.unsqueeze(1).to(x_TH.dtype());
 }
 
-at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan_in,
+at::Tensor unpermute(const at::Tensor& y_NH, const PermutePlan& plan_in,
                      const at::Tensor& weights_TK) {
-  const DispatchPlan plan = contiguous(plan_in);
+  const PermutePlan plan = contiguous(plan_in);
   const char* op = "automoe.unpermute";
   detail::check_float(op, "y", y_NH);
   detail::check_float(op, "weights", weights_TK);
@@ -121,7 +121,7 @@ at::Tensor unpermute(const at::Tensor& y_NH, const DispatchPlan& plan_in,
   return UnpermuteFn::apply(y_NH, plan.slot_pos, weights_TK);
 }
 
-at::Tensor unpermute_reference(const at::Tensor& y_NH, const DispatchPlan& plan,
+at::Tensor unpermute_reference(const at::Tensor& y_NH, const PermutePlan& plan,
                                const at::Tensor& weights_TK) {
   const int64_t T = plan.slot_pos.size(0), K = plan.slot_pos.size(1), H = y_NH.size(1);
   const auto acc = y_NH.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

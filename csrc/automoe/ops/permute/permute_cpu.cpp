@@ -12,7 +12,7 @@
 
 namespace automoe::ops::cpu {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_plan(const at::Tensor& idx_TK,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& idx_TK,
                                                              int64_t num_experts) {
   const int64_t TK = idx_TK.numel();
   const auto opts = idx_TK.options().dtype(at::kLong);

@@ -1,4 +1,4 @@
-// Token dispatch kernels (CUDA): the expert-major dispatch plan (a stable counting sort by
+// Token permute kernels (CUDA): the expert-major permute plan (a stable counting sort by
 // expert, without host synchronisation) and the permute/unpermute row gathers and scatters.
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -11,7 +11,7 @@ namespace {
 
 using namespace detail;
 
-// ---- dispatch plan -----------------------------------------------------------------------------
+// ---- permute plan -----------------------------------------------------------------------------
 
 constexpr int kChunk = 256;        // slots per chunk of the plan (= threads of its blocks)
 constexpr int kScanThreads = 1024; // threads of the single-block expert scan
@@ -187,18 +187,18 @@ void launch_gather_sum(const at::Tensor& rows, const at::Tensor& slot_pos,
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch_plan(const at::Tensor& idx_TK,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& idx_TK,
                                                              int64_t num_experts) {
   const c10::cuda::CUDAGuard guard(idx_TK.device());
   TORCH_CHECK(idx_TK.scalar_type() == at::kLong,
-              "automoe::ops::cuda::dispatch_plan: idx must be int64");
+              "automoe::ops::cuda::permute_plan: idx must be int64");
   const int64_t E = num_experts;
   const int64_t N = idx_TK.numel();
   const int64_t K = idx_TK.size(1);
   const int64_t smem = (E + kChunk) * static_cast<int64_t>(sizeof(int));
-  TORCH_CHECK(E >= 0 && smem <= kMaxPlanSmem, "automoe::ops::cuda::dispatch_plan: ", E,
+  TORCH_CHECK(E >= 0 && smem <= kMaxPlanSmem, "automoe::ops::cuda::permute_plan: ", E,
               " experts exceed the kernel's shared memory");
-  TORCH_CHECK(N < (int64_t{1} << 31), "automoe::ops::cuda::dispatch_plan: ", N,
+  TORCH_CHECK(N < (int64_t{1} << 31), "automoe::ops::cuda::permute_plan: ", N,
               " slots exceed int32 counts");
   const auto opts = idx_TK.options();
   at::Tensor offsets = new_output({E + 1}, opts);

@@ -1,0 +1,242 @@
+#include "automoe/train/state.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "automoe/core/error.h"
+#include "automoe/io/safetensors.h"
+
+namespace automoe::train {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p);
+  AUTOMOE_CHECK(in.good(), p.string(), ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void fsync_path(const fs::path& p) {
+  const int fd = ::open(p.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd >= 0) {
+    ::fsync(fd);
+    ::close(fd);
+  }
+}
+
+std::string experts_file(int64_t ep_rank, int64_t ep) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "experts-%05ld-of-%05ld.safetensors", ep_rank, ep);
+  return buf;
+}
+
+void barrier(const parallel::World& w, const char* what) {
+  if (!w.distributed()) return;
+  parallel::all_reduce_sum(w.world, at::zeros({1}, at::TensorOptions(at::kFloat).device(w.device)),
+                           what);
+}
+
+}  // namespace
+
+std::optional<int64_t> step_of(const std::string& dirname) {
+  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5 || dirname.size() > 5 + 18) {
+    return std::nullopt;
+  }
+  const std::string digits = dirname.substr(5);
+  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  return std::stoll(digits);
+}
+
+
+void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
+                     const NamedTensors& buffers, const json& extra, int64_t keep_last,
+                     const parallel::World& world, int64_t expert_begin) {
+  const bool lead = world.rank == 0;
+  const std::string name = "step-" + std::to_string(st.step);
+  const fs::path final_dir = run / name;
+  // Rank 0 decides whether this step is already saved; the others follow its answer.
+  int64_t skip = 0;
+  if (lead && fs::exists(final_dir)) {
+    std::string latest;
+    if (fs::exists(run / "latest")) latest = read_text(run / "latest");
+    if (latest.rfind(name + "\n", 0) == 0 || latest == name) {
+      skip = 1;  // this state is what latest holds
+    } else {
+      // A killed run renamed this step into place but never pointed `latest` at it: replace it.
+      fs::remove_all(final_dir);
+    }
+  }
+  if (world.distributed()) {
+    skip = parallel::all_gather_ints(world.world, {skip}, world.device, "checkpoint save").front();
+  }
+  if (skip) return;
+  // One temporary directory for all ranks (named by rank 0's pid, which every rank learns).
+  int64_t pid = ::getpid();
+  if (world.distributed()) {
+    pid = parallel::all_gather_ints(world.world, {pid}, world.device, "checkpoint save").front();
+  }
+  const fs::path tmp = run / (".tmp-" + name + "-" + std::to_string(pid));
+  if (lead) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  barrier(world, "checkpoint save (directory)");
+  NamedTensors weights, state, experts;
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    NamedTensors& w = opt.expert[i] && world.mesh.ep > 1 ? experts : weights;
+    NamedTensors& s = opt.expert[i] && world.mesh.ep > 1 ? experts : state;
+    w.emplace_back(opt.names[i], opt.master[i]);
+    s.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
+    s.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+  }
+  if (!experts.empty() && world.dp_rank() == 0) {  // each shard once, by the first replica
+    save_safetensors((tmp / experts_file(world.ep_rank(), world.mesh.ep)).string(), experts,
+                     {{"format", "pt"},
+                      {"expert_begin", std::to_string(expert_begin)},
+                      {"expert_count", std::to_string(experts.front().second.size(0))}});
+  }
+  if (lead) {
+    for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
+    if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
+    state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+    save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
+    json j = extra;
+    j["step"] = st.step;
+    j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
+    j["tokens_seen"] = st.tokens_seen;
+    j["skipped_steps"] = st.skipped_steps;
+    j["consecutive_nonfinite"] = st.consecutive_nonfinite;
+    j["parallel"] = {{"world", world.mesh.world}, {"ep", world.mesh.ep}, {"dp", world.mesh.dp}};
+    write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
+  }
+  barrier(world, "checkpoint save (files)");
+  if (lead) {
+    fsync_path(tmp);
+    fs::rename(tmp, final_dir);
+    fsync_path(run);
+    write_file_atomic((run / "latest").string(), name + "\n");
+
+    std::vector<std::pair<int64_t, fs::path>> steps;
+    for (const auto& e : fs::directory_iterator(run)) {
+      if (auto s = step_of(e.path().filename().string()); s && e.is_directory()) {
+        steps.emplace_back(*s, e.path());
+      }
+    }
+    std::sort(steps.begin(), steps.end());
+    for (size_t i = 0; i + keep_last < steps.size(); ++i) {
+      if (steps[i].first != st.step) fs::remove_all(steps[i].second);
+    }
+  }
+  barrier(world, "checkpoint save (latest)");
+}
+
+// Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
+json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, TrainerState& st,
+                     int64_t expert_begin) {
+  std::string name = read_text(run / "latest");
+  while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+  AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
+                name, "\"");
+  const fs::path dir = run / name;
+  AUTOMOE_CHECK(fs::is_directory(dir), (run / "latest").string(), " names ", name,
+                ", which does not exist");
+  const SafetensorsFile model((dir / "model.safetensors").string());
+  const SafetensorsFile state((dir / "optimizer.safetensors").string());
+  auto load_into = [](const SafetensorsFile& f, const std::string& key, at::Tensor& dst) {
+    AUTOMOE_CHECK(f.contains(key), f.path(), ": missing tensor ", key);
+    const at::Tensor src = f.get(key);
+    AUTOMOE_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type(), f.path(),
+                  ": tensor ", key, " is ", src.scalar_type(), src.sizes(), ", expected ",
+                  dst.scalar_type(), dst.sizes());
+    dst.copy_(src);
+  };
+  // Expert tensors: rows [expert_begin, expert_begin + n) from model/optimizer.safetensors (a
+  // checkpoint written with ep = 1) or from the experts-*.safetensors files that cover them.
+  std::vector<std::unique_ptr<SafetensorsFile>> shards;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string f = e.path().filename().string();
+    if (f.rfind("experts-", 0) == 0 && e.path().extension() == ".safetensors") {
+      shards.push_back(std::make_unique<SafetensorsFile>(e.path().string()));
+    }
+  }
+  auto load_rows = [&](const SafetensorsFile& whole, const std::string& key, at::Tensor& dst) {
+    const int64_t n = dst.size(0);
+    if (whole.contains(key)) {
+      const int64_t saved = whole.info(key).shape.at(0);
+      AUTOMOE_CHECK(expert_begin + n <= saved, whole.path(), ": tensor ", key, " holds ", saved,
+                    " experts, this rank needs [", expert_begin, ", ", expert_begin + n, ")");
+      const at::Tensor src = whole.get_rows(key, expert_begin, expert_begin + n);
+      AUTOMOE_CHECK(src.sizes() == dst.sizes() && src.scalar_type() == dst.scalar_type(),
+                    whole.path(), ": tensor ", key, " rows are ", src.scalar_type(), src.sizes(),
+                    ", expected ", dst.scalar_type(), dst.sizes());
+      dst.copy_(src);
+      return;
+    }
+    int64_t covered = 0;
+    for (const auto& f : shards) {
+      const auto& md = f->metadata();
+      AUTOMOE_CHECK(md.count("expert_begin") && md.count("expert_count"), f->path(),
+                    ": missing expert_begin / expert_count metadata");
+      const int64_t b = std::stoll(md.at("expert_begin")), c = std::stoll(md.at("expert_count"));
+      const int64_t lo = std::max(b, expert_begin), hi = std::min(b + c, expert_begin + n);
+      if (lo >= hi) continue;
+      AUTOMOE_CHECK(f->contains(key), f->path(), ": missing tensor ", key);
+      const at::Tensor src = f->get_rows(key, lo - b, hi - b);
+      at::Tensor part = dst.narrow(0, lo - expert_begin, hi - lo);
+      AUTOMOE_CHECK(src.sizes() == part.sizes() && src.scalar_type() == dst.scalar_type(),
+                    f->path(), ": tensor ", key, " rows are ", src.scalar_type(), src.sizes(),
+                    ", expected ", dst.scalar_type(), part.sizes());
+      part.copy_(src);
+      covered += hi - lo;
+    }
+    AUTOMOE_CHECK(covered == n, dir.string(), ": the checkpoint holds ", covered, " of the ", n,
+                  " experts [", expert_begin, ", ", expert_begin + n, ") of ", key,
+                  " this rank needs");
+  };
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < opt.names.size(); ++i) {
+    if (opt.expert[i]) {
+      load_rows(model, opt.names[i], opt.master[i]);
+      load_rows(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
+      load_rows(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+    } else {
+      load_into(model, opt.names[i], opt.master[i]);
+      load_into(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
+      load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+    }
+    if (state.contains("step")) load_into(state, "step", opt.step[i]);
+  }
+  for (auto& [name, t] : buffers) load_into(model, name, t);
+  if (state.contains("rng.cpu")) {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    gen.set_state(state.get("rng.cpu").clone());
+  }
+  json j;
+  try {
+    j = json::parse(read_text(dir / "trainer_state.json"));
+    st.step = j.at("step").get<int64_t>();
+    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
+    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
+    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
+    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
+    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
+  } catch (const json::exception& e) {
+    fail((dir / "trainer_state.json").string(), ": ", e.what());
+  }
+  return j;
+}
+
+
+}  // namespace automoe::train

@@ -1,0 +1,43 @@
+// Resumable training state: <run>/step-N/ holds the float32 master weights and buffers
+// (model.safetensors), the AdamW moments, step count and RNG state (optimizer.safetensors), the
+// trainer's position (trainer_state.json) and, under expert parallelism, one
+// experts-RRRRR-of-EEEEE.safetensors per EP rank with that rank's rows of every routed expert
+// tensor (master and moments; metadata expert_begin / expert_count). A checkpoint loads under any
+// ep: each rank reads the rows of its experts from whichever files hold them. Written under a
+// temporary name, fsynced, renamed into place, then `latest` points at it.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+
+#include "automoe/parallel/world.h"
+#include "automoe/train/dataset.h"
+#include "automoe/train/optimizer.h"
+
+namespace automoe::train {
+
+struct TrainerState {
+  int64_t step = 0;
+  DataPosition pos;
+  int64_t tokens_seen = 0, skipped_steps = 0, consecutive_nonfinite = 0;
+};
+
+// step-N -> N; anything else -> nullopt.
+std::optional<int64_t> step_of(const std::string& dirname);
+
+// Collective under a distributed world (every rank calls it): rank 0 writes the dense state and
+// the trainer state, the ranks of the first data-parallel replica their experts' rows. Then prunes
+// to `keep_last` checkpoints.
+void save_checkpoint(const std::filesystem::path& run, const TrainerState& st, const AdamW& opt,
+                     const NamedTensors& buffers, const nlohmann::json& extra, int64_t keep_last,
+                     const parallel::World& world, int64_t expert_begin);
+
+// Reads `latest` and the checkpoint it names into `opt`, `buffers` and `st`; returns its trainer
+// state JSON. Expert tensors hold rows [expert_begin, expert_begin + rows) of the saved ones.
+nlohmann::json load_checkpoint(const std::filesystem::path& run, AdamW& opt, NamedTensors& buffers,
+                               TrainerState& st, int64_t expert_begin);
+
+}  // namespace automoe::train

@@ -1,0 +1,120 @@
+"""Multi-process `automoe train`: the torchrun launch convention and torch.distributed's groups.
+
+`automoe train RECIPE --nproc-per-node N` re-runs the command under torch.distributed.run
+(torchrun) with N processes on this machine; under torchrun or Slurm (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR, MASTER_PORT set) every process initialises torch.distributed (NCCL on
+GPUs, Gloo on CPUs), builds the mesh's groups (world = dp x ep; the ep ranks of a replica are
+consecutive) and runs the C++ trainer in-process on those groups. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+
+
+def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Takes `--nproc-per-node N` (or `=N`) out of argv."""
+    rest, nproc, i = [], None, 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--nproc-per-node" or a == "--nproc_per_node":
+            if i + 1 >= len(argv):
+                raise ValueError(f"{a}: expected a number of processes")
+            value, i = argv[i + 1], i + 2
+        elif a.startswith("--nproc-per-node=") or a.startswith("--nproc_per_node="):
+            value, i = a.split("=", 1)[1], i + 1
+        else:
+            rest.append(a)
+            i += 1
+            continue
+        try:
+            nproc = int(value)
+        except ValueError:
+            raise ValueError(f"--nproc-per-node: expected a positive integer, got {value!r}") from None
+        if nproc < 1:
+            raise ValueError(f"--nproc-per-node: expected a positive integer, got {nproc}")
+    return nproc, rest
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a torchrun/Slurm-style launch."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def exec_torchrun(nproc: int, train_argv: list[str]) -> None:
+    """Replaces this process with torchrun running `automoe train` on nproc local processes."""
+    args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", "automoe.cli", "train", *train_argv]
+    sys.stderr.flush()
+    os.execv(sys.executable, args)
+
+
+def collective_device(recipe: dict) -> str:
+    """The device this rank trains on (train.device; auto = this rank's GPU under CUDA)."""
+    import torch
+
+    want = recipe["train"]["device"]
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        want = f"cuda:{local}"
+    return want
+
+
+def init(recipe: dict) -> dict:
+    """Initialises torch.distributed from the environment and creates the mesh's groups; returns
+    the engine's arguments for them."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ["WORLD_SIZE"])
+    par = recipe["parallel"]
+    ep = int(par["ep"])
+    if world % ep:
+        raise ValueError(f"parallel.ep = {ep} does not divide the {world} processes (world = dp x ep)")
+    dp = world // ep
+    if par["dp"] not in ("auto", dp):
+        raise ValueError(f"parallel.dp = {par['dp']} but {world} processes with ep = {ep} make dp = {dp}")
+    device = collective_device(recipe)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=timedelta(seconds=float(par["timeout_s"])))
+    rank = dist.get_rank()
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    ep_name = dp_name = ""
+    if ep > 1:
+        for d in range(dp):
+            g = dist.new_group(list(range(d * ep, (d + 1) * ep)))
+            if rank // ep == d:
+                ep_name = g.group_name
+    if dp > 1:
+        for e in range(ep):
+            g = dist.new_group(list(range(e, world, ep)))
+            if rank % ep == e:
+                dp_name = g.group_name
+    return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_name, dp_group=dp_name,
+                world_size=world, ep=ep, collective_device=device)
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    dist.barrier()
+
+
+def rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def finish() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
