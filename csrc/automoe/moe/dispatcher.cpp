@@ -34,7 +34,8 @@ struct Exchange : torch::CustomClassHolder {
   void count(const at::Tensor& x, const std::vector<int64_t>& out_rows,
              const std::vector<int64_t>& in_rows) const {
     const int64_t self = group->getRank();
-    const int64_t row = x.dim() > 1 ? x.numel() / std::max<int64_t>(x.size(0), 1) : 1;
+    int64_t row = 1;  // elements per row (also for an empty input)
+    for (int64_t d = 1; d < x.dim(); ++d) row *= x.size(d);
     const int64_t bytes = row * static_cast<int64_t>(x.element_size());
     stats->bytes_sent += (sum(out_rows) - out_rows[self]) * bytes;
     stats->bytes_received += (sum(in_rows) - in_rows[self]) * bytes;
@@ -216,6 +217,21 @@ class AllToAllDispatcher : public Dispatcher {
     }
     const std::vector<int64_t> recv = exchange_counts(g_, all_counts, C, x_TH.device(), *stats_);
     std::vector<c10::intrusive_ptr<Exchange>> there(C), back(C);
+    // An error mid-way (in the experts, say) leaves no exchange in flight behind it.
+    struct Drain {
+      std::vector<c10::intrusive_ptr<Exchange>>* lists[2];
+      ~Drain() {
+        for (auto* list : lists) {
+          for (auto& ex : *list) {
+            if (!ex || !ex->pending) continue;
+            try {
+              ex->finish();
+            } catch (...) {  // already failing: the first error is the one reported
+            }
+          }
+        }
+      }
+    } drain{{&there, &back}};
     std::vector<at::Tensor> arrived(C), returned(C);
     std::vector<Regroup> groups(C);
     auto start_dispatch = [&](int64_t c) {

@@ -74,7 +74,14 @@ void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what) {
 
 void all_reduce_sum(const Group& group, std::vector<at::Tensor> tensors, const char* what) {
   if (!group || group->getSize() == 1 || tensors.empty()) return;
-  wait(group->allreduce(tensors), what);
+  // One collective per tensor, all in flight together (c10d's list form would also sum the
+  // tensors of the list with each other: it means one tensor per local device).
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const at::Tensor& t : tensors) {
+    std::vector<at::Tensor> one{t};
+    works.push_back(group->allreduce(one));
+  }
+  for (const auto& w : works) wait(w, what);
 }
 
 void all_reduce_sum(const Group& group, const at::Tensor& t, const char* what) {

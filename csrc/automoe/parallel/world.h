@@ -62,7 +62,7 @@ World world_from_group_names(const std::string& world_group, const std::string& 
 // into an automoe::Error naming the operation and this rank.
 void wait(const c10::intrusive_ptr<c10d::Work>& work, const char* what);
 
-// In-place sums over `group` (no-op for a null group or one of size 1).
+// In-place sums over `group`, each tensor on its own (no-op for a null group or one of size 1).
 void all_reduce_sum(const Group& group, std::vector<at::Tensor> tensors, const char* what);
 void all_reduce_sum(const Group& group, const at::Tensor& t, const char* what);
 // Every rank's copy of a small int64 vector (equal lengths), rank-major; on the host.

@@ -191,6 +191,19 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   backend_fields.emplace("loss", "fused_linear_ce");
   // Attention sinks (GPT-OSS) have no SDPA kernel: eager unless the recipe chose (then an error).
   const LoadedConfig config = load_config(rc.model.path);
+  if (dist) {
+    // Every rank must run the same recipe on the same checkpoint and data: compare before any
+    // weight is read (a rank started with other settings would meet its peers in the wrong
+    // collectives, or train something else silently).
+    nlohmann::json ident = nlohmann::json::parse(rc.to_json());
+    ident["train"].erase("device");  // each rank's own GPU
+    const std::string mine = ident.dump() + "\n" + config.json->dump() + "\n" + data.train_key;
+    const auto all = parallel::all_gather_strings(world.world, mine, world.device, "run identity");
+    for (size_t r = 0; r < all.size(); ++r) {
+      AUTOMOE_CHECK(all[r] == all[0], "rank ", r, " was started with a different recipe, model "
+                    "config or training data than rank 0; every rank must run the same command");
+    }
+  }
   if (config.spec.attn.sinks) backend_fields.emplace("attn", "eager");
   const BackendConfig backend = BackendConfig::from_map(backend_fields, "model.backend");
   // The mesh is checked against the model before any weight is read.
@@ -602,6 +615,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       // Every rank reaches this step's log together: the window's expert loads over all ranks,
       // and what each rank's dispatcher moved.
       json dispatch;
+      std::vector<double> peak_per_rank;
       if (dist) {
         if (win.expert_counts.empty()) {
           for (size_t l = 0; l < moe_layers.size(); ++l) {
@@ -615,15 +629,16 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         const auto all = parallel::all_gather_ints(
             world.world,
             {ds.bytes_sent, ds.bytes_received, ds.rows_computed,
-             static_cast<int64_t>(ds.wait_s * 1e6)},
+             static_cast<int64_t>(ds.wait_s * 1e6), hooks.peak_memory_bytes()},
             world.device, "dispatch metrics");
         std::vector<int64_t> sent, received, rows;
         std::vector<double> wait;
         for (int64_t r = 0; r < mesh.world; ++r) {
-          sent.push_back(all[4 * r]);
-          received.push_back(all[4 * r + 1]);
-          rows.push_back(all[4 * r + 2]);
-          wait.push_back(static_cast<double>(all[4 * r + 3]) / 1e6);
+          sent.push_back(all[5 * r]);
+          received.push_back(all[5 * r + 1]);
+          rows.push_back(all[5 * r + 2]);
+          wait.push_back(static_cast<double>(all[5 * r + 3]) / 1e6);
+          peak_per_rank.push_back(static_cast<double>(all[5 * r + 4]) / (1 << 30));
         }
         if (pm.decoder->dispatcher()) {
           dispatch = {{"dispatcher", pm.decoder->dispatcher()->kind()},
@@ -655,7 +670,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
       if (bias_balance.enabled()) rec["router_bias"] = bias_balance.report();
-      if (dist) rec["parallel"] = {{"world", mesh.world}, {"ep", mesh.ep}, {"dp", mesh.dp}};
+      if (dist) {
+        rec["parallel"] = {{"world", mesh.world},
+                           {"ep", mesh.ep},
+                           {"dp", mesh.dp},
+                           {"peak_memory_gib_per_rank", peak_per_rank}};
+      }
       if (!dispatch.is_null()) rec["dispatch"] = dispatch;
       emit(rec);
       progress.log(rec);

@@ -1,0 +1,215 @@
+"""Expert and data parallelism in real processes on Gloo, launched by torchrun: the dispatchers
+against a float64 reference (outputs, gradients, bytes), and `automoe train` under ep/dp meshes
+against the single-process run (losses, gradient norms, weights), resuming under another mesh,
+the export in Transformers, a killed rank, and the refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_train import base_recipe, load_tensors, metrics, model_dir, run_train, tokenizer  # noqa: F401
+
+HERE = Path(__file__).resolve().parent
+
+
+def torchrun(nproc: int, *args: str, timeout: int = 600, check: bool = True, **popen):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return proc
+
+
+# ---- dispatchers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_dispatchers_match_the_reference_with_awkward_routing(nproc):
+    cases = []
+    for kind in ("alltoall", "alltoall_overlap", "allgather"):
+        for backend in ("grouped", "eager"):
+            cases.append([kind, backend, "random", [5, 3, 7, 1][:nproc]])
+        # every token to the experts of rank 0; one rank has no tokens at all
+        cases.append([kind, "grouped", "rank0", [4, 0, 6, 2][:nproc]])
+    cases.append(["alltoall", "torch_mm", "random", [5, 3, 7, 1][:nproc]])
+    proc = torchrun(nproc, str(HERE / "parallel_worker.py"), json.dumps(cases), check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+# ---- training ---------------------------------------------------------------------------------
+
+def ep_recipe(model_dir, tmp, run, **parallel):
+    r = base_recipe(model_dir, tmp, run,
+                    train={"micro_batch_size": 1, "grad_accumulation_steps": 4, "max_steps": 3, "threads": 1})
+    if parallel:
+        r["parallel"] = {k: v for k, v in parallel.items() if k != "dispatcher"}
+    if "dispatcher" in parallel:
+        r["model"]["backend"] = {"dispatcher": parallel["dispatcher"]}
+    return r
+
+
+def run_ranks(recipe: dict, tmp: Path, nproc: int, *overrides: str, check: bool = True):
+    import yaml
+
+    path = tmp / f"recipe-{time.monotonic_ns()}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    proc = subprocess.run([sys.executable, "-m", "automoe.cli", "train", str(path), *overrides,
+                           "--nproc-per-node", str(nproc)], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=tmp)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"automoe train --nproc-per-node {nproc} failed ({proc.returncode}):\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def weights(run: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in (run / "export").glob("*.safetensors"):
+        out.update(load_tensors(f))
+    return out
+
+
+@pytest.fixture(scope="module")
+def single(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    run_train(ep_recipe(model_dir, tmp, "run"), tmp)
+    return tmp / "run"
+
+
+MESHES = [  # (processes, ep, dispatcher)
+    (2, 2, "alltoall"),
+    (2, 1, "auto"),
+    (2, 2, "allgather"),
+    (4, 2, "alltoall_overlap"),
+    (4, 4, "allgather"),
+    (4, 4, "alltoall"),
+]
+
+
+@pytest.mark.parametrize("nproc,ep,dispatcher", MESHES, ids=[f"world{n}-ep{e}-{d}" for n, e, d in MESHES])
+def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, nproc, ep, dispatcher):
+    run_ranks(ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher), tmp_path, nproc)
+    ref, got = metrics(single), metrics(tmp_path / "run")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["aux_loss"] == pytest.approx(ref[step]["aux_loss"], rel=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
+        assert got[step]["tokens"] == ref[step]["tokens"]
+        # expert loads are summed over every rank
+        assert [l["counts"] for l in got[step]["expert_load"]] == [l["counts"] for l in ref[step]["expert_load"]]
+    a, b = weights(single), weights(tmp_path / "run")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    rec = got[3]
+    assert rec["parallel"] == {**rec["parallel"], "world": nproc, "ep": ep, "dp": nproc // ep}
+    assert len(rec["parallel"]["peak_memory_gib_per_rank"]) == nproc
+    if ep > 1:
+        d = rec["dispatch"]
+        assert d["dispatcher"] == ("alltoall" if dispatcher == "auto" else dispatcher)
+        assert len(d["bytes_sent"]) == nproc and min(d["bytes_sent"]) > 0
+        # every routed row was computed by exactly one rank of its replica
+        assert sum(d["expert_rows"]) == sum(sum(l["counts"]) for l in rec["expert_load"])
+        files = sorted(p.name for p in (tmp_path / "run" / "step-3").glob("experts-*"))
+        assert files == [f"experts-{i:05d}-of-{ep:05d}.safetensors" for i in range(ep)]
+
+
+def test_a_checkpoint_saved_at_ep2_resumes_as_dp2_and_loads_in_transformers(model_dir, single, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2)
+    recipe["checkpoint"]["every"] = 2
+    run_ranks(recipe, tmp_path, 2)
+    # Back to step 2, then continue with experts replicated (ep = 1, dp = 2).
+    run = tmp_path / "run"
+    shutil.rmtree(run / "step-3")
+    shutil.rmtree(run / "export")
+    (run / "latest").write_text("step-2\n")
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=1)
+    recipe["checkpoint"]["every"] = 2
+    run_ranks(recipe, tmp_path, 2)
+    ref, got = metrics(single), metrics(run)
+    assert got[3]["loss"] == pytest.approx(ref[3]["loss"], rel=1e-6)
+    assert got[3]["grad_norm"] == pytest.approx(ref[3]["grad_norm"], rel=1e-6)
+    a, b = weights(single), weights(run)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    # The EP run's export, in Transformers, gives the single-process export's logits.
+    ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        la = AutoModelForCausalLM.from_pretrained(single / "export").eval()(ids).logits
+        lb = AutoModelForCausalLM.from_pretrained(run / "export").eval()(ids).logits
+    torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+
+
+def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
+    import psutil
+    import yaml
+
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2, timeout_s=30)
+    recipe["train"]["max_steps"] = 10000
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    launcher = subprocess.Popen([sys.executable, "-m", "automoe.cli", "train", str(path), "--nproc-per-node", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 300
+        log = tmp_path / "run" / "metrics.jsonl"
+
+        def training() -> bool:
+            return log.exists() and any(json.loads(l).get("type") == "train" for l in log.read_text().splitlines())
+
+        while not training():
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        ranks = psutil.Process(launcher.pid).children(recursive=True)
+        workers = [p for p in ranks if "automoe.cli" in " ".join(p.cmdline()) and p.pid != launcher.pid]
+        assert len(workers) == 2, [p.cmdline() for p in ranks]
+        os.kill(workers[1].pid, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode != 0
+        assert "SIGKILL" in err or "Signal 9" in err or "exitcode" in err, err[-3000:]
+        for p in workers:
+            assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.pid
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.parametrize("override,nproc,message", [
+    ("parallel.ep=3", 2, "parallel.ep = 3 does not divide the 2 processes"),
+    ("parallel.zero=1", 2, "ZeRO) is not implemented yet"),
+    ("model.backend.dispatcher=local", 2, "cannot reach the experts of other ranks"),
+    ("parallel.dp=2", 2, "parallel.dp = 2 but 2 processes with ep = 2 make dp = 1"),
+])
+def test_bad_meshes_are_refused_before_any_weight_is_read(model_dir, tmp_path, override, nproc, message):
+    proc = run_ranks(ep_recipe(model_dir, tmp_path, "run", ep=2), tmp_path, nproc, override, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-4000:]
+
+
+def test_experts_that_do_not_split_over_ep_are_refused(tmp_path, tokenizer):
+    from automoe.demo import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "six", tokenizer, seed=0, hidden_size=32, intermediate_size=48,
+                            moe_intermediate_size=16, num_hidden_layers=1, mlp_only_layers=[], num_experts=6,
+                            num_experts_per_tok=2, head_dim=8, num_attention_heads=4, num_key_value_heads=2,
+                            max_position_embeddings=256)
+    recipe = ep_recipe(ckpt, tmp_path, "run", ep=4)
+    proc = run_ranks(recipe, tmp_path, 4, check=False)
+    assert proc.returncode != 0
+    assert "does not divide the model's 6 experts" in proc.stderr, proc.stderr[-4000:]
