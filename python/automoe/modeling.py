@@ -128,6 +128,10 @@ def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
             raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
                              f"implements {sorted(EXPERTS_IMPLEMENTATIONS)}")
         cfg.experts = EXPERTS_IMPLEMENTATIONS[experts_implementation]
+    if cfg.dispatcher not in ("auto", "local"):
+        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: the drop-in model runs its experts in this "
+                         "process (expert parallelism runs in `automoe train` with a `parallel:` section; "
+                         "see docs/parallelism.md)")
     return cfg
 
 

@@ -213,3 +213,51 @@ def test_experts_that_do_not_split_over_ep_are_refused(tmp_path, tokenizer):
     proc = run_ranks(recipe, tmp_path, 4, check=False)
     assert proc.returncode != 0
     assert "does not divide the model's 6 experts" in proc.stderr, proc.stderr[-4000:]
+
+
+def test_bf16_activation_checkpointing_and_evaluation_under_ep(model_dir, tmp_path):
+    # Checkpointed layers recompute their exchanges in the backward; every rank evaluates its share.
+    def recipe(run, **parallel):
+        r = ep_recipe(model_dir, tmp_path, run, **parallel)
+        r["model"]["dtype"] = "bfloat16"
+        r["train"]["activation_checkpointing"] = True
+        r["data"]["validation"] = str(REPO / "examples" / "data" / "chat_valid.jsonl")
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("ep", ep=2, dispatcher="alltoall_overlap"), tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
+    for step in (1, 2, 3):  # bf16 compute: the same math, rounded at other places
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
+    ev_ref, ev_got = metrics(tmp_path / "one", "eval"), metrics(tmp_path / "ep", "eval")
+    assert ev_got[3]["eval_tokens"] == ev_ref[3]["eval_tokens"]
+    assert ev_got[3]["eval_loss"] == pytest.approx(ev_ref[3]["eval_loss"], rel=2e-3)
+
+
+def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
+    from test_train_families import SIZES
+    from automoe.demo import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "ds", tokenizer, family="deepseek_v3", **SIZES["deepseek_v3"])
+
+    def recipe(run, **parallel):
+        r = ep_recipe(ckpt, tmp_path, run, **parallel)
+        r["router"] = {"bias_update_rate": 0.01}
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("ep", ep=2), tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["router_bias"] == ref[step]["router_bias"], step
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "ep")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_the_drop_in_refuses_a_dispatcher_it_cannot_run(model_dir):
+    import automoe
+
+    with pytest.raises(ValueError, match="dispatcher='alltoall': the drop-in model runs its experts in this process"):
+        automoe.AutoModelForCausalLM.from_pretrained(model_dir, backend={"dispatcher": "alltoall"})
