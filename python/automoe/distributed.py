@@ -39,8 +39,9 @@ def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
 
 
 def launched() -> bool:
-    """Whether this process is one rank of a torchrun/Slurm-style launch."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    """Whether this process is one rank of a torchrun-style launch (a world of one included: then
+    the trainer runs in this process, as every rank of a larger world does)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def exec_torchrun(nproc: int, train_argv: list[str]) -> None:

@@ -27,6 +27,7 @@ struct Exchange : torch::CustomClassHolder {
   std::vector<int64_t> send, recv;
   std::shared_ptr<DispatchStats> stats;
   const char* what = "expert dispatch";
+  bool backward = false;                    // counts its waiting as the backward's
   c10::intrusive_ptr<c10d::Work> pending;  // an exchange started but not yet waited for
   std::vector<int64_t> out_shape;           // of the last output (a missing gradient's zeros)
   at::TensorOptions out_options;
@@ -61,7 +62,8 @@ struct Exchange : torch::CustomClassHolder {
     const auto t0 = Clock::now();
     parallel::wait(pending, what);
     pending.reset();
-    stats->wait_s += std::chrono::duration<double>(Clock::now() - t0).count();
+    (backward ? stats->backward_wait_s : stats->wait_s) +=
+        std::chrono::duration<double>(Clock::now() - t0).count();
   }
 };
 
@@ -84,6 +86,7 @@ class ExchangeRows : public torch::autograd::Function<ExchangeRows> {
     back->group = ex->group;
     back->stats = ex->stats;
     back->what = "expert dispatch (backward)";
+    back->backward = true;
     at::Tensor out = back->start(g, ex->recv, ex->send);
     back->finish();
     return {out, at::Tensor()};

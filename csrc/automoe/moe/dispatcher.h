@@ -30,7 +30,8 @@ using LocalExperts = std::function<at::Tensor(const at::Tensor& x_NH, const at::
 struct DispatchStats {
   int64_t bytes_sent = 0, bytes_received = 0;  // to / from other ranks, rows and routing
   int64_t rows_computed = 0;                   // rows the local experts ran on (this rank's load)
-  double wait_s = 0;                           // time blocked in collectives
+  double wait_s = 0;           // time blocked in the forward's collectives
+  double backward_wait_s = 0;  // ... and in the backward's (the reverse exchanges)
 };
 
 class Dispatcher {

@@ -332,6 +332,7 @@ PYBIND11_MODULE(_C, m) {
         stats["bytes_received"] = st.bytes_received;
         stats["rows_computed"] = st.rows_computed;
         stats["wait_s"] = st.wait_s;
+        stats["backward_wait_s"] = st.backward_wait_s;
         return py::make_tuple(out, stats);
       },
       py::arg("kind"), py::arg("ep_group"), py::arg("num_experts"), py::arg("x"), py::arg("idx"),

@@ -629,23 +629,26 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         const auto all = parallel::all_gather_ints(
             world.world,
             {ds.bytes_sent, ds.bytes_received, ds.rows_computed,
-             static_cast<int64_t>(ds.wait_s * 1e6), hooks.peak_memory_bytes()},
+             static_cast<int64_t>(ds.wait_s * 1e6), hooks.peak_memory_bytes(),
+             static_cast<int64_t>(ds.backward_wait_s * 1e6)},
             world.device, "dispatch metrics");
         std::vector<int64_t> sent, received, rows;
-        std::vector<double> wait;
+        std::vector<double> wait, backward_wait;
         for (int64_t r = 0; r < mesh.world; ++r) {
-          sent.push_back(all[5 * r]);
-          received.push_back(all[5 * r + 1]);
-          rows.push_back(all[5 * r + 2]);
-          wait.push_back(static_cast<double>(all[5 * r + 3]) / 1e6);
-          peak_per_rank.push_back(static_cast<double>(all[5 * r + 4]) / (1 << 30));
+          sent.push_back(all[6 * r]);
+          received.push_back(all[6 * r + 1]);
+          rows.push_back(all[6 * r + 2]);
+          wait.push_back(static_cast<double>(all[6 * r + 3]) / 1e6);
+          peak_per_rank.push_back(static_cast<double>(all[6 * r + 4]) / (1 << 30));
+          backward_wait.push_back(static_cast<double>(all[6 * r + 5]) / 1e6);
         }
         if (pm.decoder->dispatcher()) {
           dispatch = {{"dispatcher", pm.decoder->dispatcher()->kind()},
                       {"bytes_sent", sent},
                       {"bytes_received", received},
                       {"expert_rows", rows},
-                      {"collective_wait_s", wait}};
+                      {"collective_wait_s", wait},
+                      {"backward_collective_wait_s", backward_wait}};
         }
       }
       const double tflops = win.flops / std::max(win.seconds, 1e-9) / 1e12;

@@ -1,0 +1,146 @@
+"""Expert parallelism measured: `automoe train` on 1, 2 and 4 processes (torchrun, Gloo on CPUs,
+NCCL on GPUs) with ep = processes, on a random Qwen3-MoE preset, and alltoall against
+alltoall_overlap.
+
+    python bench/parallel.py --preset cpu-medium --nproc 1,2,4 --steps 6
+
+Every configuration runs the same recipe through torchrun (the one-process run too, so that every
+side pays the same per-process runtime), and reports from the trainer's metrics.jsonl: tokens/s
+and step time (median of the steps after the first), peak resident memory per rank, and the time
+each rank waited in the dispatcher's collectives per step. The figures go in
+docs/performance.md; CPU figures on a 2-core machine show the mechanism, not the speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "python"))
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def isa() -> str:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return "?"
+    return ", ".join(f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags)
+
+
+def build(preset: str, work: Path) -> Path:
+    """A random checkpoint of the preset (the engine's initialisation) with a small tokenizer."""
+    from automoe import _C
+    from automoe.demo import build_tokenizer
+
+    exe = REPO / "python" / "automoe" / "bin" / "automoe"
+    cfg = json.loads(subprocess.run([str(exe), "bench", "--preset", preset, "--print-config"], check=True,
+                                    capture_output=True, text=True).stdout)["config"]
+    tok = build_tokenizer(REPO / "examples" / "data" / "corpus.txt", vocab_size=400)
+    cfg.update(pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    path = work / preset
+    model = _C.init_model(json.dumps(cfg), "bfloat16", {}, 0)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+    return path
+
+
+def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args) -> dict:
+    import yaml
+
+    run_dir = work / name
+    recipe = {
+        "model": {"path": str(ckpt), "dtype": args.dtype, "backend": {"dispatcher": dispatcher}},
+        "data": {"train": str(REPO / "examples" / "data" / "chat_train.jsonl"), "seq_len": args.seq,
+                 "cache_dir": str(work / "cache")},
+        "train": {"micro_batch_size": args.micro, "grad_accumulation_steps": args.accum,
+                  "max_steps": args.steps, "threads": args.threads},
+        "optimizer": {"lr": 1e-4},
+        "checkpoint": {"dir": str(run_dir)},
+        "log": {"every": 1, "progress": "off", "peak_tflops": 1.0},
+        "parallel": {"ep": nproc},
+    }
+    path = work / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS=str(args.threads))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "automoe.cli", "train", str(path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in recs if r["type"] == "train"][1:]  # the first step warms up
+    out = {
+        "name": name, "nproc": nproc, "dispatcher": dispatcher if nproc > 1 else "-",
+        "step_s": statistics.median(r["step_time_s"] for r in train),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
+        "loss_last": train[-1]["loss"],
+    }
+    last = train[-1]
+    per_rank = last.get("parallel", {}).get("peak_memory_gib_per_rank") or [last["peak_memory_gib"]]
+    out["peak_gib_per_rank"] = max(per_rank)
+    if "dispatch" in last:
+        for key, field in (("wait_s_per_step", "collective_wait_s"),
+                           ("backward_wait_s_per_step", "backward_collective_wait_s")):
+            waits = [[r["dispatch"][field][k] for r in train] for k in range(nproc)]
+            out[key] = max(statistics.median(w) for w in waits)
+        out["mb_sent_per_step"] = statistics.median(max(r["dispatch"]["bytes_sent"]) for r in train) / 1e6
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu-medium")
+    p.add_argument("--nproc", default="1,2,4")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--micro", type=int, default=1)
+    p.add_argument("--accum", type=int, default=4, help="micro-batches per step, over all ranks")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="automoe-parallel-"))
+    ckpt = build(args.preset, work)
+    results = []
+    for n in [int(x) for x in args.nproc.split(",")]:
+        kinds = ["alltoall", "alltoall_overlap"] if n > 1 else ["auto"]
+        for kind in kinds:
+            results.append(run(ckpt, work, f"n{n}-{kind}", n, kind, args))
+            print(json.dumps(results[-1]), file=sys.stderr)
+    base = results[0]
+    print(f"\n{args.preset}, {args.dtype}, {args.accum} x {args.micro} x {args.seq} tokens per step, "
+          f"{args.threads} thread(s) per process; {cpu_model()} ({isa()}), {os.cpu_count()} cores\n")
+    print("| processes (ep) | dispatcher | tokens/s | step s | peak memory per rank | vs 1 process | "
+          "dispatcher wait per step, forward / backward | dispatch MB sent per rank per step |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        wait = (f"{r['wait_s_per_step'] * 1e3:.0f} / {r['backward_wait_s_per_step'] * 1e3:.0f} ms"
+                if "wait_s_per_step" in r else "-")
+        sent = f"{r['mb_sent_per_step']:.2f}" if "mb_sent_per_step" in r else "-"
+        print(f"| {r['nproc']} | {r['dispatcher']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
+              f"{r['peak_gib_per_rank']:.2f} GiB | {r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}x | "
+              f"{wait} | {sent} |")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
