@@ -88,19 +88,20 @@ def single(model_dir, tmp_path_factory):
     return tmp / "run"
 
 
-MESHES = [  # (processes, ep, dispatcher)
-    (2, 2, "alltoall"),
-    (2, 1, "auto"),
-    (2, 2, "allgather"),
-    (4, 2, "alltoall_overlap"),
-    (4, 4, "allgather"),
-    (4, 4, "alltoall"),
+MESHES = [  # (processes, ep, dispatcher, zero)
+    (2, 2, "alltoall", 1),
+    (2, 1, "auto", 1),
+    (2, 2, "allgather", 0),
+    (4, 2, "alltoall_overlap", 1),
+    (4, 4, "allgather", 1),
+    (4, 4, "alltoall", 0),
 ]
 
 
-@pytest.mark.parametrize("nproc,ep,dispatcher", MESHES, ids=[f"world{n}-ep{e}-{d}" for n, e, d in MESHES])
-def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, nproc, ep, dispatcher):
-    run_ranks(ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher), tmp_path, nproc)
+@pytest.mark.parametrize("nproc,ep,dispatcher,zero", MESHES,
+                         ids=[f"world{n}-ep{e}-{d}-zero{z}" for n, e, d, z in MESHES])
+def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, nproc, ep, dispatcher, zero):
+    run_ranks(ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher, zero=zero), tmp_path, nproc)
     ref, got = metrics(single), metrics(tmp_path / "run")
     for step in (1, 2, 3):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
@@ -192,7 +193,7 @@ def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
 
 @pytest.mark.parametrize("override,nproc,message", [
     ("parallel.ep=3", 2, "parallel.ep = 3 does not divide the 2 processes"),
-    ("parallel.zero=1", 2, "ZeRO) is not implemented yet"),
+    ("parallel.zero=2", 2, "ZeRO-2 (sharded gradients) is not implemented"),
     ("model.backend.dispatcher=local", 2, "cannot reach the experts of other ranks"),
     ("parallel.dp=2", 2, "parallel.dp = 2 but 2 processes with ep = 2 make dp = 1"),
 ])

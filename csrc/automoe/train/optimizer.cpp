@@ -1,6 +1,9 @@
 #include "automoe/train/optimizer.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/accumulate.h>
+
+#include <cmath>
 
 namespace automoe::train {
 
@@ -16,21 +19,134 @@ void AdamW::init(const NamedTensors& masters, const std::vector<bool>& routed_ex
     step.push_back(at::zeros({}, t.options()));
     decay.push_back(t.dim() >= 2);
     expert.push_back(routed_expert[i]);
+    shapes_.push_back(t.sizes().vec());
   }
+}
+
+void AdamW::shard(const parallel::World& world) {
+  if (!world.distributed() || sharded()) return;
+  at::NoGradGuard no_grad;
+  for (const bool is_expert : {false, true}) {
+    Slice sl;
+    const parallel::Group& g = is_expert ? world.dp : world.world;
+    if (g && g->getSize() > 1) {
+      sl.group = g;
+      sl.ranks = g->getSize();
+      sl.rank = g->getRank();
+    }
+    int64_t n = 0;
+    for (size_t i = 0; i < master.size(); ++i) {
+      if (expert[i] != is_expert) continue;
+      sl.members.push_back(i);
+      sl.offset.push_back(n);
+      n += master[i].numel();
+    }
+    if (sl.members.empty()) continue;
+    sl.size = (n + sl.ranks - 1) / sl.ranks;
+    sl.total = sl.size * sl.ranks;
+    auto cut = [&](const std::vector<at::Tensor>& full) {  // this rank's slice of the flat layout
+      std::vector<at::Tensor> flat;
+      for (size_t m : sl.members) flat.push_back(full[m].reshape({-1}));
+      if (sl.total > n) flat.push_back(at::zeros({sl.total - n}, flat.front().options()));
+      return at::cat(flat).narrow(0, sl.begin(), sl.size).clone();
+    };
+    sl.master = cut(master);
+    sl.exp_avg = cut(exp_avg);
+    sl.exp_avg_sq = cut(exp_avg_sq);
+    sl.grad = at::zeros_like(sl.master);
+    for (size_t k = 0; k < sl.members.size(); ++k) {
+      const int64_t numel = master[sl.members[k]].numel();
+      const int64_t lo = std::max(sl.offset[k], sl.begin());
+      const int64_t hi = std::min(sl.offset[k] + numel, sl.begin() + sl.size);
+      if (lo >= hi) continue;
+      sl.segments.push_back({k, lo - sl.offset[k], lo - sl.begin(), hi - lo});
+      sl.steps.push_back(step[sl.members[k]].clone());
+    }
+    zero_.push_back(std::move(sl));
+  }
+  release();
+}
+
+at::Tensor AdamW::gather(const Slice& s, const at::Tensor& part) const {
+  if (!s.group) return part;
+  at::Tensor full = at::empty({s.total}, part.options());
+  at::Tensor in = part.contiguous();
+  parallel::wait(s.group->_allgather_base(full, in), "optimizer state all-gather (ZeRO-1)");
+  return full;
+}
+
+void AdamW::materialize() {
+  for (const Slice& s : zero_) {
+    const at::Tensor m = gather(s, s.master), a = gather(s, s.exp_avg), b = gather(s, s.exp_avg_sq);
+    for (size_t k = 0; k < s.members.size(); ++k) {
+      const size_t i = s.members[k];
+      const int64_t n = c10::multiply_integers(shapes_[i]);
+      master[i] = m.narrow(0, s.offset[k], n).view(shapes_[i]);
+      exp_avg[i] = a.narrow(0, s.offset[k], n).view(shapes_[i]);
+      exp_avg_sq[i] = b.narrow(0, s.offset[k], n).view(shapes_[i]);
+    }
+  }
+}
+
+void AdamW::release() {
+  for (const Slice& s : zero_) {
+    for (size_t i : s.members) master[i] = exp_avg[i] = exp_avg_sq[i] = at::Tensor();
+  }
+}
+
+void AdamW::reduce_grads(const parallel::World& world) {
+  if (!sharded()) {
+    sync_gradients(*this, world);
+    return;
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (Slice& s : zero_) {
+    std::vector<at::Tensor> flat;
+    int64_t n = 0;
+    for (size_t i : s.members) {
+      flat.push_back(grad[i].reshape({-1}).to(at::kFloat));
+      n += grad[i].numel();
+    }
+    if (s.total > n) flat.push_back(at::zeros({s.total - n}, flat.front().options()));
+    at::Tensor all = at::cat(flat);
+    if (!s.group) {
+      s.grad.copy_(all);
+      continue;
+    }
+    works.push_back(s.group->_reduce_scatter_base(s.grad, all));  // all stays alive: wait below
+    s.pending_input = all;
+  }
+  for (const auto& w : works) parallel::wait(w, "gradient reduce-scatter (ZeRO-1)");
+  for (Slice& s : zero_) s.pending_input = at::Tensor();
 }
 
 void AdamW::update(const OptimizerSection& o, double lr) {
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> g[2][5];
-  for (size_t i = 0; i < master.size(); ++i) {
-    auto& G = g[decay[i] ? 1 : 0];
-    G[0].push_back(master[i]);
-    G[1].push_back(grad[i]);
-    G[2].push_back(exp_avg[i]);
-    G[3].push_back(exp_avg_sq[i]);
-    G[4].push_back(step[i]);
-  }
   at::_foreach_add_(step, 1.0);  // the fused kernel reads the step count, it does not advance it
+  if (sharded()) {
+    for (Slice& s : zero_) {
+      if (!s.steps.empty()) at::_foreach_add_(s.steps, 1.0);
+      for (size_t k = 0; k < s.segments.size(); ++k) {
+        const Slice::Segment& seg = s.segments[k];
+        auto& G = g[decay[s.members[seg.member]] ? 1 : 0];
+        G[0].push_back(s.master.narrow(0, seg.in_slice, seg.length));
+        G[1].push_back(s.grad.narrow(0, seg.in_slice, seg.length));
+        G[2].push_back(s.exp_avg.narrow(0, seg.in_slice, seg.length));
+        G[3].push_back(s.exp_avg_sq.narrow(0, seg.in_slice, seg.length));
+        G[4].push_back(s.steps[k]);
+      }
+    }
+  } else {
+    for (size_t i = 0; i < master.size(); ++i) {
+      auto& G = g[decay[i] ? 1 : 0];
+      G[0].push_back(master[i]);
+      G[1].push_back(grad[i]);
+      G[2].push_back(exp_avg[i]);
+      G[3].push_back(exp_avg_sq[i]);
+      G[4].push_back(step[i]);
+    }
+  }
   for (int d = 0; d < 2; ++d) {
     if (g[d][0].empty()) continue;
     at::_fused_adamw_(g[d][0], g[d][1], g[d][2], g[d][3], {}, g[d][4], lr, o.beta1, o.beta2,
@@ -38,17 +154,41 @@ void AdamW::update(const OptimizerSection& o, double lr) {
   }
 }
 
-double AdamW::grad_norm(const parallel::Group& ep) const {
-  std::vector<at::Tensor> dense, experts;
-  for (size_t i = 0; i < grad.size(); ++i) (expert[i] ? experts : dense).push_back(grad[i]);
+void AdamW::publish(std::vector<at::Tensor>& params) {
+  at::NoGradGuard no_grad;
+  if (!sharded()) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!params[i].is_same(master[i])) params[i].copy_(master[i]);
+    }
+    return;
+  }
+  for (const Slice& s : zero_) {
+    const at::Tensor full = gather(s, s.master);
+    for (size_t k = 0; k < s.members.size(); ++k) {
+      at::Tensor& p = params[s.members[k]];
+      p.copy_(full.narrow(0, s.offset[k], p.numel()).view(p.sizes()));
+    }
+  }
+}
+
+double AdamW::grad_norm(const parallel::World& world) const {
   auto sq = [](const std::vector<at::Tensor>& v) -> at::Tensor {
     if (v.empty()) return {};
     return at::stack(at::_foreach_norm(v, 2)).to(at::kDouble).pow(2).sum();
   };
+  if (sharded()) {  // each element lies in exactly one rank's slice: one sum over the world
+    std::vector<at::Tensor> parts;
+    for (const Slice& s : zero_) parts.push_back(s.grad);
+    at::Tensor total = sq(parts);
+    parallel::all_reduce_sum(world.world, total, "gradient norm");
+    return std::sqrt(total.item<double>());
+  }
+  std::vector<at::Tensor> dense, experts;
+  for (size_t i = 0; i < grad.size(); ++i) (expert[i] ? experts : dense).push_back(grad[i]);
   at::Tensor d = sq(dense), e = sq(experts);
-  if (ep && ep->getSize() > 1) {
+  if (world.ep && world.ep->getSize() > 1) {
     if (!e.defined()) e = at::zeros({}, at::TensorOptions(at::kDouble).device(grad.front().device()));
-    parallel::all_reduce_sum(ep, e, "gradient norm");
+    parallel::all_reduce_sum(world.ep, e, "gradient norm");
   }
   double total = 0;
   if (d.defined()) total += d.item<double>();
@@ -56,7 +196,14 @@ double AdamW::grad_norm(const parallel::Group& ep) const {
   return std::sqrt(total);
 }
 
-void AdamW::scale_grads(double s) { at::_foreach_mul_(grad, s); }
+void AdamW::scale_grads(double s) {
+  if (!sharded()) {
+    at::_foreach_mul_(grad, s);
+    return;
+  }
+  for (Slice& sl : zero_) sl.grad.mul_(s);
+}
+
 void AdamW::zero_grads() { at::_foreach_zero_(grad); }
 
 int64_t sync_gradients(AdamW& opt, const parallel::World& world, int64_t bucket_bytes) {

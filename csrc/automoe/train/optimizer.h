@@ -17,6 +17,8 @@ namespace automoe::train {
 
 struct AdamW {
   std::vector<std::string> names;
+  // Per parameter, full size. Under ZeRO-1 (shard()) master / exp_avg / exp_avg_sq are held only
+  // as this rank's slices and exist in full only between materialize() and release().
   std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
   std::vector<bool> decay;
   std::vector<bool> expert;  // a routed expert's tensor: this rank's experts only
@@ -24,12 +26,54 @@ struct AdamW {
   // own_grads: float32 accumulators of our own (bf16 compute); otherwise `grad` is pointed at
   // the parameters' .grad before each step. `routed_expert[i]` marks the experts' tensors.
   void init(const NamedTensors& masters, const std::vector<bool>& routed_expert, bool own_grads);
+
+  // ZeRO-1: from now on each rank keeps the float32 masters and AdamW moments of only its slice
+  // of every tensor that other ranks also hold — dense tensors split over the world, experts over
+  // their data-parallel replicas (each class flattened, padded, cut into equal slices). Gradients
+  // are reduce-scattered to the slices, the slices updated, and the new weights all-gathered.
+  void shard(const parallel::World& world);
+  bool sharded() const { return !zero_.empty(); }
+  // Full master / moment tensors from the slices (collective), for checkpoints and the export;
+  // release() drops them again. No-ops when not sharded.
+  void materialize();
+  void release();
+
+  // The step's gradients summed over the ranks that share each tensor (see sync_gradients);
+  // under ZeRO-1 into this rank's slices (reduce-scatter).
+  void reduce_grads(const parallel::World& world);
   void update(const OptimizerSection& o, double lr);
   // Global L2 norm of the gradients (before clipping), as a host double: the dense part once,
-  // the experts' part summed over the EP group (`ep` null: one process).
-  double grad_norm(const parallel::Group& ep = {}) const;
+  // the experts' part summed over the EP group (`world` one process: local).
+  double grad_norm(const parallel::World& world = {}) const;
   void scale_grads(double s);
   void zero_grads();
+  // The updated weights into the tensors the forward reads (`params[i]` for names[i]): a copy
+  // (bf16 compute) or nothing (float32: they are the masters); under ZeRO-1 an all-gather.
+  void publish(std::vector<at::Tensor>& params);
+
+ private:
+  // One class of tensors sharing a group (ZeRO-1): their flat layout and this rank's slice.
+  struct Slice {
+    parallel::Group group;  // null: this class is not replicated (the slice is everything)
+    int64_t ranks = 1, rank = 0;
+    std::vector<size_t> members;  // parameter indices, in flat order
+    std::vector<int64_t> offset;  // each member's first element in the flat layout
+    int64_t total = 0, size = 0;  // padded flat length (a multiple of ranks), slice length
+    at::Tensor master, exp_avg, exp_avg_sq, grad;  // [size] float32
+    at::Tensor pending_input;  // the flat gradients while their reduce-scatter is in flight
+    // The parts of members inside the slice: member index, first element in the member, first
+    // element in the slice, length.
+    struct Segment {
+      size_t member;
+      int64_t in_member, in_slice, length;
+    };
+    std::vector<Segment> segments;
+    std::vector<at::Tensor> steps;  // one step count per segment (what the fused kernel reads)
+    int64_t begin() const { return rank * size; }
+  };
+  std::vector<Slice> zero_;
+  std::vector<std::vector<int64_t>> shapes_;  // each parameter's shape
+  at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]
 };
 
 // Sums the gradients over the ranks that share each tensor: dense ones over the world, experts'

@@ -280,10 +280,10 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   } else if (dp) {
     r.parallel.dp = pa.integer("dp", 0, 1);
   }
-  r.parallel.zero = pa.integer("zero", 0, 0);
-  AUTOMOE_CHECK(r.parallel.zero == 0, pa.where("zero"), r.parallel.zero,
-                ": sharded optimizer state (ZeRO) is not implemented yet; every rank keeps the "
-                "full optimizer state of what it holds (zero: 0)");
+  r.parallel.zero = pa.integer("zero", 1, 0);
+  AUTOMOE_CHECK(r.parallel.zero <= 1, pa.where("zero"), r.parallel.zero,
+                ": ZeRO-2 (sharded gradients) is not implemented; 1 shards the float32 masters and "
+                "AdamW moments of every replicated tensor over its replicas, 0 keeps them whole");
   r.parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
   pa.finish();
   return r;

@@ -89,7 +89,7 @@ struct RouterSection {
 struct ParallelSection {
   int64_t ep = 1;          // expert-parallel ranks: each holds num_experts / ep experts
   int64_t dp = 0;          // data-parallel replicas; 0 (auto) = world / ep
-  int64_t zero = 0;        // optimizer-state sharding stage; only 0 (none) is implemented
+  int64_t zero = 1;        // 1: ZeRO-1 (masters and moments of shared tensors sharded); 0: none
   double timeout_s = 600;  // a collective waiting longer than this fails the run on every rank
 };
 

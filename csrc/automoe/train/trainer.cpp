@@ -341,6 +341,13 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
   }
   if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
+  // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors.
+  if (dist && rc.parallel.zero == 1) opt.shard(world);
+  auto checkpoint = [&] {
+    opt.materialize();
+    save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world, own.begin);
+    opt.release();
+  };
 
   // Metrics.
   const fs::path jsonl_path = rc.log.jsonl.empty() ? run / "metrics.jsonl" : fs::path(rc.log.jsonl);
@@ -523,7 +530,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     if (!mixed) {  // float32: the optimizer reads the gradients autograd accumulated, no copy
       for (size_t i = 0; i < model_params.size(); ++i) {
         at::Tensor& g = model_params[i].mutable_grad();
-        if (!g.defined()) g = at::zeros_like(opt.master[i]);
+        if (!g.defined()) g = at::zeros_like(model_params[i]);
         opt.grad[i] = g;
       }
     }
@@ -546,12 +553,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       ce_sum = t[0].item<double>();
       aux_weighted = t[1].item<double>();
       finite = t[2].item<double>() == 0;
-      if (window_loss_tokens > 0) sync_gradients(opt, world);
+      if (window_loss_tokens > 0) opt.reduce_grads(world);
       bias_balance.sum_counts([&](std::vector<at::Tensor>& c) {
         parallel::all_reduce_sum(world.world, c, "router bias loads");
       });
     }
-    const double norm = window_loss_tokens > 0 ? opt.grad_norm(world.ep) : 0.0;
+    const double norm = window_loss_tokens > 0 ? opt.grad_norm(world) : 0.0;
     finite = finite && std::isfinite(norm);
     st.step += 1;
     st.tokens_seen += static_cast<int64_t>(step_tokens);
@@ -569,8 +576,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     " in a row)");
       win.skipped += 1;
       if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
-        save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
-                        own.begin);
+        checkpoint();
         progress.done();
         std::cerr << "automoe train: stopping after " << st.consecutive_nonfinite
                   << " consecutive non-finite steps (train.max_nonfinite_steps); checkpoint "
@@ -587,10 +593,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         }
         opt.update(rc.optimizer, lr);
         bias_balance.apply();
-        if (mixed) {
-          at::NoGradGuard no_grad;
-          for (size_t i = 0; i < model_params.size(); ++i) model_params[i].copy_(opt.master[i]);
-        }
+        opt.publish(model_params);
       }
       release_grads();
       win.ce_sum += ce_sum;
@@ -689,16 +692,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       evaluate();
     }
     if (rc.checkpoint.every > 0 && st.step % rc.checkpoint.every == 0 && st.step != total_steps) {
-      save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
-                        own.begin);
+      checkpoint();
     }
   }
   progress.done();
   if (exit_code != 0) return exit_code;
 
   if (!val_batches.empty()) evaluate();
-  save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world,
-                        own.begin);
+  checkpoint();
 
   // Export: a Hugging Face directory in the checkpoint's dtype (or the one asked for).
   const c10::ScalarType export_dtype =
@@ -708,6 +709,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // In parameter_layout order: the trained weights, the buffers as they are (float32). Under
   // expert parallelism each expert tensor is gathered over the EP group, one at a time.
   NamedTensors exported;
+  opt.materialize();
   {
     size_t next_param = 0, next_buffer = 0;
     for (const bool trainable : pm.decoder->trainable()) {
