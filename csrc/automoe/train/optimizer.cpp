@@ -23,7 +23,7 @@ void AdamW::init(const NamedTensors& masters, const std::vector<bool>& routed_ex
   }
 }
 
-void AdamW::shard(const parallel::World& world) {
+void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params) {
   if (!world.distributed() || sharded()) return;
   at::NoGradGuard no_grad;
   for (const bool is_expert : {false, true}) {
@@ -54,6 +54,16 @@ void AdamW::shard(const parallel::World& world) {
     sl.exp_avg = cut(exp_avg);
     sl.exp_avg_sq = cut(exp_avg_sq);
     sl.grad = at::zeros_like(sl.master);
+    sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
+    sl.grad_flat = at::zeros({sl.total}, sl.master.options());
+    for (size_t k = 0; k < sl.members.size(); ++k) {
+      const size_t i = sl.members[k];
+      at::Tensor view = sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
+      view.copy_(params[i]);
+      view.set_requires_grad(true);
+      params[i] = view;
+      grad[i] = sl.grad_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
+    }
     for (size_t k = 0; k < sl.members.size(); ++k) {
       const int64_t numel = master[sl.members[k]].numel();
       const int64_t lo = std::max(sl.offset[k], sl.begin());
@@ -101,23 +111,13 @@ void AdamW::reduce_grads(const parallel::World& world) {
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (Slice& s : zero_) {
-    std::vector<at::Tensor> flat;
-    int64_t n = 0;
-    for (size_t i : s.members) {
-      flat.push_back(grad[i].reshape({-1}).to(at::kFloat));
-      n += grad[i].numel();
-    }
-    if (s.total > n) flat.push_back(at::zeros({s.total - n}, flat.front().options()));
-    at::Tensor all = at::cat(flat);
     if (!s.group) {
-      s.grad.copy_(all);
+      s.grad.copy_(s.grad_flat);
       continue;
     }
-    works.push_back(s.group->_reduce_scatter_base(s.grad, all));  // all stays alive: wait below
-    s.pending_input = all;
+    works.push_back(s.group->_reduce_scatter_base(s.grad, s.grad_flat));
   }
   for (const auto& w : works) parallel::wait(w, "gradient reduce-scatter (ZeRO-1)");
-  for (Slice& s : zero_) s.pending_input = at::Tensor();
 }
 
 void AdamW::update(const OptimizerSection& o, double lr) {
@@ -162,13 +162,20 @@ void AdamW::publish(std::vector<at::Tensor>& params) {
     }
     return;
   }
-  for (const Slice& s : zero_) {
-    const at::Tensor full = gather(s, s.master);
-    for (size_t k = 0; k < s.members.size(); ++k) {
-      at::Tensor& p = params[s.members[k]];
-      p.copy_(full.narrow(0, s.offset[k], p.numel()).view(p.sizes()));
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(zero_.size());
+  for (Slice& s : zero_) {
+    // This rank's slice in the compute dtype, gathered straight into the forward's flat buffer.
+    at::Tensor mine = s.master.to(s.params_flat.scalar_type());
+    if (!s.group) {
+      s.params_flat.copy_(mine);
+      continue;
     }
+    inputs.push_back(mine);
+    works.push_back(s.group->_allgather_base(s.params_flat, inputs.back()));
   }
+  for (const auto& w : works) parallel::wait(w, "weights all-gather (ZeRO-1)");
 }
 
 double AdamW::grad_norm(const parallel::World& world) const {

@@ -31,7 +31,11 @@ struct AdamW {
   // of every tensor that other ranks also hold — dense tensors split over the world, experts over
   // their data-parallel replicas (each class flattened, padded, cut into equal slices). Gradients
   // are reduce-scattered to the slices, the slices updated, and the new weights all-gathered.
-  void shard(const parallel::World& world);
+  // `params` (what the forward reads, names[i]'s at i) are replaced by views of one flat buffer
+  // per class, and `grad` by views of one flat float32 accumulator per class, so that neither
+  // collective copies them: the caller re-binds the model to the new `params` and accumulates
+  // each micro-batch's gradients into `grad`.
+  void shard(const parallel::World& world, std::vector<at::Tensor>& params);
   bool sharded() const { return !zero_.empty(); }
   // Full master / moment tensors from the slices (collective), for checkpoints and the export;
   // release() drops them again. No-ops when not sharded.
@@ -60,7 +64,8 @@ struct AdamW {
     std::vector<int64_t> offset;  // each member's first element in the flat layout
     int64_t total = 0, size = 0;  // padded flat length (a multiple of ranks), slice length
     at::Tensor master, exp_avg, exp_avg_sq, grad;  // [size] float32
-    at::Tensor pending_input;  // the flat gradients while their reduce-scatter is in flight
+    at::Tensor params_flat;  // [total] the forward's weights (compute dtype), members are views
+    at::Tensor grad_flat;    // [total] float32 gradient accumulators, members are views
     // The parts of members inside the slice: member index, first element in the member, first
     // element in the slice, length.
     struct Segment {

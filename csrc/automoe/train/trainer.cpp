@@ -341,8 +341,15 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
   }
   if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
-  // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors.
-  if (dist && rc.parallel.zero == 1) opt.shard(world);
+  // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
+  // the forward's weights become views of one buffer per class (re-bound here).
+  if (dist && rc.parallel.zero == 1) {
+    opt.shard(world, model_params);
+    for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
+  }
+  // Gradients move into the optimizer's float32 accumulators after each micro-batch (bf16
+  // compute, or ZeRO-1's flat buffers); float32 without ZeRO reads autograd's own.
+  const bool own_grads = mixed || opt.sharded();
   auto checkpoint = [&] {
     opt.materialize();
     save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world, own.begin);
@@ -516,7 +523,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
         bias_balance.add_counts(r.expert_counts);
       }
-      if (mixed) {  // move the bf16 gradients into the fp32 accumulators at once
+      if (own_grads) {  // move the gradients into the fp32 accumulators at once
         at::NoGradGuard no_grad;
         for (size_t i = 0; i < model_params.size(); ++i) {
           at::Tensor& g = model_params[i].mutable_grad();
@@ -527,7 +534,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         }
       }
     }
-    if (!mixed) {  // float32: the optimizer reads the gradients autograd accumulated, no copy
+    if (!own_grads) {  // float32: the optimizer reads the gradients autograd accumulated, no copy
       for (size_t i = 0; i < model_params.size(); ++i) {
         at::Tensor& g = model_params[i].mutable_grad();
         if (!g.defined()) g = at::zeros_like(model_params[i]);
@@ -536,7 +543,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     // Gradients are released after the step (set to none), as torch.optim's zero_grad does.
     auto release_grads = [&] {
-      if (mixed) {
+      if (own_grads) {
         opt.zero_grads();
       } else {
         for (auto& p : model_params) p.mutable_grad() = at::Tensor();
