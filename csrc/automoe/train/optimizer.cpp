@@ -8,14 +8,14 @@
 namespace automoe::train {
 
 void AdamW::init(const NamedTensors& masters, const std::vector<bool>& routed_expert,
-                 bool own_grads) {
+                 bool own_grads, bool full_state) {
   for (size_t i = 0; i < masters.size(); ++i) {
     const at::Tensor& t = masters[i].second;
     names.push_back(masters[i].first);
     master.push_back(t);
     grad.push_back(own_grads ? at::zeros_like(t) : at::Tensor());
-    exp_avg.push_back(at::zeros_like(t));
-    exp_avg_sq.push_back(at::zeros_like(t));
+    exp_avg.push_back(full_state ? at::zeros_like(t) : at::Tensor());
+    exp_avg_sq.push_back(full_state ? at::zeros_like(t) : at::Tensor());
     step.push_back(at::zeros({}, t.options()));
     decay.push_back(t.dim() >= 2);
     expert.push_back(routed_expert[i]);
@@ -44,16 +44,20 @@ void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params)
     if (sl.members.empty()) continue;
     sl.size = (n + sl.ranks - 1) / sl.ranks;
     sl.total = sl.size * sl.ranks;
-    auto cut = [&](const std::vector<at::Tensor>& full) {  // this rank's slice of the flat layout
-      std::vector<at::Tensor> flat;
-      for (size_t m : sl.members) flat.push_back(full[m].reshape({-1}));
-      if (sl.total > n) flat.push_back(at::zeros({sl.total - n}, flat.front().options()));
-      return at::cat(flat).narrow(0, sl.begin(), sl.size).clone();
-    };
-    sl.master = cut(master);
-    sl.exp_avg = cut(exp_avg);
-    sl.exp_avg_sq = cut(exp_avg_sq);
-    sl.grad = at::zeros_like(sl.master);
+    for (size_t k = 0; k < sl.members.size(); ++k) {
+      const int64_t numel = master[sl.members[k]].numel();
+      const int64_t lo = std::max(sl.offset[k], sl.begin());
+      const int64_t hi = std::min(sl.offset[k] + numel, sl.begin() + sl.size);
+      if (lo >= hi) continue;
+      sl.segments.push_back({k, lo - sl.offset[k], lo - sl.begin(), hi - lo});
+      sl.steps.push_back(step[sl.members[k]].clone());
+    }
+    const at::TensorOptions f32 = master[sl.members.front()].options();
+    sl.master = at::zeros({sl.size}, f32);
+    sl.exp_avg = at::zeros({sl.size}, f32);
+    sl.exp_avg_sq = at::zeros({sl.size}, f32);
+    sl.grad = at::zeros({sl.size}, f32);
+    absorb(sl);
     sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
     sl.grad_flat = at::zeros({sl.total}, sl.master.options());
     for (size_t k = 0; k < sl.members.size(); ++k) {
@@ -63,14 +67,6 @@ void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params)
       view.set_requires_grad(true);
       params[i] = view;
       grad[i] = sl.grad_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
-    }
-    for (size_t k = 0; k < sl.members.size(); ++k) {
-      const int64_t numel = master[sl.members[k]].numel();
-      const int64_t lo = std::max(sl.offset[k], sl.begin());
-      const int64_t hi = std::min(sl.offset[k] + numel, sl.begin() + sl.size);
-      if (lo >= hi) continue;
-      sl.segments.push_back({k, lo - sl.offset[k], lo - sl.begin(), hi - lo});
-      sl.steps.push_back(step[sl.members[k]].clone());
     }
     zero_.push_back(std::move(sl));
   }
@@ -96,6 +92,26 @@ void AdamW::materialize() {
       exp_avg_sq[i] = b.narrow(0, s.offset[k], n).view(shapes_[i]);
     }
   }
+}
+
+void AdamW::absorb(Slice& s) {
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < s.segments.size(); ++k) {
+    const Slice::Segment& seg = s.segments[k];
+    const size_t i = s.members[seg.member];
+    auto copy = [&](at::Tensor& dst, const at::Tensor& full) {
+      if (!full.defined()) return;  // not held in full (moments of a fresh run): zeros
+      dst.narrow(0, seg.in_slice, seg.length).copy_(full.reshape({-1}).narrow(0, seg.in_member, seg.length));
+    };
+    copy(s.master, master[i]);
+    copy(s.exp_avg, exp_avg[i]);
+    copy(s.exp_avg_sq, exp_avg_sq[i]);
+    s.steps[k].copy_(step[i]);
+  }
+}
+
+void AdamW::absorb() {
+  for (Slice& s : zero_) absorb(s);
 }
 
 void AdamW::release() {

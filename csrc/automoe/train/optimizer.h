@@ -25,7 +25,9 @@ struct AdamW {
 
   // own_grads: float32 accumulators of our own (bf16 compute); otherwise `grad` is pointed at
   // the parameters' .grad before each step. `routed_expert[i]` marks the experts' tensors.
-  void init(const NamedTensors& masters, const std::vector<bool>& routed_expert, bool own_grads);
+  // `full_state` false: no moments yet (shard() follows and makes them slice-sized).
+  void init(const NamedTensors& masters, const std::vector<bool>& routed_expert, bool own_grads,
+            bool full_state = true);
 
   // ZeRO-1: from now on each rank keeps the float32 masters and AdamW moments of only its slice
   // of every tensor that other ranks also hold — dense tensors split over the world, experts over
@@ -41,6 +43,8 @@ struct AdamW {
   // release() drops them again. No-ops when not sharded.
   void materialize();
   void release();
+  // After loading a checkpoint into the materialised full tensors: this rank's slices from them.
+  void absorb();
 
   // The step's gradients summed over the ranks that share each tensor (see sync_gradients);
   // under ZeRO-1 into this rank's slices (reduce-scatter).
@@ -79,6 +83,7 @@ struct AdamW {
   std::vector<Slice> zero_;
   std::vector<std::vector<int64_t>> shapes_;  // each parameter's shape
   at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]
+  void absorb(Slice& s);
 };
 
 // Sums the gradients over the ranks that share each tensor: dense ones over the world, experts'

@@ -257,7 +257,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     for (size_t i = 0; i < params.size(); ++i) {
       if (trainable[i]) routed.push_back(layout[i].routed_expert);
     }
-    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat);
+    // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
+    const bool zero = dist && rc.parallel.zero == 1;
+    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero, /*full_state=*/!zero);
   }
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
   AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
@@ -272,6 +274,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     p.set_requires_grad(true);
     pm.decoder->set_parameter(opt.names[i], p);
     model_params.push_back(p);
+  }
+  // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
+  // the forward's weights become views of one buffer per class (re-bound here).
+  if (dist && rc.parallel.zero == 1) {
+    opt.shard(world, model_params);
+    for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
   }
   std::vector<int64_t> moe_layers;
   for (int64_t l = 0; l < spec.num_layers; ++l) {
@@ -313,7 +321,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                              {"train_documents", train_set.num_docs()},
                              {"train_tokens", train_set.num_tokens()}};
   if (has_latest) {
+    opt.materialize();  // ZeRO-1: full tensors to load into, then this rank's slices of them
     const json saved = load_checkpoint(run, opt, buffers, st, own.begin);
+    opt.absorb();
+    opt.release();
     if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
       std::cerr << "automoe train: note: resuming a run that started from "
                 << saved["model_path"].get<std::string>() << "; its weights come from the "
@@ -335,18 +346,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
                   st.pos.cursor, ") is outside the training data's ", train_set.num_docs(),
                   " documents");
-    at::NoGradGuard no_grad;
-    if (mixed) {
-      for (size_t i = 0; i < opt.names.size(); ++i) model_params[i].copy_(opt.master[i]);
-    }
+    opt.publish(model_params);
   }
   if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
-  // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
-  // the forward's weights become views of one buffer per class (re-bound here).
-  if (dist && rc.parallel.zero == 1) {
-    opt.shard(world, model_params);
-    for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
-  }
   // Gradients move into the optimizer's float32 accumulators after each micro-batch (bf16
   // compute, or ZeRO-1's flat buffers); float32 without ZeRO reads autograd's own.
   const bool own_grads = mixed || opt.sharded();
