@@ -56,10 +56,12 @@ void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params)
     sl.master = at::zeros({sl.size}, f32);
     sl.exp_avg = at::zeros({sl.size}, f32);
     sl.exp_avg_sq = at::zeros({sl.size}, f32);
-    sl.grad = at::zeros({sl.size}, f32);
     absorb(sl);
+    for (size_t i : sl.members) master[i] = exp_avg[i] = exp_avg_sq[i] = at::Tensor();
     sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
     sl.grad_flat = at::zeros({sl.total}, sl.master.options());
+    // The reduce-scatter's output; a class no other rank holds reads its accumulators directly.
+    sl.grad = sl.group ? at::zeros({sl.size}, sl.master.options()) : sl.grad_flat;
     for (size_t k = 0; k < sl.members.size(); ++k) {
       const size_t i = sl.members[k];
       at::Tensor view = sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
@@ -127,10 +129,7 @@ void AdamW::reduce_grads(const parallel::World& world) {
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (Slice& s : zero_) {
-    if (!s.group) {
-      s.grad.copy_(s.grad_flat);
-      continue;
-    }
+    if (!s.group) continue;  // s.grad is s.grad_flat
     works.push_back(s.group->_reduce_scatter_base(s.grad, s.grad_flat));
   }
   for (const auto& w : works) parallel::wait(w, "gradient reduce-scatter (ZeRO-1)");
