@@ -58,6 +58,9 @@ def collective_device(recipe: dict) -> str:
 
     want = recipe["train"]["device"]
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    if want.startswith("cuda:") and int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:
+        raise ValueError(f"train.device: {want!r} would put every process of this machine on one GPU; "
+                         "use auto or cuda (each process then takes the GPU of its LOCAL_RANK)")
     if want == "auto":
         want = "cuda" if torch.cuda.is_available() else "cpu"
     if want == "cuda":
@@ -82,20 +85,20 @@ def init(recipe: dict) -> dict:
     device = collective_device(recipe)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    timeout = timedelta(seconds=float(par["timeout_s"]))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
-                                timeout=timedelta(seconds=float(par["timeout_s"])))
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
     rank = dist.get_rank()
     # Every rank creates every group, in the same order (torch.distributed's rule).
     ep_name = dp_name = ""
     if ep > 1:
         for d in range(dp):
-            g = dist.new_group(list(range(d * ep, (d + 1) * ep)))
+            g = dist.new_group(list(range(d * ep, (d + 1) * ep)), timeout=timeout)
             if rank // ep == d:
                 ep_name = g.group_name
     if dp > 1:
         for e in range(ep):
-            g = dist.new_group(list(range(e, world, ep)))
+            g = dist.new_group(list(range(e, world, ep)), timeout=timeout)
             if rank % ep == e:
                 dp_name = g.group_name
     return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_name, dp_group=dp_name,

@@ -159,8 +159,11 @@ def main(argv: list[str]) -> None:
 
     try:
         nproc, argv = distributed.split_nproc(argv)
+        if not argv:
+            print(USAGE, file=sys.stderr, end="")
+            raise SystemExit(2)
         if nproc is not None and nproc > 1 and not distributed.launched():
-            load_recipe(argv[0], argv[1:])  # a bad recipe fails here, once, not in N processes
+            resolve(load_recipe(argv[0], argv[1:]), argv[0])  # a bad recipe fails here, once
             distributed.exec_torchrun(nproc, argv)
         doc = load_recipe(argv[0], argv[1:])
         recipe = resolve(doc, argv[0])
@@ -180,17 +183,27 @@ def _train_rank(recipe: dict, origin: str) -> int:
     every rank runs the C++ trainer in this process on torch.distributed's groups."""
     import io
 
-    from automoe import _C, distributed
+    import fcntl
 
+    from automoe import _C, data, distributed
+
+    # The data first, before the process group exists (tokenising may take longer than any
+    # collective's timeout): the first process of each machine to take the cache's lock tokenises,
+    # the others then find the result cached.
+    cache = Path(recipe["data"]["cache_dir"] or data.default_cache_dir())
+    cache.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
+    with open(cache / ".automoe-train.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        engine_args = prepare(recipe, log=sys.stderr if rank == 0 else io.StringIO())
     groups = distributed.init(recipe)
-    rank = distributed.rank()
-    if rank == 0:
-        engine_args = prepare(recipe)
-        distributed.barrier()
-    else:
-        distributed.barrier()
-        engine_args = prepare(recipe, log=io.StringIO())
     args = dict(zip(engine_args[::2], engine_args[1::2]))
+    if groups["collective_device"].startswith("cuda"):  # the GPU's peak, as the engine binary reports it
+        import torch
+
+        dev = torch.device(groups["collective_device"])
+        groups["peak_memory_bytes"] = lambda: int(torch.cuda.max_memory_allocated(dev))
+        groups["reset_peak_memory"] = lambda: torch.cuda.reset_peak_memory_stats(dev)
     sys.stderr.flush()
     try:
         code = _C.train(json.dumps(recipe), origin, args["--train-data"], args.get("--validation-data", ""),

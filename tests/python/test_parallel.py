@@ -41,7 +41,8 @@ def test_dispatchers_match_the_reference_with_awkward_routing(nproc):
         for backend in ("grouped", "eager"):
             cases.append([kind, backend, "random", [5, 3, 7, 1][:nproc]])
         # every token to the experts of rank 0; one rank has no tokens at all
-        cases.append([kind, "grouped", "rank0", [4, 0, 6, 2][:nproc]])
+        for backend in ("grouped", "eager"):
+            cases.append([kind, backend, "rank0", [4, 0, 6, 2][:nproc]])
     cases.append(["alltoall", "torch_mm", "random", [5, 3, 7, 1][:nproc]])
     proc = torchrun(nproc, str(HERE / "parallel_worker.py"), json.dumps(cases), check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
@@ -155,6 +156,10 @@ def test_a_checkpoint_saved_at_ep2_resumes_as_dp2_and_loads_in_transformers(mode
     torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
 
 
+def training_started(log: Path) -> bool:
+    return log.exists() and any(json.loads(l).get("type") == "train" for l in log.read_text().splitlines())
+
+
 def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
     import psutil
     import yaml
@@ -169,11 +174,7 @@ def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
     try:
         deadline = time.monotonic() + 300
         log = tmp_path / "run" / "metrics.jsonl"
-
-        def training() -> bool:
-            return log.exists() and any(json.loads(l).get("type") == "train" for l in log.read_text().splitlines())
-
-        while not training():
+        while not training_started(log):
             assert launcher.poll() is None, launcher.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
@@ -189,6 +190,45 @@ def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
     finally:
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path):
+    import psutil
+    import yaml
+
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2, timeout_s=5)
+    recipe["train"]["max_steps"] = 10000
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    launcher = subprocess.Popen([sys.executable, "-m", "automoe.cli", "train", str(path), "--nproc-per-node", "2"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+    log = tmp_path / "run" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 300
+        while not training_started(log):
+            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
+            assert time.monotonic() < deadline, "training never started"
+            time.sleep(0.5)
+        workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
+                   if "automoe.cli" in " ".join(p.cmdline())]
+        assert len(workers) == 2
+        stalled = workers[1]
+        stalled.suspend()  # alive, holding its sockets open, never reaching the next collective
+        t0 = time.monotonic()
+        _, err = launcher.communicate(timeout=180)
+        assert launcher.returncode != 0
+        assert time.monotonic() - t0 < 120
+        assert "a collective failed" in err, err[-3000:]
+        for p in workers:
+            assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.pid
+    finally:
+        for p in psutil.Process().children(recursive=True):
+            try:
+                p.resume()
+                p.kill()
+            except psutil.Error:
+                pass
 
 
 @pytest.mark.parametrize("override,nproc,message", [

@@ -131,11 +131,14 @@ at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
     std::vector<at::Tensor> ys;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t lo = off[g].item<int64_t>(), n = off[g + 1].item<int64_t>() - lo;
-      if (n == 0) continue;
+      // An empty expert is skipped, unless all are: then the last one runs on no rows, so that the
+      // (empty) output stays in the autograd graph like the other backends' (an expert-parallel
+      // exchange's backward must run on every rank).
+      if (n == 0 && !(g == G - 1 && ys.empty())) continue;
       const auto gate_up = at::linear(x_NH.narrow(0, lo, n), w_gate_up_GIH[g]).chunk(2, -1);
       ys.push_back(at::linear(at::silu(gate_up[0]) * gate_up[1], w_down_GHI[g]));
     }
-    return ys.empty() ? at::zeros({0, w_down_GHI.size(1)}, x_NH.options()) : at::cat(ys, 0);
+    return ys.size() == 1 ? ys.front() : at::cat(ys, 0);
   }
   auto swiglu = [&](const at::Tensor& gu) {
     return fused_swiglu ? ops::swiglu(gu) : ops::swiglu_reference(gu);

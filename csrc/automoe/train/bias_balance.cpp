@@ -34,12 +34,14 @@ void BiasBalance::add_counts(const std::vector<at::Tensor>& counts) {
 }
 
 void BiasBalance::apply() {
-  if (counts_.empty()) return;
+  const std::vector<at::Tensor>& loads = reduced_.empty() ? counts_ : reduced_;
+  if (loads.empty()) return;
   at::NoGradGuard no_grad;
   for (size_t l = 0; l < biases_.size(); ++l) {
-    biases_[l].add_(at::sign(counts_[l].mean() - counts_[l]), rate_);
+    biases_[l].add_(at::sign(loads[l].mean() - loads[l]), rate_);
   }
   counts_.clear();
+  reduced_.clear();
 }
 
 nlohmann::json BiasBalance::report() const {

@@ -21,13 +21,16 @@ class BiasBalance {
   bool enabled() const { return !biases_.empty(); }
   // A micro-batch's per-MoE-layer expert counts (ForwardResult::expert_counts).
   void add_counts(const std::vector<at::Tensor>& counts_per_layer);
-  // Hands this step's loads to `reduce` (expert parallelism sums them over the ranks).
+  // Hands a copy of this step's loads to `reduce` (expert parallelism sums them over the ranks);
+  // apply() then uses the reduced copy. Every rank joins, whether or not it counted anything.
   void sum_counts(const std::function<void(std::vector<at::Tensor>&)>& reduce) {
     if (!enabled()) return;
-    if (counts_.empty()) {  // every rank joins, whether or not it counted anything
-      for (const auto& b : biases_) counts_.push_back(at::zeros(b.sizes(), b.options()));
+    reduced_.clear();
+    for (size_t l = 0; l < biases_.size(); ++l) {
+      reduced_.push_back(counts_.empty() ? at::zeros(biases_[l].sizes(), biases_[l].options())
+                                         : counts_[l].clone());
     }
-    reduce(counts_);
+    reduce(reduced_);
   }
   // After the optimizer step: moves the biases by this step's loads, then forgets them.
   void apply();
@@ -39,6 +42,7 @@ class BiasBalance {
   std::vector<at::Tensor> biases_;  // the decoder's own tensors, one per MoE layer
   std::vector<int64_t> layers_;     // their layer numbers
   std::vector<at::Tensor> counts_;  // this step's loads
+  std::vector<at::Tensor> reduced_;  // ... summed over every rank (sum_counts), when distributed
 };
 
 }  // namespace automoe::train

@@ -189,7 +189,15 @@ json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, Tra
       const auto& md = f->metadata();
       AUTOMOE_CHECK(md.count("expert_begin") && md.count("expert_count"), f->path(),
                     ": missing expert_begin / expert_count metadata");
-      const int64_t b = std::stoll(md.at("expert_begin")), c = std::stoll(md.at("expert_count"));
+      int64_t b = 0, c = 0;
+      try {
+        b = std::stoll(md.at("expert_begin"));
+        c = std::stoll(md.at("expert_count"));
+      } catch (const std::exception&) {
+        fail(f->path(), ": expert_begin / expert_count metadata are not integers (\"",
+             md.at("expert_begin"), "\", \"", md.at("expert_count"), "\")");
+      }
+      AUTOMOE_CHECK(b >= 0 && c >= 0, f->path(), ": negative expert_begin / expert_count metadata");
       const int64_t lo = std::max(b, expert_begin), hi = std::min(b + c, expert_begin + n);
       if (lo >= hi) continue;
       AUTOMOE_CHECK(f->contains(key), f->path(), ": missing tensor ", key);

@@ -677,7 +677,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"tokens", st.tokens_seen},
                   {"tokens_per_s", win.tokens / std::max(win.seconds, 1e-9)},
                   {"tflops", tflops},
-                  {"mfu", peak_tflops > 0 ? tflops / peak_tflops : 0.0},
+                  {"mfu", peak_tflops > 0 ? tflops / (peak_tflops * static_cast<double>(mesh.world)) : 0.0},
                   {"peak_memory_gib", static_cast<double>(hooks.peak_memory_bytes()) / (1 << 30)},
                   {"skipped_steps", st.skipped_steps},
                   {"truncated_documents", win.truncated},
