@@ -5,6 +5,7 @@ the export in Transformers, a killed rank, and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -160,11 +161,14 @@ def training_started(log: Path) -> bool:
     return log.exists() and any(json.loads(l).get("type") == "train" for l in log.read_text().splitlines())
 
 
-def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
+@contextlib.contextmanager
+def long_run_on_two_ranks(model_dir, tmp_path, timeout_s: float):
+    """`automoe train --nproc-per-node 2` (ep 2) started in the background; yields the launcher and
+    its two rank processes once the first step is logged. Everything is killed on the way out."""
     import psutil
     import yaml
 
-    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2, timeout_s=30)
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2, timeout_s=timeout_s)
     recipe["train"]["max_steps"] = 10000
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -173,55 +177,14 @@ def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 300
-        log = tmp_path / "run" / "metrics.jsonl"
-        while not training_started(log):
-            assert launcher.poll() is None, launcher.communicate()[1][-4000:]
-            assert time.monotonic() < deadline, "training never started"
-            time.sleep(0.5)
-        ranks = psutil.Process(launcher.pid).children(recursive=True)
-        workers = [p for p in ranks if "automoe.cli" in " ".join(p.cmdline()) and p.pid != launcher.pid]
-        assert len(workers) == 2, [p.cmdline() for p in ranks]
-        os.kill(workers[1].pid, signal.SIGKILL)
-        _, err = launcher.communicate(timeout=120)
-        assert launcher.returncode != 0
-        assert "SIGKILL" in err or "Signal 9" in err or "exitcode" in err, err[-3000:]
-        for p in workers:
-            assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.pid
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-
-
-def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path):
-    import psutil
-    import yaml
-
-    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2, timeout_s=5)
-    recipe["train"]["max_steps"] = 10000
-    path = tmp_path / "recipe.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
-    launcher = subprocess.Popen([sys.executable, "-m", "automoe.cli", "train", str(path), "--nproc-per-node", "2"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
-    log = tmp_path / "run" / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 300
-        while not training_started(log):
+        while not training_started(tmp_path / "run" / "metrics.jsonl"):
             assert launcher.poll() is None, launcher.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.5)
         workers = [p for p in psutil.Process(launcher.pid).children(recursive=True)
                    if "automoe.cli" in " ".join(p.cmdline())]
-        assert len(workers) == 2
-        stalled = workers[1]
-        stalled.suspend()  # alive, holding its sockets open, never reaching the next collective
-        t0 = time.monotonic()
-        _, err = launcher.communicate(timeout=180)
-        assert launcher.returncode != 0
-        assert time.monotonic() - t0 < 120
-        assert "a collective failed" in err, err[-3000:]
-        for p in workers:
-            assert not p.is_running() or p.status() == psutil.STATUS_ZOMBIE, p.pid
+        assert len(workers) == 2, [p.cmdline() for p in workers]
+        yield launcher, workers
     finally:
         for p in psutil.Process().children(recursive=True):
             try:
@@ -229,6 +192,32 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path)
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def all_gone(workers) -> bool:
+    import psutil
+
+    return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in workers)
+
+
+def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
+    with long_run_on_two_ranks(model_dir, tmp_path, timeout_s=30) as (launcher, workers):
+        os.kill(workers[1].pid, signal.SIGKILL)
+        _, err = launcher.communicate(timeout=120)
+        assert launcher.returncode != 0
+        assert "SIGKILL" in err or "Signal 9" in err or "exitcode" in err, err[-3000:]
+        assert all_gone(workers)
+
+
+def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path):
+    with long_run_on_two_ranks(model_dir, tmp_path, timeout_s=5) as (launcher, workers):
+        workers[1].suspend()  # alive, holding its sockets open, never reaching the next collective
+        t0 = time.monotonic()
+        _, err = launcher.communicate(timeout=180)
+        assert launcher.returncode != 0
+        assert time.monotonic() - t0 < 120
+        assert "a collective failed" in err, err[-3000:]
+        assert all_gone(workers)
 
 
 @pytest.mark.parametrize("override,nproc,message", [
