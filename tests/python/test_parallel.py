@@ -291,3 +291,14 @@ def test_the_drop_in_refuses_a_dispatcher_it_cannot_run(model_dir):
 
     with pytest.raises(ValueError, match="dispatcher='alltoall': the drop-in model runs its experts in this process"):
         automoe.AutoModelForCausalLM.from_pretrained(model_dir, backend={"dispatcher": "alltoall"})
+
+
+def test_gpt_oss_experts_under_expert_parallelism_are_refused(tmp_path, tokenizer):
+    from test_train_families import SIZES
+    from automoe.demo import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "oss", tokenizer, family="gpt_oss", **SIZES["gpt_oss"])
+    proc = run_ranks(ep_recipe(ckpt, tmp_path, "run", ep=2), tmp_path, 2, check=False)
+    assert proc.returncode != 0
+    assert "GPT-OSS's experts (biases, transposed storage) do not run under an expert-parallel" in proc.stderr, \
+        proc.stderr[-4000:]
