@@ -9,14 +9,17 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "automoe/core/error.h"
@@ -604,6 +607,109 @@ TEST_F(SafetensorsTest, RemovesStaleShards) {
   EXPECT_EQ(DirEntries(),
             (std::set<std::string>{"config.json", "modelcard.md", "model.safetensors"}));
   EXPECT_EQ(SafetensorsCheckpoint(dir_.string()).names().size(), 2u);
+}
+
+// Processes of a collective save, played by threads: gather() is an all-gather of strings.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int n) : n_(n) {}
+  WriteGroup member(int rank) {
+    return WriteGroup{rank == 0, [this, rank](const std::string& mine, const char*) {
+                        std::unique_lock<std::mutex> lock(mu_);
+                        const int64_t gen = generation_;
+                        if (slots_.empty()) slots_.resize(n_);
+                        slots_[rank] = mine;
+                        if (++arrived_ == n_) {
+                          result_ = slots_;
+                          slots_.clear();
+                          arrived_ = 0;
+                          ++generation_;
+                          cv_.notify_all();
+                        } else {
+                          cv_.wait(lock, [&] { return generation_ != gen; });
+                        }
+                        return result_;
+                      }};
+  }
+
+ private:
+  int n_, arrived_ = 0;
+  int64_t generation_ = 0;
+  std::vector<std::string> slots_, result_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+// Runs save_sharded on `parts.size()` threads, each with its slots; returns each one's error.
+std::vector<std::string> SaveTogether(const std::string& dir,
+                                      const std::vector<std::vector<TensorSlot>>& parts,
+                                      uint64_t max_shard_bytes) {
+  ThreadGroup group(static_cast<int>(parts.size()));
+  std::vector<std::string> errors(parts.size());
+  std::vector<std::thread> threads;
+  for (size_t r = 0; r < parts.size(); ++r) {
+    threads.emplace_back([&, r] {
+      const WriteGroup g = group.member(static_cast<int>(r));
+      try {
+        save_sharded(dir, parts[r], max_shard_bytes, &g);
+      } catch (const std::exception& e) {
+        errors[r] = e.what();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  return errors;
+}
+
+TEST_F(SafetensorsTest, CollectiveSaveWritesTheOneProcessFilesByteForByte) {
+  // A dense tensor (rank 0 writes it) and an expert tensor whose rows two ranks hold.
+  const at::Tensor dense = at::arange(6, at::kFloat).view({2, 3});
+  const at::Tensor experts = at::arange(24, at::kFloat).view({4, 3, 2}).to(at::kBFloat16);
+  const at::Tensor scalar = at::ones({}, at::kDouble);
+  for (const uint64_t limit : {uint64_t{1000}, uint64_t{30}}) {
+    const fs::path one = dir_ / ("one-" + std::to_string(limit)), two = dir_ / ("two-" + std::to_string(limit));
+    save_sharded(one.string(), {{"dense", dense}, {"experts", experts}, {"s", scalar}}, limit);
+    auto slot = [](const std::string& n, const at::Tensor& full, at::Tensor rows, int64_t begin) {
+      return TensorSlot{n, full.scalar_type(), full.sizes().vec(), std::move(rows), begin};
+    };
+    const auto errors = SaveTogether(
+        two.string(),
+        {{slot("dense", dense, dense, 0), slot("experts", experts, experts.narrow(0, 0, 2), 0),
+          slot("s", scalar, scalar, 0)},
+         {slot("dense", dense, {}, 0), slot("experts", experts, experts.narrow(0, 2, 2), 2),
+          slot("s", scalar, {}, 0)}},
+        limit);
+    EXPECT_EQ(errors, (std::vector<std::string>{"", ""}));
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(one)) names.insert(e.path().filename().string());
+    EXPECT_EQ(names.size(), limit == 1000 ? 1u : 4u);  // 24 + 48 + 8 bytes at 30: 3 shards + index
+    for (const auto& n : names) EXPECT_EQ(ReadBytes(one / n), ReadBytes(two / n)) << n;
+    std::set<std::string> written;
+    for (const auto& e : fs::directory_iterator(two)) written.insert(e.path().filename().string());
+    EXPECT_EQ(written, names);  // no pending files left
+  }
+}
+
+TEST_F(SafetensorsTest, CollectiveSaveRefusesRowsNobodyWroteAndNamesAFailingProcess) {
+  const at::Tensor experts = at::arange(8, at::kFloat).view({4, 2});
+  auto slot = [&](at::Tensor rows, int64_t begin) {
+    return TensorSlot{"experts", at::kFloat, {4, 2}, std::move(rows), begin};
+  };
+  // Rows 2..3 are nobody's: an error on every process, and nothing left in the directory.
+  auto errors = SaveTogether(dir_.string(), {{slot(experts.narrow(0, 0, 2), 0)}, {slot({}, 0)}}, 1000);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("wrote 16 bytes of the checkpoint's 32"), std::string::npos) << e;
+  }
+  EXPECT_EQ(DirEntries(), std::set<std::string>{});
+  // Process 1 holds rows of the wrong dtype: both fail, naming process 1 and the tensor.
+  errors = SaveTogether(dir_.string(),
+                        {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 2, 2).to(at::kDouble), 2)}},
+                        1000);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("process 1"), std::string::npos) << e;
+    EXPECT_NE(e.find("\"experts\""), std::string::npos) << e;
+  }
+  EXPECT_EQ(DirEntries(), std::set<std::string>{});
 }
 
 TEST_F(SafetensorsTest, RejectsMissingCheckpointDirectory) {

@@ -63,12 +63,20 @@ std::string errno_text(int err) { return std::strerror(err); }
 // Closes a file descriptor on scope exit unless released.
 class Fd {
  public:
+  Fd() : fd_(-1) {}
   explicit Fd(int fd) : fd_(fd) {}
   ~Fd() {
     if (fd_ >= 0) ::close(fd_);
   }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
+  Fd& operator=(Fd&& o) noexcept {
+    if (this != &o) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = o.release();
+    }
+    return *this;
+  }
   int get() const { return fd_; }
   int release() { return std::exchange(fd_, -1); }
 
@@ -470,49 +478,90 @@ void write_file_atomic(const std::string& path, const std::string& text) {
   write_atomic(path, [&](int fd) { write_all(fd, path, text.data(), text.size()); });
 }
 
-void save_safetensors(const std::string& path,
-                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
-                      std::map<std::string, std::string> metadata) {
-  check_unique_names(path, tensors);
-  metadata.emplace("format", "pt");  // no-op when a format is already named
+namespace {
 
-  // Header first: __metadata__, then the tensors in the given order, packed back to back.
+struct TensorMeta {
+  std::string name;
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  uint64_t nbytes() const {
+    uint64_t n = c10::elementSize(dtype);
+    for (int64_t d : shape) n *= static_cast<uint64_t>(d);
+    return n;
+  }
+};
+
+// The 8-byte length, the JSON header (__metadata__, then the tensors in the given order, packed
+// back to back) padded with spaces so that the data area starts at a multiple of 8 bytes (as the
+// python package does: every tensor then maps aligned, without a copy).
+std::string safetensors_prefix(const std::string& path, const std::vector<TensorMeta>& tensors,
+                               const std::map<std::string, std::string>& metadata,
+                               std::vector<uint64_t>* offsets) {
   nlohmann::ordered_json header;
   header[kMetadataKey] = metadata;
   uint64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    AUTOMOE_CHECK(t.defined(), "cannot write \"", path, "\": tensor \"", name, "\" is undefined");
-    AUTOMOE_CHECK(t.layout() == at::kStrided, "cannot write \"", path, "\": tensor \"", name,
-                  "\" is not a dense (strided) tensor");
+  for (const TensorMeta& t : tensors) {
     std::string dtype;
     try {
-      dtype = dtype_to_safetensors(t.scalar_type());
+      dtype = dtype_to_safetensors(t.dtype);
     } catch (const Error& e) {
-      fail("cannot write \"", path, "\": tensor \"", name, "\": ", e.what());
+      fail("cannot write \"", path, "\": tensor \"", t.name, "\": ", e.what());
     }
-    const uint64_t nbytes = t.nbytes();
-    header[name] = {
-        {"dtype", dtype}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + nbytes}}};
-    offset += nbytes;
+    if (offsets) offsets->push_back(offset);
+    header[t.name] = {
+        {"dtype", dtype}, {"shape", t.shape}, {"data_offsets", {offset, offset + t.nbytes()}}};
+    offset += t.nbytes();
   }
-  // Pad with spaces so the data area starts at a multiple of 8 bytes (as the python package
-  // does): every tensor of the file then maps aligned, without a copy.
   std::string json = header.dump();
   json.append((8 - (8 + json.size()) % 8) % 8, ' ');
   std::string prefix;
   append_u64_le(prefix, json.size());
   prefix += json;
+  return prefix;
+}
 
+at::Tensor contiguous_cpu(const std::string& path, const std::string& name, const at::Tensor& t) {
+  try {
+    return t.contiguous().cpu();
+  } catch (const c10::Error& e) {  // e.g. a meta tensor, which has no bytes to write
+    fail("cannot write \"", path, "\": tensor \"", name, "\": ", e.what_without_backtrace());
+  }
+}
+
+void pwrite_all(int fd, const std::string& path, const void* data, size_t n, uint64_t offset) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd, p, std::min<size_t>(n, size_t{1} << 30), static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      fail_write(path, "write", errno);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+}
+
+}  // namespace
+
+void save_safetensors(const std::string& path,
+                      const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                      std::map<std::string, std::string> metadata) {
+  check_unique_names(path, tensors);
+  metadata.emplace("format", "pt");  // no-op when a format is already named
+  std::vector<TensorMeta> metas;
+  for (const auto& [name, t] : tensors) {
+    AUTOMOE_CHECK(t.defined(), "cannot write \"", path, "\": tensor \"", name, "\" is undefined");
+    AUTOMOE_CHECK(t.layout() == at::kStrided, "cannot write \"", path, "\": tensor \"", name,
+                  "\" is not a dense (strided) tensor");
+    metas.push_back({name, t.scalar_type(), t.sizes().vec()});
+  }
+  const std::string prefix = safetensors_prefix(path, metas, metadata, nullptr);
   // Tensors are made contiguous / moved to the CPU one at a time, bounding the extra memory.
   write_atomic(path, [&](int fd) {
     write_all(fd, path, prefix.data(), prefix.size());
     for (const auto& [name, t] : tensors) {
-      at::Tensor c;
-      try {
-        c = t.contiguous().cpu();
-      } catch (const c10::Error& e) {  // e.g. a meta tensor, which has no bytes to write
-        fail("cannot write \"", path, "\": tensor \"", name, "\": ", e.what_without_backtrace());
-      }
+      const at::Tensor c = contiguous_cpu(path, name, t);
       write_all(fd, path, c.data_ptr(), c.nbytes());
     }
   });
@@ -521,67 +570,199 @@ void save_safetensors(const std::string& path,
 std::vector<std::string> save_sharded(
     const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
     uint64_t max_shard_bytes) {
-  check_unique_names(dir, tensors);
+  std::vector<TensorSlot> slots;
+  slots.reserve(tensors.size());
+  for (const auto& [name, t] : tensors) {
+    AUTOMOE_CHECK(t.defined(), "cannot write \"", dir, "\": tensor \"", name, "\" is undefined");
+    slots.push_back({name, t.scalar_type(), t.sizes().vec(), t, 0});
+  }
+  return save_sharded(dir, slots, max_shard_bytes, nullptr);
+}
+
+std::vector<std::string> save_sharded(const std::string& dir, const std::vector<TensorSlot>& slots,
+                                      uint64_t max_shard_bytes, const WriteGroup* group) {
+  {
+    std::set<std::string> seen;
+    for (const TensorSlot& s : slots) {
+      AUTOMOE_CHECK(s.name != kMetadataKey, "cannot write \"", dir, "\": \"", kMetadataKey,
+                    "\" is reserved and cannot name a tensor");
+      AUTOMOE_CHECK(seen.insert(s.name).second, "cannot write \"", dir,
+                    "\": duplicate tensor name \"", s.name, "\"");
+    }
+  }
+  const WriteGroup alone{true, [](const std::string& mine, const char*) {
+                           return std::vector<std::string>{mine};
+                         }};
+  const WriteGroup& g = group ? *group : alone;
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  AUTOMOE_CHECK(!ec, "cannot create directory \"", dir, "\": ", ec.message());
 
   // Greedy in the given order: a tensor opens a new shard when it would push the current one past
-  // the limit, so a tensor bigger than the limit always ends up alone.
-  std::vector<std::vector<std::pair<std::string, at::Tensor>>> shards;
+  // the limit, so a tensor bigger than the limit always ends up alone. Every process computes the
+  // same plan from the slots' full shapes.
+  std::vector<std::vector<size_t>> shards;
   uint64_t shard_bytes = 0, total_bytes = 0;
-  for (const auto& entry : tensors) {
-    const uint64_t nbytes = entry.second.defined() ? entry.second.nbytes() : 0;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const uint64_t nbytes = TensorMeta{slots[i].name, slots[i].dtype, slots[i].shape}.nbytes();
     if (shards.empty() || (!shards.back().empty() && shard_bytes + nbytes > max_shard_bytes)) {
       shards.emplace_back();
       shard_bytes = 0;
     }
-    shards.back().push_back(entry);
+    shards.back().push_back(i);
     shard_bytes += nbytes;
     total_bytes += nbytes;
   }
   if (shards.empty()) shards.emplace_back();
-
-  // Shards are written under temporary names first; the old index is removed before any shard is
-  // renamed into place and the new index is written last. A save interrupted at any point leaves
-  // either the previous checkpoint intact or no index (an error on load) — never an index that
-  // matches a mix of old and new shards.
   std::vector<std::string> files;
-  const std::string pending = ".pending-" + std::to_string(::getpid());
   for (size_t i = 0; i < shards.size(); ++i) {
     files.push_back(shards.size() == 1 ? kSingleFile : format_shard_name(i + 1, shards.size()));
-    save_safetensors((fs::path(dir) / (files.back() + pending)).string(), shards[i]);
-  }
-  if (shards.size() > 1) {
-    fs::remove(fs::path(dir) / kIndexFile, ec);
-    AUTOMOE_CHECK(!ec, "cannot remove old index in \"", dir, "\": ", ec.message());
-  }
-  for (const auto& f : files) {
-    const fs::path from = fs::path(dir) / (f + pending), to = fs::path(dir) / f;
-    AUTOMOE_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename \"", from.string(),
-                  "\" to \"", to.string(), "\": ", errno_text(errno));
-  }
-  fsync_dir((fs::path(dir) / files.front()).string());
-  std::set<std::string> keep(files.begin(), files.end());
-  if (shards.size() > 1) {
-    Json weight_map = Json::object();  // std::map-backed: keys come out sorted
-    for (size_t i = 0; i < shards.size(); ++i) {
-      for (const auto& [name, _] : shards[i]) weight_map[name] = files[i];
-    }
-    Json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-    write_file_atomic((fs::path(dir) / kIndexFile).string(), index.dump(2) + "\n");
-    keep.insert(kIndexFile);
   }
 
-  // Only now that the new files are in place: drop what an earlier save left behind (a shard
-  // count that changed, or an index next to what is now a single file).
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!is_checkpoint_file(name) || keep.count(name) || entry.is_directory(ec)) continue;
-    fs::remove(entry.path(), ec);
-    AUTOMOE_CHECK(!ec, "cannot remove stale \"", entry.path().string(), "\": ", ec.message());
+  // Shards are written under temporary names first (the lead creates each with its header and
+  // full length, every process writes its rows into it); the old index is removed before any
+  // shard is renamed into place and the new index is written last. A save interrupted at any
+  // point leaves either the previous checkpoint intact or no index (an error on load) — never an
+  // index that matches a mix of old and new shards.
+  const std::string pending = ".pending-" + g.gather(std::to_string(::getpid()), "save (start)").front();
+  auto pending_path = [&](size_t i) { return (fs::path(dir) / (files[i] + pending)).string(); };
+  auto remove_pending = [&] {
+    if (!g.lead) return;
+    for (size_t i = 0; i < files.size(); ++i) ::unlink(pending_path(i).c_str());
+  };
+  // However the save ends (an error here, or a collective that failed because another process
+  // died), the lead leaves no pending file behind (after the renames there is none to remove).
+  struct Cleanup {
+    std::function<void()> f;
+    ~Cleanup() { f(); }
+  } cleanup{remove_pending};
+  // Every process's error (empty: none) in rank order; the first one fails the save everywhere.
+  auto agree = [&](const std::string& error, const char* phase) {
+    const std::vector<std::string> all = g.gather(error, phase);
+    for (size_t r = 0; r < all.size(); ++r) {
+      if (all[r].empty()) continue;
+      remove_pending();
+      if (group) fail("saving \"", dir, "\" (", phase, "): process ", r, ": ", all[r]);
+      throw Error(all[r]);
+    }
+  };
+  auto attempt = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+      return {};
+    } catch (const std::exception& e) {
+      return e.what();
+    }
+  };
+
+  std::vector<std::vector<uint64_t>> offsets(shards.size());
+  std::vector<uint64_t> data_begin(shards.size());
+  std::string error = attempt([&] {
+    if (g.lead) {
+      fs::create_directories(dir, ec);
+      AUTOMOE_CHECK(!ec, "cannot create directory \"", dir, "\": ", ec.message());
+    }
+    for (size_t i = 0; i < shards.size(); ++i) {
+      std::vector<TensorMeta> metas;
+      for (size_t k : shards[i]) metas.push_back({slots[k].name, slots[k].dtype, slots[k].shape});
+      const std::string path = pending_path(i);
+      const std::string prefix = safetensors_prefix(path, metas, {{"format", "pt"}}, &offsets[i]);
+      data_begin[i] = prefix.size();
+      if (!g.lead) continue;
+      uint64_t size = prefix.size();
+      for (const TensorMeta& m : metas) size += m.nbytes();
+      Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+      if (fd.get() < 0) fail_write(path, "create", errno);
+      write_all(fd.get(), path, prefix.data(), prefix.size());
+      if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) fail_write(path, "ftruncate", errno);
+      if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
+      if (::close(fd.release()) != 0) fail_write(path, "close", errno);
+    }
+  });
+  agree(error, "creating the files");
+
+  // Each process writes the rows it holds; together they must cover every byte exactly once.
+  uint64_t written = 0;
+  error = attempt([&] {
+    for (size_t i = 0; i < shards.size(); ++i) {
+      const std::string path = pending_path(i);
+      Fd fd;
+      for (size_t j = 0; j < shards[i].size(); ++j) {
+        const TensorSlot& s = slots[shards[i][j]];
+        if (!s.rows.defined()) continue;
+        AUTOMOE_CHECK(s.rows.scalar_type() == s.dtype, "cannot write \"", path, "\": tensor \"",
+                      s.name, "\" is ", s.rows.scalar_type(), ", its slot ", s.dtype);
+        const at::Tensor c = contiguous_cpu(path, s.name, s.rows);
+        uint64_t offset = 0;
+        if (s.shape.empty()) {
+          AUTOMOE_CHECK(c.dim() == 0 && s.row_begin == 0, "cannot write \"", path, "\": tensor \"",
+                        s.name, "\": a scalar is written whole");
+        } else {
+          std::vector<int64_t> tail(s.shape.begin() + 1, s.shape.end());
+          AUTOMOE_CHECK(c.dim() == static_cast<int64_t>(s.shape.size()) &&
+                            c.sizes().slice(1).vec() == tail && s.row_begin >= 0 &&
+                            s.row_begin + c.size(0) <= s.shape[0],
+                        "cannot write \"", path, "\": tensor \"", s.name, "\": rows [",
+                        s.row_begin, ", ", s.row_begin + (c.dim() ? c.size(0) : 0), ") of shape ",
+                        c.sizes(), " do not fit its shape ", s.shape);
+          offset = static_cast<uint64_t>(s.row_begin) * (c.numel() ? c.nbytes() / c.size(0) : 0);
+        }
+        if (fd.get() < 0) {
+          fd = Fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
+          if (fd.get() < 0) fail_write(path, "open", errno);
+        }
+        pwrite_all(fd.get(), path, c.data_ptr(), c.nbytes(), data_begin[i] + offsets[i][j] + offset);
+        written += c.nbytes();
+      }
+      if (fd.get() >= 0) {
+        if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
+        if (::close(fd.release()) != 0) fail_write(path, "close", errno);
+      }
+    }
+  });
+  agree(error, "writing the tensors");
+  {
+    const std::vector<std::string> all = g.gather(std::to_string(written), "save (bytes written)");
+    uint64_t sum = 0;
+    for (const auto& n : all) sum += std::stoull(n);
+    if (sum != total_bytes) {
+      remove_pending();
+      fail("saving \"", dir, "\": the processes wrote ", sum, " bytes of the checkpoint's ",
+           total_bytes, " (each tensor's rows must be written by exactly one process)");
+    }
   }
-  AUTOMOE_CHECK(!ec, "cannot list directory \"", dir, "\": ", ec.message());
+
+  error = attempt([&] {
+    if (!g.lead) return;
+    if (shards.size() > 1) {
+      fs::remove(fs::path(dir) / kIndexFile, ec);
+      AUTOMOE_CHECK(!ec, "cannot remove old index in \"", dir, "\": ", ec.message());
+    }
+    for (size_t i = 0; i < files.size(); ++i) {
+      const fs::path from = pending_path(i), to = fs::path(dir) / files[i];
+      AUTOMOE_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename \"", from.string(),
+                    "\" to \"", to.string(), "\": ", errno_text(errno));
+    }
+    fsync_dir((fs::path(dir) / files.front()).string());
+    std::set<std::string> keep(files.begin(), files.end());
+    if (shards.size() > 1) {
+      Json weight_map = Json::object();  // std::map-backed: keys come out sorted
+      for (size_t i = 0; i < shards.size(); ++i) {
+        for (size_t k : shards[i]) weight_map[slots[k].name] = files[i];
+      }
+      Json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
+      write_file_atomic((fs::path(dir) / kIndexFile).string(), index.dump(2) + "\n");
+      keep.insert(kIndexFile);
+    }
+    // Only now that the new files are in place: drop what an earlier save left behind (a shard
+    // count that changed, or an index next to what is now a single file).
+    for (const auto& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (!is_checkpoint_file(name) || keep.count(name) || entry.is_directory(ec)) continue;
+      fs::remove(entry.path(), ec);
+      AUTOMOE_CHECK(!ec, "cannot remove stale \"", entry.path().string(), "\": ", ec.message());
+    }
+    AUTOMOE_CHECK(!ec, "cannot list directory \"", dir, "\": ", ec.message());
+  });
+  agree(error, "renaming the files into place");
   return files;
 }
 

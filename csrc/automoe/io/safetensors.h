@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -75,6 +76,34 @@ void save_safetensors(const std::string& path,
 std::vector<std::string> save_sharded(
     const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
     uint64_t max_shard_bytes = 5ull << 30);
+
+// One tensor of a checkpoint that several processes write together (expert parallelism: each
+// rank holds some experts' rows): its full name, dtype and shape, and the rows
+// [row_begin, row_begin + rows.size(0)) of it that this process writes (`rows` undefined: none;
+// a 0-dim tensor is written whole). Together the processes write every byte exactly once.
+struct TensorSlot {
+  std::string name;
+  c10::ScalarType dtype;
+  std::vector<int64_t> shape;
+  at::Tensor rows;
+  int64_t row_begin = 0;
+};
+
+// How the processes of a collective save agree: `gather` returns every process's `mine`, in
+// rank order (a collective that every process joins; `what` names it in errors). The lead is the
+// first process: it creates the files, renames them into place and writes the index; the others
+// return once the checkpoint is complete. An error on any process fails the save on all of them.
+struct WriteGroup {
+  bool lead = true;
+  std::function<std::vector<std::string>(const std::string& mine, const char* what)> gather;
+};
+
+// save_sharded for slots, written by one process (`group` null) or by a group of processes that
+// all call it with the same slot names, dtypes, shapes and order, and the same directory (one
+// that all of them see). The files are those the one-process save of the full tensors writes,
+// byte for byte.
+std::vector<std::string> save_sharded(const std::string& dir, const std::vector<TensorSlot>& slots,
+                                      uint64_t max_shard_bytes, const WriteGroup* group);
 
 // The tensors of a Hugging Face checkpoint directory: reads `model.safetensors.index.json` when
 // present (checking that every file it names exists and holds the tensors it claims), otherwise

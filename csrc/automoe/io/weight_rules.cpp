@@ -98,7 +98,8 @@ at::Tensor gather_experts(const WeightRule& rule, const std::string& prefix, int
 
 std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule& rule,
                                                                 const std::string& prefix,
-                                                                const at::Tensor& fused) {
+                                                                const at::Tensor& fused,
+                                                                int64_t first_expert) {
   at::Tensor t = fused;
   if (rule.transpose) t = t.transpose(rule.transpose->first, rule.transpose->second);
   const auto n = static_cast<int64_t>(rule.parts.size());
@@ -118,7 +119,7 @@ std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (int64_t p = 0; p < n; ++p) {
     for (int64_t e = 0; e < parts[p].size(0); ++e) {
-      out.emplace_back(disk_name(prefix, rule.parts[p], e), parts[p][e]);
+      out.emplace_back(disk_name(prefix, rule.parts[p], first_expert + e), parts[p][e]);
     }
   }
   return out;

@@ -58,9 +58,11 @@ std::string disk_name(const std::string& prefix, const std::string& part, int64_
 at::Tensor gather_experts(const WeightRule& rule, const std::string& prefix, int64_t num_experts,
                           const std::function<at::Tensor(const std::string&)>& get, int64_t first_expert = 0);
 
-// Splits an in-memory tensor back into its per-expert disk tensors (views, in expert order).
+// Splits an in-memory tensor back into its per-expert disk tensors (views, in expert order);
+// `first_expert`: the disk index of its first expert (expert parallelism holds a range).
 std::vector<std::pair<std::string, at::Tensor>> scatter_experts(const WeightRule& rule,
                                                                 const std::string& prefix,
-                                                                const at::Tensor& fused);
+                                                                const at::Tensor& fused,
+                                                                int64_t first_expert = 0);
 
 }  // namespace automoe

@@ -13,6 +13,7 @@
 #include "automoe/core/log.h"
 #include "automoe/io/mxfp4.h"
 #include "automoe/model/init.h"
+#include "automoe/parallel/world.h"
 
 namespace automoe {
 namespace fs = std::filesystem;
@@ -185,7 +186,7 @@ NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
     if (layout != ExpertsLayout::kPerExpert) {
       out.emplace_back(name, data);  // the fused format keeps the in-memory names
     } else if (rule) {
-      for (auto& [part, t] : scatter_experts(*rule, prefix, data)) {
+      for (auto& [part, t] : scatter_experts(*rule, prefix, data, spec.moe.expert_begin)) {
         out.emplace_back(to_disk_name(arch.renames, part), std::move(t));
       }
     } else {
@@ -302,28 +303,118 @@ NamedTensors tensors_to_save(const PretrainedModel& model,
 
 }  // namespace
 
-void save_pretrained(const PretrainedModel& model, const std::string& dir,
-                     const SaveOptions& options) {
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  AUTOMOE_CHECK(!ec, dir, ": cannot create output directory: ", ec.message());
-  const ModelSpec& spec = model.decoder->spec();
-  const Architecture& arch = find_architecture(spec.model_type, model.config.path);
-  const NamedTensors params = tensors_to_save(model, options.tensors);
+namespace {
 
+// The slots of a collective save: every disk tensor of the full model, in the one-process
+// save's order, with the rows this rank writes.
+std::vector<TensorSlot> collective_slots(const ModelSpec& spec, const Architecture& arch,
+                                         const NamedTensors& params, ExpertsLayout layout,
+                                         const parallel::World& world) {
+  ModelSpec full = spec;
+  full.moe.expert_begin = full.moe.expert_count = 0;
+  const std::vector<ParamDecl> decls = parameter_layout(spec);
+  AUTOMOE_CHECK(decls.size() == params.size(), "save: ", params.size(), " tensors for ",
+                decls.size(), " parameters");
+  const bool lead = world.rank == 0, writes_experts = world.dp_rank() == 0;
+  std::vector<TensorSlot> slots;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [name, t] = params[i];
+    AUTOMOE_CHECK(name == decls[i].name, "save: tensor ", i, " is ", name, ", expected ",
+                  decls[i].name);
+    const bool expert = decls[i].routed_expert && spec.moe.sharded();
+    std::vector<int64_t> shape = t.sizes().vec();
+    if (expert) shape[0] = spec.moe.num_experts;
+    const at::Tensor meta = at::empty(shape, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+    const NamedTensors disk = to_disk_tensors({{name, meta}}, expert ? full : spec, arch, layout);
+    std::map<std::string, at::Tensor> mine;
+    if (expert ? writes_experts : lead) {
+      for (auto& [n, d] : to_disk_tensors({{name, t}}, spec, arch, layout)) mine.emplace(n, d);
+    }
+    for (const auto& [n, m] : disk) {
+      TensorSlot slot{n, m.scalar_type(), m.sizes().vec(), {}, 0};
+      const auto it = mine.find(n);
+      if (it != mine.end()) {
+        slot.rows = it->second;
+        // The fused layout keeps [E, ...]: this rank's experts are rows of it.
+        if (expert && it->second.dim() > 0 && it->second.size(0) != m.size(0)) {
+          slot.row_begin = spec.moe.expert_begin;
+        }
+      }
+      slots.push_back(std::move(slot));
+    }
+  }
+  return slots;
+}
+
+}  // namespace
+
+static void write_config_and_files(const LoadedConfig& loaded, const std::string& source_dir,
+                                   const ModelSpec& spec, const NamedTensors& params,
+                                   const std::string& dir, const SaveOptions& options);
+
+void write_pretrained(const LoadedConfig& loaded, ExpertsLayout layout,
+                      const std::string& source_dir, const ModelSpec& spec,
+                      const NamedTensors& params, const std::string& dir,
+                      const SaveOptions& options, const parallel::World* world) {
+  const bool collective = world && world->distributed();
+  const bool lead = !collective || world->rank == 0;
+  const Architecture& arch = find_architecture(spec.model_type, loaded.path);
+  if (collective) {
+    const WriteGroup group{lead, [world](const std::string& mine, const char* what) {
+                             return parallel::all_gather_strings(world->world, mine, world->device,
+                                                                 what);
+                           }};
+    std::vector<TensorSlot> slots;
+    std::string error;
+    try {
+      slots = collective_slots(spec, arch, params, layout, *world);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    parallel::agree(world->world, error, world->device, "save (planning the files)");
+    save_sharded(dir, slots, options.max_shard_bytes, &group);
+  } else {
+    save_sharded(dir, to_disk_tensors(params, spec, arch, layout), options.max_shard_bytes);
+  }
+  // Rank 0 writes the rest; the other ranks return once it has (or with its error).
+  std::exception_ptr failed;
+  if (lead) {
+    try {
+      write_config_and_files(loaded, source_dir, spec, params, dir, options);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  }
+  if (collective) {
+    std::string error;
+    if (failed) {
+      try {
+        std::rethrow_exception(failed);
+      } catch (const std::exception& e) {
+        error = e.what();
+      }
+    }
+    const auto all = parallel::all_gather_strings(world->world, error, world->device, "save (done)");
+    if (!lead && !all.front().empty()) fail("saving ", dir, ": rank 0: ", all.front());
+  }
+  if (failed) std::rethrow_exception(failed);
+}
+
+static void write_config_and_files(const LoadedConfig& loaded, const std::string& source_dir,
+                                   const ModelSpec& spec, const NamedTensors& params,
+                                   const std::string& dir, const SaveOptions& options) {
+  std::error_code ec;
   std::string config_text;
   if (options.config_json) {
     config_text = *options.config_json;
   } else {
-    nlohmann::json config = *model.config.json;
+    nlohmann::json config = *loaded.json;
     config["dtype"] = dtype_to_name(params.front().second.scalar_type());
     config.erase("torch_dtype");
     // Dequantised on load, written dequantised: the checkpoint is no longer MXFP4.
     if (spec.mxfp4_experts) config.erase("quantization_config");
     config_text = config.dump(2) + "\n";
   }
-  save_sharded(dir, to_disk_tensors(params, spec, arch, options.layout.value_or(model.layout)),
-               options.max_shard_bytes);
   write_file_atomic((fs::path(dir) / "config.json").string(), config_text);
   for (const auto& [name, text] : options.extra_files) {
     AUTOMOE_CHECK(!name.empty() && name.find('/') == std::string::npos && name != "config.json",
@@ -332,9 +423,9 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
   }
 
   // Tokenizer, chat template, generation config: everything that is not weights or config.
-  if (model.source_dir.empty() || !fs::is_directory(model.source_dir)) return;
-  if (fs::equivalent(model.source_dir, dir, ec)) return;
-  for (const auto& entry : fs::directory_iterator(model.source_dir)) {
+  if (source_dir.empty() || !fs::is_directory(source_dir)) return;
+  if (fs::equivalent(source_dir, dir, ec)) return;
+  for (const auto& entry : fs::directory_iterator(source_dir)) {
     if (!entry.is_regular_file()) continue;
     const std::string name = entry.path().filename().string();
     const std::string ext = entry.path().extension().string();
@@ -349,6 +440,25 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
     bytes << in.rdbuf();
     write_file_atomic((fs::path(dir) / name).string(), bytes.str());
   }
+}
+
+void save_pretrained(const PretrainedModel& model, const std::string& dir,
+                     const SaveOptions& options) {
+  const parallel::World* world = model.world.get();
+  NamedTensors params;
+  if (world && world->distributed()) {  // a rank's bad state_dict fails the save on every rank
+    std::string error;
+    try {
+      params = tensors_to_save(model, options.tensors);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+    parallel::agree(world->world, error, world->device, "save_pretrained");
+  } else {
+    params = tensors_to_save(model, options.tensors);
+  }
+  write_pretrained(model.config, options.layout.value_or(model.layout), model.source_dir,
+                   model.decoder->spec(), params, dir, options, world);
 }
 
 }  // namespace automoe

@@ -16,12 +16,18 @@
 #include "automoe/model/decoder.h"
 
 namespace automoe {
+namespace parallel {
+struct World;
+}
 
 struct PretrainedModel {
   LoadedConfig config;
   ExpertsLayout layout = ExpertsLayout::kPerExpert;  // the layout found on disk
   std::string source_dir;
   std::unique_ptr<Decoder> decoder;
+  // Expert parallelism (null: one process): the ranks this model's experts are spread over;
+  // save_pretrained is then collective.
+  std::shared_ptr<const parallel::World> world;
 };
 
 // Which experts layout `ckpt` stores (checks the first MoE layer); errors when it holds neither.
@@ -77,8 +83,22 @@ struct SaveOptions {
 
 // Writes config.json, the weights in the chosen layout, sharded at `max_shard_bytes`, and copies
 // tokenizer/generation files from the source directory. Every file is written atomically.
+// A model with a `world` saves collectively: every rank of the world must call it (see
+// write_pretrained).
 void save_pretrained(const PretrainedModel& model, const std::string& dir,
                      const SaveOptions& options);
+
+// What save_pretrained writes, for `params` in parameter_layout(spec) order (options.tensors is
+// not read). `world` (null or one process: this process writes everything): every rank calls it
+// with the same directory, each with its own experts' rows (spec.moe's expert range). Rank 0
+// writes config.json, the other files and every dense tensor (other ranks may pass meta tensors
+// for those: only their dtype and shape are read); the ranks of data-parallel replica 0 write
+// their experts' rows into the same shard files; rank 0 renames them into place and writes the
+// index once all have written. The files equal the one-process save's, byte for byte.
+void write_pretrained(const LoadedConfig& config, ExpertsLayout layout,
+                      const std::string& source_dir, const ModelSpec& spec,
+                      const NamedTensors& params, const std::string& dir,
+                      const SaveOptions& options, const parallel::World* world);
 inline void save_pretrained(const PretrainedModel& model, const std::string& dir,
                             std::optional<ExpertsLayout> layout = std::nullopt,
                             uint64_t max_shard_bytes = 5ull << 30) {

@@ -119,4 +119,15 @@ std::vector<std::string> all_gather_strings(const Group& group, const std::strin
   return all;
 }
 
+void agree(const Group& group, const std::string& error, c10::Device device, const char* what) {
+  if (!group || group->getSize() == 1) {
+    if (!error.empty()) throw Error(error);
+    return;
+  }
+  const std::vector<std::string> all = all_gather_strings(group, error, device, what);
+  for (size_t r = 0; r < all.size(); ++r) {
+    if (!all[r].empty()) fail(what, ": rank ", r, ": ", all[r]);
+  }
+}
+
 }  // namespace automoe::parallel

@@ -68,6 +68,10 @@ void all_reduce_sum(const Group& group, const at::Tensor& t, const char* what);
 // Every rank's copy of a small int64 vector (equal lengths), rank-major; on the host.
 std::vector<int64_t> all_gather_ints(const Group& group, const std::vector<int64_t>& mine,
                                      c10::Device device, const char* what);
+// Each rank's error message (empty: none); if any rank has one, throws on every rank, naming
+// the first such rank and its message — so that a failure on one rank (a check, a full disk)
+// fails a collective operation everywhere instead of leaving the others waiting in it.
+void agree(const Group& group, const std::string& error, c10::Device device, const char* what);
 // Every rank's string (any lengths), in rank order.
 std::vector<std::string> all_gather_strings(const Group& group, const std::string& mine,
                                             c10::Device device, const char* what);
