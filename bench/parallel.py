@@ -62,7 +62,7 @@ def build(preset: str, work: Path) -> Path:
     return path
 
 
-def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args) -> dict:
+def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep: int = 0, zero: int = 1) -> dict:
     import yaml
 
     run_dir = work / name
@@ -75,7 +75,7 @@ def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args) ->
         "optimizer": {"lr": 1e-4},
         "checkpoint": {"dir": str(run_dir)},
         "log": {"every": 1, "progress": "off", "peak_tflops": 1.0},
-        "parallel": {"ep": nproc},
+        "parallel": {"ep": ep or nproc, "zero": zero},
     }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -88,7 +88,8 @@ def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args) ->
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in recs if r["type"] == "train"][1:]  # the first step warms up
     out = {
-        "name": name, "nproc": nproc, "dispatcher": dispatcher if nproc > 1 else "-",
+        "name": name, "nproc": nproc, "ep": ep or nproc, "zero": zero if nproc > 1 else "-",
+        "dispatcher": dispatcher if (ep or nproc) > 1 else "-",
         "step_s": statistics.median(r["step_time_s"] for r in train),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
         "loss_last": train[-1]["loss"],
@@ -115,27 +116,32 @@ def main():
     p.add_argument("--accum", type=int, default=4, help="micro-batches per step, over all ranks")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1, help="CPU threads per process")
+    p.add_argument("--ep", default="all", help="'all' (ep = processes) or 1 (data parallelism only)")
+    p.add_argument("--zero", default="1", help="ZeRO stages to compare, e.g. 1,2")
+    p.add_argument("--dispatchers", default="alltoall,alltoall_overlap")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="automoe-parallel-"))
     ckpt = build(args.preset, work)
     results = []
     for n in [int(x) for x in args.nproc.split(",")]:
-        kinds = ["alltoall", "alltoall_overlap"] if n > 1 else ["auto"]
+        ep = n if args.ep == "all" else int(args.ep)
+        kinds = args.dispatchers.split(",") if ep > 1 else ["auto"]
         for kind in kinds:
-            results.append(run(ckpt, work, f"n{n}-{kind}", n, kind, args))
-            print(json.dumps(results[-1]), file=sys.stderr)
+            for zero in ([int(z) for z in args.zero.split(",")] if n > 1 else [1]):
+                results.append(run(ckpt, work, f"n{n}-ep{ep}-{kind}-zero{zero}", n, kind, args, ep, zero))
+                print(json.dumps(results[-1]), file=sys.stderr)
     base = results[0]
     print(f"\n{args.preset}, {args.dtype}, {args.accum} x {args.micro} x {args.seq} tokens per step, "
           f"{args.threads} thread(s) per process; {cpu_model()} ({isa()}), {os.cpu_count()} cores\n")
-    print("| processes (ep) | dispatcher | tokens/s | step s | peak memory per rank | vs 1 process | "
+    print("| processes (ep) | ZeRO | dispatcher | tokens/s | step s | peak memory per rank | vs 1 process | "
           "dispatcher wait per step, forward / backward | dispatch MB sent per rank per step |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         wait = (f"{r['wait_s_per_step'] * 1e3:.0f} / {r['backward_wait_s_per_step'] * 1e3:.0f} ms"
                 if "wait_s_per_step" in r else "-")
         sent = f"{r['mb_sent_per_step']:.2f}" if "mb_sent_per_step" in r else "-"
-        print(f"| {r['nproc']} | {r['dispatcher']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
+        print(f"| {r['nproc']} ({r['ep']}) | {r['zero']} | {r['dispatcher']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
               f"{r['peak_gib_per_rank']:.2f} GiB | {r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}x | "
               f"{wait} | {sent} |")
     if args.out:

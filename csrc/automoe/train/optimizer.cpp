@@ -2,8 +2,13 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/accumulate.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <cmath>
+
+#include "automoe/core/error.h"
 
 namespace automoe::train {
 
@@ -23,63 +28,172 @@ void AdamW::init(const NamedTensors& masters, const std::vector<bool>& routed_ex
   }
 }
 
-void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params) {
+namespace {
+
+// Moves a parameter's gradient into the optimizer's bucket as soon as autograd has accumulated it.
+struct GradientHook : torch::autograd::PostAccumulateGradHook {
+  GradientHook(AdamW* opt, size_t i) : opt(opt), i(i) {}
+  void operator()(const torch::autograd::Variable& param) override { opt->on_gradient(i, param); }
+  AdamW* opt;
+  size_t i;
+};
+
+}  // namespace
+
+void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params, int64_t stage,
+                  int64_t bucket_bytes) {
   if (!world.distributed() || sharded()) return;
+  AUTOMOE_CHECK(stage == 1 || stage == 2, "ZeRO stage ", stage, ": expected 1 or 2");
+  stage_ = stage;
   at::NoGradGuard no_grad;
+  where_.assign(master.size(), {0, 0});
   for (const bool is_expert : {false, true}) {
-    Slice sl;
     const parallel::Group& g = is_expert ? world.dp : world.world;
-    if (g && g->getSize() > 1) {
-      sl.group = g;
-      sl.ranks = g->getSize();
-      sl.rank = g->getRank();
+    const bool replicated = g && g->getSize() > 1;
+    // Buckets in the reverse of the parameter order (the backward's), each about bucket_bytes of
+    // float32 gradients; a class no other rank holds is one bucket (nothing to reduce).
+    std::vector<std::vector<size_t>> groups(1);
+    int64_t bytes = 0;
+    for (size_t j = master.size(); j-- > 0;) {
+      if (expert[j] != is_expert) continue;
+      if (replicated && !groups.back().empty() && bytes >= bucket_bytes) {
+        groups.emplace_back();
+        bytes = 0;
+      }
+      groups.back().push_back(j);
+      bytes += master[j].numel() * 4;
     }
-    int64_t n = 0;
-    for (size_t i = 0; i < master.size(); ++i) {
-      if (expert[i] != is_expert) continue;
-      sl.members.push_back(i);
-      sl.offset.push_back(n);
-      n += master[i].numel();
+    for (const auto& members : groups) {
+      if (members.empty()) continue;
+      Slice sl;
+      if (replicated) {
+        sl.group = g;
+        sl.ranks = g->getSize();
+        sl.rank = g->getRank();
+      }
+      sl.members = members;
+      int64_t n = 0;
+      for (size_t i : members) {
+        sl.offset.push_back(n);
+        n += master[i].numel();
+      }
+      sl.size = (n + sl.ranks - 1) / sl.ranks;
+      sl.total = sl.size * sl.ranks;
+      for (size_t k = 0; k < sl.members.size(); ++k) {
+        const int64_t numel = master[sl.members[k]].numel();
+        const int64_t lo = std::max(sl.offset[k], sl.begin());
+        const int64_t hi = std::min(sl.offset[k] + numel, sl.begin() + sl.size);
+        if (lo >= hi) continue;
+        sl.segments.push_back({k, lo - sl.offset[k], lo - sl.begin(), hi - lo});
+        sl.steps.push_back(step[sl.members[k]].clone());
+      }
+      const at::TensorOptions f32 = master[sl.members.front()].options();
+      sl.master = at::zeros({sl.size}, f32);
+      sl.exp_avg = at::zeros({sl.size}, f32);
+      sl.exp_avg_sq = at::zeros({sl.size}, f32);
+      absorb(sl);
+      for (size_t i : sl.members) master[i] = exp_avg[i] = exp_avg_sq[i] = at::Tensor();
+      sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
+      sl.transient = stage == 2 && replicated;
+      if (sl.transient) {
+        sl.grad = at::zeros({sl.size}, f32);  // the slice's accumulator; grad_flat per backward
+      } else {
+        sl.grad_flat = at::zeros({sl.total}, f32);
+        // The reduce-scatter's output; a bucket no other rank holds reads its accumulators.
+        sl.grad = replicated ? at::zeros({sl.size}, f32) : sl.grad_flat;
+      }
+      for (size_t k = 0; k < sl.members.size(); ++k) {
+        const size_t i = sl.members[k];
+        at::Tensor view = sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
+        view.copy_(params[i]);
+        view.set_requires_grad(true);
+        params[i] = view;
+        grad[i] = sl.grad_flat.defined()
+                      ? sl.grad_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i])
+                      : at::Tensor();
+        torch::autograd::impl::set_post_acc_grad_hooks(view, std::make_unique<GradientHook>(this, i));
+      }
+      zero_.push_back(std::move(sl));
     }
-    if (sl.members.empty()) continue;
-    sl.size = (n + sl.ranks - 1) / sl.ranks;
-    sl.total = sl.size * sl.ranks;
-    for (size_t k = 0; k < sl.members.size(); ++k) {
-      const int64_t numel = master[sl.members[k]].numel();
-      const int64_t lo = std::max(sl.offset[k], sl.begin());
-      const int64_t hi = std::min(sl.offset[k] + numel, sl.begin() + sl.size);
-      if (lo >= hi) continue;
-      sl.segments.push_back({k, lo - sl.offset[k], lo - sl.begin(), hi - lo});
-      sl.steps.push_back(step[sl.members[k]].clone());
-    }
-    const at::TensorOptions f32 = master[sl.members.front()].options();
-    sl.master = at::zeros({sl.size}, f32);
-    sl.exp_avg = at::zeros({sl.size}, f32);
-    sl.exp_avg_sq = at::zeros({sl.size}, f32);
-    absorb(sl);
-    for (size_t i : sl.members) master[i] = exp_avg[i] = exp_avg_sq[i] = at::Tensor();
-    sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
-    sl.grad_flat = at::zeros({sl.total}, sl.master.options());
-    // The reduce-scatter's output; a class no other rank holds reads its accumulators directly.
-    sl.grad = sl.group ? at::zeros({sl.size}, sl.master.options()) : sl.grad_flat;
-    for (size_t k = 0; k < sl.members.size(); ++k) {
-      const size_t i = sl.members[k];
-      at::Tensor view = sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
-      view.copy_(params[i]);
-      view.set_requires_grad(true);
-      params[i] = view;
-      grad[i] = sl.grad_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
-    }
-    zero_.push_back(std::move(sl));
+  }
+  // Both classes' buckets in one order, that of the backward (the bucket holding the latest
+  // parameter first), so that expert and dense buckets launch as their layers finish.
+  std::stable_sort(zero_.begin(), zero_.end(), [](const Slice& a, const Slice& b) {
+    return a.members.front() > b.members.front();  // members run from the latest parameter down
+  });
+  for (size_t b = 0; b < zero_.size(); ++b) {
+    for (size_t k = 0; k < zero_[b].members.size(); ++k) where_[zero_[b].members[k]] = {b, k};
   }
   release();
+}
+
+void AdamW::begin_backward(bool last) {
+  last_ = last;
+  next_launch_ = 0;
+  for (Slice& s : zero_) {
+    s.pending = static_cast<int64_t>(s.members.size());
+    if (s.transient) s.launched = false;
+  }
+}
+
+void AdamW::on_gradient(size_t i, const at::Tensor& param) {
+  at::NoGradGuard no_grad;
+  at::Tensor& g = const_cast<at::Tensor&>(param).mutable_grad();
+  if (!g.defined() || !sharded()) return;
+  const auto [b, k] = where_[i];
+  Slice& s = zero_[b];
+  if (!s.grad_flat.defined()) s.grad_flat = at::zeros({s.total}, s.grad.options());
+  s.grad_flat.narrow(0, s.offset[k], g.numel()).view(g.sizes()).add_(g);
+  g = at::Tensor();  // released at once: the compute-dtype gradients never all exist together
+  --s.pending;
+  if (!reducing()) return;
+  // Launch, in bucket order, every bucket whose gradients are all in.
+  while (next_launch_ < zero_.size() && zero_[next_launch_].pending <= 0) launch(next_launch_++);
+}
+
+void AdamW::launch(size_t b) {
+  Slice& s = zero_[b];
+  if (s.launched) return;
+  s.launched = true;
+  if (!s.group) return;  // s.grad is s.grad_flat
+  if (!s.grad_flat.defined()) s.grad_flat = at::zeros({s.total}, s.grad.options());
+  if (s.transient) {
+    s.reduced = at::empty({s.size}, s.grad.options());
+    s.work = s.group->_reduce_scatter_base(s.reduced, s.grad_flat);
+    // Keep two buckets in flight: the one before the last is folded in (and its full-size
+    // accumulator freed) now.
+    if (b >= 2) complete(b - 2);
+  } else {
+    s.work = s.group->_reduce_scatter_base(s.grad, s.grad_flat);
+  }
+}
+
+void AdamW::complete(size_t b) {
+  Slice& s = zero_[b];
+  if (!s.work) return;
+  parallel::wait(s.work, "gradient reduce-scatter (ZeRO)");
+  s.work.reset();
+  if (!s.transient) return;
+  s.grad.add_(s.reduced);
+  s.reduced = at::Tensor();
+  s.grad_flat = at::Tensor();
+}
+
+void AdamW::end_backward() {
+  if (!sharded() || !reducing()) return;
+  at::NoGradGuard no_grad;
+  // Buckets a parameter without a gradient kept waiting: launched now, still in order.
+  while (next_launch_ < zero_.size()) launch(next_launch_++);
+  if (stage_ == 2) {
+    for (size_t b = 0; b < zero_.size(); ++b) complete(b);
+  }
 }
 
 at::Tensor AdamW::gather(const Slice& s, const at::Tensor& part) const {
   if (!s.group) return part;
   at::Tensor full = at::empty({s.total}, part.options());
   at::Tensor in = part.contiguous();
-  parallel::wait(s.group->_allgather_base(full, in), "optimizer state all-gather (ZeRO-1)");
+  parallel::wait(s.group->_allgather_base(full, in), "optimizer state all-gather (ZeRO)");
   return full;
 }
 
@@ -127,12 +241,15 @@ void AdamW::reduce_grads(const parallel::World& world) {
     sync_gradients(*this, world);
     return;
   }
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (Slice& s : zero_) {
-    if (!s.group) continue;  // s.grad is s.grad_flat
-    works.push_back(s.group->_reduce_scatter_base(s.grad, s.grad_flat));
+  at::NoGradGuard no_grad;
+  // A rank whose last micro-batch had no backward launches here what the hooks did not.
+  for (size_t b = 0; b < zero_.size(); ++b) {
+    if (!zero_[b].transient) launch(b);
   }
-  for (const auto& w : works) parallel::wait(w, "gradient reduce-scatter (ZeRO-1)");
+  for (size_t b = 0; b < zero_.size(); ++b) complete(b);
+  for (Slice& s : zero_) {
+    if (!s.transient) s.launched = false;  // the next step accumulates afresh
+  }
 }
 
 void AdamW::update(const OptimizerSection& o, double lr) {
@@ -190,7 +307,7 @@ void AdamW::publish(std::vector<at::Tensor>& params) {
     inputs.push_back(mine);
     works.push_back(s.group->_allgather_base(s.params_flat, inputs.back()));
   }
-  for (const auto& w : works) parallel::wait(w, "weights all-gather (ZeRO-1)");
+  for (const auto& w : works) parallel::wait(w, "weights all-gather (ZeRO)");
 }
 
 double AdamW::grad_norm(const parallel::World& world) const {
@@ -226,7 +343,16 @@ void AdamW::scale_grads(double s) {
   for (Slice& sl : zero_) sl.grad.mul_(s);
 }
 
-void AdamW::zero_grads() { at::_foreach_zero_(grad); }
+void AdamW::zero_grads() {
+  if (!sharded()) {
+    at::_foreach_zero_(grad);
+    return;
+  }
+  for (Slice& s : zero_) {
+    s.grad.zero_();
+    if (s.grad_flat.defined() && !s.transient) s.grad_flat.zero_();
+  }
+}
 
 int64_t sync_gradients(AdamW& opt, const parallel::World& world, int64_t bucket_bytes) {
   if (!world.distributed()) return 0;

@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 #include <string>
 #include <vector>
 
@@ -17,7 +19,7 @@ namespace automoe::train {
 
 struct AdamW {
   std::vector<std::string> names;
-  // Per parameter, full size. Under ZeRO-1 (shard()) master / exp_avg / exp_avg_sq are held only
+  // Per parameter, full size. Under ZeRO (shard()) master / exp_avg / exp_avg_sq are held only
   // as this rank's slices and exist in full only between materialize() and release().
   std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
   std::vector<bool> decay;
@@ -29,16 +31,25 @@ struct AdamW {
   void init(const NamedTensors& masters, const std::vector<bool>& routed_expert, bool own_grads,
             bool full_state = true);
 
-  // ZeRO-1: from now on each rank keeps the float32 masters and AdamW moments of only its slice
-  // of every tensor that other ranks also hold — dense tensors split over the world, experts over
-  // their data-parallel replicas (each class flattened, padded, cut into equal slices). Gradients
-  // are reduce-scattered to the slices, the slices updated, and the new weights all-gathered.
-  // `params` (what the forward reads, names[i]'s at i) are replaced by views of one flat buffer
-  // per class, and `grad` by views of one flat float32 accumulator per class, so that neither
-  // collective copies them: the caller re-binds the model to the new `params` and accumulates
-  // each micro-batch's gradients into `grad`.
-  void shard(const parallel::World& world, std::vector<at::Tensor>& params);
+  // ZeRO (stage 1 or 2): from now on each rank keeps the float32 masters and AdamW moments of
+  // only its slice of every tensor that other ranks also hold — dense tensors split over the
+  // world, experts over their data-parallel replicas. Each class of tensors is cut into buckets
+  // of about `bucket_bytes` (in the reverse of the parameter order: the order the backward
+  // produces their gradients), each bucket flattened, padded and cut into equal slices.
+  // Gradients are reduce-scattered to the slices, the slices updated, and the new weights
+  // all-gathered. `params` (what the forward reads, names[i]'s at i) are replaced by views of one
+  // flat buffer per bucket (the caller re-binds the model to them); a hook on each moves its
+  // gradient into the bucket's float32 accumulator as soon as autograd has produced it, and a
+  // bucket whose gradients are all in is reduce-scattered at once while the backward goes on —
+  // on the step's last backward (stage 1), or after every backward into a slice-sized
+  // accumulator, the full-size one living only while its bucket is in flight (stage 2).
+  void shard(const parallel::World& world, std::vector<at::Tensor>& params, int64_t stage,
+             int64_t bucket_bytes = 32 << 20);
   bool sharded() const { return !zero_.empty(); }
+  int64_t buckets() const { return static_cast<int64_t>(zero_.size()); }
+  // Around each backward pass (ZeRO): `last`, the step's last backward on this rank.
+  void begin_backward(bool last);
+  void end_backward();
   // Full master / moment tensors from the slices (collective), for checkpoints and the export;
   // release() drops them again. No-ops when not sharded.
   void materialize();
@@ -47,7 +58,8 @@ struct AdamW {
   void absorb();
 
   // The step's gradients summed over the ranks that share each tensor (see sync_gradients);
-  // under ZeRO-1 into this rank's slices (reduce-scatter).
+  // under ZeRO into this rank's slices (what the backward's hooks did not launch is launched
+  // here, in bucket order, and everything is waited for).
   void reduce_grads(const parallel::World& world);
   void update(const OptimizerSection& o, double lr);
   // Global L2 norm of the gradients (before clipping), as a host double: the dense part once,
@@ -56,11 +68,13 @@ struct AdamW {
   void scale_grads(double s);
   void zero_grads();
   // The updated weights into the tensors the forward reads (`params[i]` for names[i]): a copy
-  // (bf16 compute) or nothing (float32: they are the masters); under ZeRO-1 an all-gather.
+  // (bf16 compute) or nothing (float32: they are the masters); under ZeRO an all-gather.
   void publish(std::vector<at::Tensor>& params);
+  // Called by the gradient hook of parameter i (ZeRO).
+  void on_gradient(size_t i, const at::Tensor& param);
 
  private:
-  // One class of tensors sharing a group (ZeRO-1): their flat layout and this rank's slice.
+  // One bucket of tensors sharing a group (ZeRO): their flat layout and this rank's slice.
   struct Slice {
     parallel::Group group;  // null: this class is not replicated (the slice is everything)
     int64_t ranks = 1, rank = 0;
@@ -69,7 +83,10 @@ struct AdamW {
     int64_t total = 0, size = 0;  // padded flat length (a multiple of ranks), slice length
     at::Tensor master, exp_avg, exp_avg_sq, grad;  // [size] float32
     at::Tensor params_flat;  // [total] the forward's weights (compute dtype), members are views
-    at::Tensor grad_flat;    // [total] float32 gradient accumulators, members are views
+    // [total] float32 gradient accumulators (members' grad[i] are views); under stage 2 for a
+    // replicated bucket only while one backward's gradients are collected and reduced.
+    at::Tensor grad_flat;
+    bool transient = false;  // stage 2 and replicated: grad_flat is per backward
     // The parts of members inside the slice: member index, first element in the member, first
     // element in the slice, length.
     struct Segment {
@@ -78,12 +95,23 @@ struct AdamW {
     };
     std::vector<Segment> segments;
     std::vector<at::Tensor> steps;  // one step count per segment (what the fused kernel reads)
+    int64_t pending = 0;            // members whose gradient this backward has not produced yet
+    bool launched = false;          // reduced (or in flight) for this step / backward
+    c10::intrusive_ptr<c10d::Work> work;
+    at::Tensor reduced;  // stage 2: the in-flight reduce-scatter's output
     int64_t begin() const { return rank * size; }
   };
   std::vector<Slice> zero_;
-  std::vector<std::vector<int64_t>> shapes_;  // each parameter's shape
+  std::vector<std::pair<size_t, size_t>> where_;  // parameter -> (bucket, member index)
+  std::vector<std::vector<int64_t>> shapes_;      // each parameter's shape
+  int64_t stage_ = 0;
+  bool last_ = false;      // this backward ends the step's accumulation
+  size_t next_launch_ = 0;  // buckets launch in order (the same on every rank)
   at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]
   void absorb(Slice& s);
+  bool reducing() const { return stage_ == 2 || last_; }
+  void launch(size_t b);
+  void complete(size_t b);  // stage 2: the reduce-scatter's output into the slice accumulator
 };
 
 // Sums the gradients over the ranks that share each tensor: dense ones over the world, experts'

@@ -281,9 +281,11 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
     r.parallel.dp = pa.integer("dp", 0, 1);
   }
   r.parallel.zero = pa.integer("zero", 1, 0);
-  AUTOMOE_CHECK(r.parallel.zero <= 1, pa.where("zero"), r.parallel.zero,
-                ": ZeRO-2 (sharded gradients) is not implemented; 1 shards the float32 masters and "
-                "AdamW moments of every replicated tensor over its replicas, 0 keeps them whole");
+  AUTOMOE_CHECK(r.parallel.zero <= 2, pa.where("zero"), r.parallel.zero,
+                ": expected 0 (optimizer state whole), 1 (float32 masters and AdamW moments of "
+                "every replicated tensor sharded over its replicas) or 2 (their gradients too); "
+                "ZeRO-3 (sharded weights) is not implemented");
+  r.parallel.bucket_mb = pa.number("bucket_mb", 32.0, 0.0, 1e6, /*open_min=*/true);
   r.parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
   pa.finish();
   return r;
@@ -336,6 +338,7 @@ std::string Recipe::to_json() const {
   j["parallel"] = {{"ep", parallel.ep},
                    {"dp", parallel.dp > 0 ? json(parallel.dp) : json("auto")},
                    {"zero", parallel.zero},
+                   {"bucket_mb", parallel.bucket_mb},
                    {"timeout_s", parallel.timeout_s}};
   return j.dump(2);
 }

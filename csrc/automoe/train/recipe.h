@@ -89,7 +89,9 @@ struct RouterSection {
 struct ParallelSection {
   int64_t ep = 1;          // expert-parallel ranks: each holds num_experts / ep experts
   int64_t dp = 0;          // data-parallel replicas; 0 (auto) = world / ep
-  int64_t zero = 1;        // 1: ZeRO-1 (masters and moments of shared tensors sharded); 0: none
+  // 1: ZeRO-1 (masters and moments of shared tensors sharded); 2: their gradients too; 0: none
+  int64_t zero = 1;
+  double bucket_mb = 32;   // gradients are reduced in buckets of about this size (MiB)
   double timeout_s = 600;  // a collective waiting longer than this fails the run on every rank
 };
 

@@ -85,6 +85,7 @@ struct Window {
   double ce_sum = 0, aux_weighted = 0, loss_tokens = 0, tokens = 0, flops = 0, seconds = 0;
   int64_t steps = 0, skipped = 0, aux_steps = 0, truncated = 0;
   double grad_norm = 0;
+  double grad_sync_s = 0;  // time this rank waited for the step's gradient reductions
   std::vector<at::Tensor> expert_counts;  // per MoE layer, summed over the window
 };
 
@@ -258,7 +259,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       if (trainable[i]) routed.push_back(layout[i].routed_expert);
     }
     // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
-    const bool zero = dist && rc.parallel.zero == 1;
+    const bool zero = dist && rc.parallel.zero >= 1;
     opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero, /*full_state=*/!zero);
   }
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
@@ -277,8 +278,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   }
   // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
   // the forward's weights become views of one buffer per class (re-bound here).
-  if (dist && rc.parallel.zero == 1) {
-    opt.shard(world, model_params);
+  if (dist && rc.parallel.zero >= 1) {
+    opt.shard(world, model_params, rc.parallel.zero,
+              static_cast<int64_t>(rc.parallel.bucket_mb * (1 << 20)));
     for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
   }
   std::vector<int64_t> moe_layers;
@@ -496,11 +498,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
-    for (const MicroBatch& mb : mbs) {
+    // ZeRO-2 reduces the gradients after every backward: every rank runs all its micro-batches.
+    const bool every_backward_meets = mesh.ep > 1 || (opt.sharded() && rc.parallel.zero == 2);
+    for (size_t m = 0; m < mbs.size(); ++m) {
+      const MicroBatch& mb = mbs[m];
       if (window_loss_tokens == 0) break;  // nothing to learn in the whole step: not run
-      // Nothing to learn in this micro-batch: not run, unless the ranks of an EP group must meet
-      // in its collectives (its loss and aux loss then count zero).
-      if (mb.loss_tokens == 0 && mesh.ep == 1) continue;
+      // Nothing to learn in this micro-batch: not run, unless the ranks must meet in its
+      // collectives (its loss and aux loss then count zero).
+      if (mb.loss_tokens == 0 && !every_backward_meets) continue;
       ForwardArgs a = batch_args(mb);
       a.output_router_logits = true;
       a.output_expert_counts = true;
@@ -512,7 +517,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       // aux term's scale does not depend on how the window is split.
       a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / window_loss_tokens;
       const ForwardResult r = pm.decoder->forward(a);
+      // Under ZeRO the gradients leave for their buckets during the backward (see AdamW::shard).
+      if (opt.sharded()) opt.begin_backward(m + 1 == mbs.size());
       r.loss->backward();
+      if (opt.sharded()) opt.end_backward();
       const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
       const double total = r.loss->item<double>();
       ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
@@ -555,14 +563,20 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     step_tokens = all_tokens;
     step_flops = all_flops;
     if (dist) {
-      // The step's loss and finiteness over every rank; gradients summed where they are shared.
+      // Gradients summed where they are shared — first, so that the reductions the backward's
+      // hooks launched (ZeRO) and those a rank without a last backward launches here meet in
+      // the same order on every rank; then the step's loss and finiteness over every rank.
+      if (window_loss_tokens > 0) {
+        const auto t_sync = Clock::now();
+        opt.reduce_grads(world);
+        win.grad_sync_s += seconds_since(t_sync);
+      }
       at::Tensor t = at::tensor({ce_sum, aux_weighted, finite ? 0.0 : 1.0}, at::kDouble).to(world.device);
       parallel::all_reduce_sum(world.world, t, "step loss");
       t = t.cpu();
       ce_sum = t[0].item<double>();
       aux_weighted = t[1].item<double>();
       finite = t[2].item<double>() == 0;
-      if (window_loss_tokens > 0) opt.reduce_grads(world);
       bias_balance.sum_counts([&](std::vector<at::Tensor>& c) {
         parallel::all_reduce_sum(world.world, c, "router bias loads");
       });
@@ -627,7 +641,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       // Every rank reaches this step's log together: the window's expert loads over all ranks,
       // and what each rank's dispatcher moved.
       json dispatch;
-      std::vector<double> peak_per_rank;
+      std::vector<double> peak_per_rank, grad_sync_per_rank;
       if (dist) {
         if (win.expert_counts.empty()) {
           for (size_t l = 0; l < moe_layers.size(); ++l) {
@@ -642,17 +656,19 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
             world.world,
             {ds.bytes_sent, ds.bytes_received, ds.rows_computed,
              static_cast<int64_t>(ds.wait_s * 1e6), hooks.peak_memory_bytes(),
-             static_cast<int64_t>(ds.backward_wait_s * 1e6)},
+             static_cast<int64_t>(ds.backward_wait_s * 1e6),
+             static_cast<int64_t>(win.grad_sync_s / static_cast<double>(win.steps) * 1e6)},
             world.device, "dispatch metrics");
         std::vector<int64_t> sent, received, rows;
         std::vector<double> wait, backward_wait;
         for (int64_t r = 0; r < mesh.world; ++r) {
-          sent.push_back(all[6 * r]);
-          received.push_back(all[6 * r + 1]);
-          rows.push_back(all[6 * r + 2]);
-          wait.push_back(static_cast<double>(all[6 * r + 3]) / 1e6);
-          peak_per_rank.push_back(static_cast<double>(all[6 * r + 4]) / (1 << 30));
-          backward_wait.push_back(static_cast<double>(all[6 * r + 5]) / 1e6);
+          sent.push_back(all[7 * r]);
+          received.push_back(all[7 * r + 1]);
+          rows.push_back(all[7 * r + 2]);
+          wait.push_back(static_cast<double>(all[7 * r + 3]) / 1e6);
+          peak_per_rank.push_back(static_cast<double>(all[7 * r + 4]) / (1 << 30));
+          backward_wait.push_back(static_cast<double>(all[7 * r + 5]) / 1e6);
+          grad_sync_per_rank.push_back(static_cast<double>(all[7 * r + 6]) / 1e6);
         }
         if (pm.decoder->dispatcher()) {
           dispatch = {{"dispatcher", pm.decoder->dispatcher()->kind()},
@@ -689,7 +705,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         rec["parallel"] = {{"world", mesh.world},
                            {"ep", mesh.ep},
                            {"dp", mesh.dp},
-                           {"peak_memory_gib_per_rank", peak_per_rank}};
+                           {"peak_memory_gib_per_rank", peak_per_rank},
+                           {"gradient_sync_wait_s", grad_sync_per_rank}};
       }
       if (!dispatch.is_null()) rec["dispatch"] = dispatch;
       emit(rec);
@@ -716,47 +733,47 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                                            : dtype_from_name(rc.checkpoint.export_dtype,
                                                              "checkpoint.export_dtype");
   // In parameter_layout order: the trained weights, the buffers as they are (float32). Under
-  // expert parallelism each expert tensor is gathered over the EP group, one at a time.
+  // expert parallelism the export is collective: each rank of replica 0 writes its experts' rows
+  // into the shard files and rank 0 the dense tensors (the others pass only their shapes).
   NamedTensors exported;
   opt.materialize();
-  {
+  std::string error;  // (a copy failing on one rank fails the export on every rank)
+  try {
+    const bool writes_experts = world.dp_rank() == 0;
+    auto mine = [&](const at::Tensor& t, bool expert, c10::ScalarType dt) {
+      if (expert ? writes_experts : lead) return t.detach().to(at::kCPU, dt);
+      return at::empty(t.sizes(), at::TensorOptions().dtype(dt).device(at::kMeta));
+    };
     size_t next_param = 0, next_buffer = 0;
     for (const bool trainable : pm.decoder->trainable()) {
       if (trainable) {
         const size_t i = next_param++;
-        at::Tensor t = opt.master[i].detach();
-        if (opt.expert[i] && mesh.ep > 1) {
-          at::Tensor in = t.contiguous().to(world.device);
-          std::vector<int64_t> shape = in.sizes().vec();
-          shape[0] *= mesh.ep;
-          at::Tensor full = at::empty(shape, in.options());
-          parallel::wait(world.ep->_allgather_base(full, in), "export (gathering experts)");
-          t = full;
-        }
-        if (lead) exported.emplace_back(opt.names[i], t.to(at::kCPU, export_dtype));
+        exported.emplace_back(opt.names[i], mine(opt.master[i], opt.expert[i], export_dtype));
       } else {
         const auto& [name, t] = buffers[next_buffer++];
-        if (lead) exported.emplace_back(name, t.detach().to(at::kCPU));
+        exported.emplace_back(name, mine(t, false, t.scalar_type()));
       }
     }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
-  if (!lead) {
-    if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "export");
-    return 0;
+  opt.release();
+  if (dist) {
+    parallel::agree(world.world, error, world.device, "export");
+  } else if (!error.empty()) {
+    throw Error(error);
   }
-  ModelSpec full_spec = spec;
-  full_spec.moe.expert_begin = full_spec.moe.expert_count = 0;
-  PretrainedModel out{pm.config, pm.layout, pm.source_dir,
-                      std::make_unique<Decoder>(full_spec, pm.decoder->backend(), std::move(exported))};
-  std::optional<ExpertsLayout> layout;
+  ExpertsLayout layout = pm.layout;
   if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
   if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
-  save_pretrained(out, (run / "export").string(), layout);
+  write_pretrained(pm.config, layout, pm.source_dir, spec, exported, (run / "export").string(),
+                   SaveOptions{}, dist ? &world : nullptr);
+  exported.clear();
+  if (!lead) return 0;
   emit({{"type", "end"},
         {"step", st.step},
         {"export", (run / "export").string()},
         {"elapsed_s", seconds_since(t_start)}});
-  if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "export");
   progress.line("automoe train: done at step " + std::to_string(st.step) + "; Hugging Face model in " +
                 (run / "export").string());
   return 0;
