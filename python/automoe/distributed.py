@@ -88,21 +88,33 @@ def init(recipe: dict) -> dict:
     timeout = timedelta(seconds=float(par["timeout_s"]))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
-    rank = dist.get_rank()
-    # Every rank creates every group, in the same order (torch.distributed's rule).
-    ep_name = dp_name = ""
+    ep_group, dp_group = mesh_groups(ep, timeout)
+    return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_group.group_name if ep_group else "",
+                dp_group=dp_group.group_name if dp_group else "", world_size=world, ep=ep,
+                collective_device=device)
+
+
+def mesh_groups(ep: int, timeout=None):
+    """This rank's expert-parallel and data-parallel groups of the mesh world = dp x ep (the ep
+    ranks of a replica consecutive), each None where it would have one rank. Collective: every
+    rank creates every group, in the same order (torch.distributed's rule)."""
+    import torch.distributed as dist
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp = world // ep
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    ep_group = dp_group = None
     if ep > 1:
         for d in range(dp):
-            g = dist.new_group(list(range(d * ep, (d + 1) * ep)), timeout=timeout)
+            g = dist.new_group(list(range(d * ep, (d + 1) * ep)), **kwargs)
             if rank // ep == d:
-                ep_name = g.group_name
+                ep_group = g
     if dp > 1:
         for e in range(ep):
-            g = dist.new_group(list(range(e, world, ep)), timeout=timeout)
+            g = dist.new_group(list(range(e, world, ep)), **kwargs)
             if rank % ep == e:
-                dp_name = g.group_name
-    return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_name, dp_group=dp_name,
-                world_size=world, ep=ep, collective_device=device)
+                dp_group = g
+    return ep_group, dp_group
 
 
 def barrier() -> None:

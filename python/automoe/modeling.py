@@ -106,8 +106,51 @@ def _native_config(cls, path: str, config, kwargs: dict):
     return config
 
 
+def _expert_parallel(ep_size, device: torch.device | None):
+    """from_pretrained(ep_size=N): this rank's place in the mesh world = dp x ep over the
+    torch.distributed world the user initialised, as the engine's arguments (None: one process
+    holds every expert)."""
+    if ep_size is None:
+        return None
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"from_pretrained(ep_size={ep_size!r}): expected a positive integer")
+    if ep_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AutoMoEError(
+            f"from_pretrained(ep_size={ep_size}): expert parallelism needs torch.distributed initialised "
+            "first: launch with torchrun and call torch.distributed.init_process_group() before "
+            "from_pretrained (as for DistributedDataParallel); see docs/parallelism.md")
+    world = dist.get_world_size()
+    if world % ep_size:
+        raise ValueError(f"from_pretrained(ep_size={ep_size}): does not divide the {world} processes of "
+                         "torch.distributed's world (world = data-parallel replicas x ep_size)")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        if device is None or device.type != "cuda":
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is NCCL, whose "
+                             "collectives run on the GPU: load with device_map='cuda' (each rank on its "
+                             "own GPU, torch.cuda.set_device(LOCAL_RANK))")
+        collective = f"cuda:{torch.cuda.current_device()}"
+    else:
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is {backend}; "
+                             f"expert parallelism on {device} needs NCCL")
+        collective = "cpu"
+    from automoe import distributed
+
+    ep_group, dp_group = distributed.mesh_groups(ep_size)
+    return {"world_group": dist.group.WORLD.group_name,
+            "ep_group": ep_group.group_name if ep_group else "",
+            "dp_group": dp_group.group_name if dp_group else "",
+            "world_size": str(world), "ep": str(ep_size), "device": collective,
+            "_groups": (ep_group, dp_group)}
+
+
 def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
-                      experts_implementation) -> BackendConfig:
+                      experts_implementation, expert_parallel: bool = False) -> BackendConfig:
     """Transformers' attn_implementation / experts_implementation folded into a BackendConfig.
     A class whose Transformers model has no sdpa (GPT-OSS, for its attention sinks) defaults to
     eager, as in Transformers, and refuses sdpa."""
@@ -128,10 +171,10 @@ def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
             raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
                              f"implements {sorted(EXPERTS_IMPLEMENTATIONS)}")
         cfg.experts = EXPERTS_IMPLEMENTATIONS[experts_implementation]
-    if cfg.dispatcher not in ("auto", "local"):
-        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: the drop-in model runs its experts in this "
-                         "process (expert parallelism runs in `automoe train` with a `parallel:` section; "
-                         "see docs/parallelism.md)")
+    if cfg.dispatcher not in ("auto", "local") and not expert_parallel:
+        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: this model runs every expert in this "
+                         "process; the dispatchers that exchange tokens between ranks need "
+                         "from_pretrained(..., ep_size=N) under torch.distributed (docs/parallelism.md)")
     return cfg
 
 
@@ -139,8 +182,11 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                 torch_dtype=None, dtype=None, attn_implementation=None, experts_implementation=None,
                 config=None, device_map=None, subfolder: str = "", output_loading_info: bool = False,
                 low_cpu_mem_usage=None, trust_remote_code=None, use_safetensors=None,
-                force_transformers: bool = False, **kwargs):
+                force_transformers: bool = False, ep_size: int | None = None, **kwargs):
     """from_pretrained for an engine-backed class (see AutoModelForCausalLM.from_pretrained)."""
+    if force_transformers and ep_size not in (None, 1):
+        raise ValueError(f"from_pretrained(ep_size={ep_size}, force_transformers=True): expert parallelism "
+                         "runs in AutoMoE's engine, not in Transformers' model")
     if force_transformers:  # (Qwen3MoeForCausalLM.from_pretrained(..., force_transformers=True))
         from automoe import fallback
 
@@ -173,18 +219,21 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
         raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
                          "whose tensors do not match their config")
     warn_ignored("from_pretrained()", ignored)
-    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation)
+    device = _device(device_map)
+    parallel = _expert_parallel(ep_size, device)
+    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation,
+                            expert_parallel=parallel is not None)
     config = _native_config(cls, path, config, kwargs)
     chosen = dtype if dtype is not None else torch_dtype
+    groups = parallel.pop("_groups") if parallel else None
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
-                                config_json=config.to_json_string(use_diff=False))
+                                config_json=config.to_json_string(use_diff=False), parallel=parallel)
     if engine.spec["mxfp4_experts"]:  # dequantised on load: the model is no longer quantised
         config.quantization_config = None
         del config.quantization_config
-    model = cls._automoe_build(engine, config, source_dir=path)
+    model = cls._automoe_build(engine, config, source_dir=path, groups=groups)
     model.config._name_or_path = os.fspath(pretrained_model_name_or_path)
     model.name_or_path = os.fspath(pretrained_model_name_or_path)
-    device = _device(device_map)
     if device is not None and device.type != "cpu":
         model.to(device)
     logger.info("automoe: %s (%s) runs natively in the AutoMoE engine: %s", path, config.model_type,
@@ -200,6 +249,10 @@ def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=Non
     """from_config for an engine-backed class: fresh parameters, initialised as Transformers does
     (normal(0, initializer_range), ones for norms), drawn from torch's global generator's seed."""
     kwargs.pop("trust_remote_code", None)
+    if kwargs.get("ep_size") not in (None, 1):
+        raise ValueError(f"from_config(ep_size={kwargs['ep_size']}): expert parallelism loads a checkpoint; "
+                         "save the fresh model and load it with from_pretrained(path, ep_size=...)")
+    kwargs.pop("ep_size", None)
     cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation)
     config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
     for key, value in list(kwargs.items()):
@@ -235,6 +288,8 @@ class AutoModelForCausalLM:
         "eager"; keys of the config override it). backend: a BackendConfig or dict choosing each
         component's implementation. force_transformers: run Transformers' own model (with
         AutoMoE's kernels) even where the engine implements the architecture.
+        ep_size: expert parallelism under torch.distributed (initialised by the caller, e.g. under
+        torchrun): each rank holds 1/ep_size of the experts; see docs/parallelism.md.
         """
         subfolder = kwargs.get("subfolder", "")
         path = _local_dir(pretrained_model_name_or_path, subfolder)
@@ -243,6 +298,12 @@ class AutoModelForCausalLM:
         if model_type in NATIVE_CLASSES and not force_transformers:
             return load_native(NATIVE_CLASSES[model_type], pretrained_model_name_or_path, *model_args,
                                backend=backend, **kwargs)
+        if kwargs.get("ep_size") not in (None, 1):
+            raise ValueError(
+                f"from_pretrained(ep_size={kwargs['ep_size']}): expert parallelism runs in AutoMoE's engine, "
+                + ("not in Transformers' model (force_transformers=True)" if force_transformers else
+                   f"which does not implement {model_type!r}; it implements {sorted(NATIVE_CLASSES)}"))
+        kwargs.pop("ep_size", None)
         from automoe import fallback
 
         return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend, **kwargs)

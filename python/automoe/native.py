@@ -16,7 +16,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import time
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -85,6 +87,7 @@ class _EngineModule:
     """What the causal LM and its backbone share: the engine, parameter binding and the forward."""
 
     _automoe_prefix = ""  # the parameter-name prefix of this module inside the causal LM
+    _automoe_ep: "_ExpertParallel | None" = None  # expert parallelism (from_pretrained(ep_size=N))
 
     def _automoe_params(self) -> list[torch.Tensor | None]:
         """The tensors this module tree holds for each engine parameter (None: not under this
@@ -154,7 +157,10 @@ class _EngineModule:
                                "concurrently; launch one process per device (torchrun / accelerate "
                                "launch, as Transformers recommends) instead")
         engine = self._automoe_engine
-        engine.rebind(self._automoe_params())
+        params = self._automoe_params()
+        engine.rebind(params)
+        if self._automoe_ep is not None:
+            self._automoe_ep.hook(self._automoe_names, params)
         backend = engine.backend()
         wanted = dict(backend)
         attn = self.config._attn_implementation or "sdpa"
@@ -264,6 +270,86 @@ class _EngineModule:
         return result if return_dict else result.to_tuple()
 
 
+class _ExpertParallel:
+    """A model whose experts are spread over the ranks (from_pretrained(ep_size=N)): the
+    gradients of this rank's experts are averaged over the world as DistributedDataParallel
+    averages the dense ones (DDP skips the experts: `_ddp_params_and_buffers_to_ignore`).
+
+    The dispatcher's backward brings each expert the gradient of every loss of its EP group; the
+    hook sums that over the data-parallel replicas holding the same experts and divides by the
+    world size. So under DDP (each rank its own batch) the experts get the gradient of the mean
+    loss, as the dense weights do, and ranks that all feed the same batch without DDP get exactly
+    the one-process gradients."""
+
+    loaded = 0  # models loaded with ep_size in this process (the same order on every rank)
+
+    def __init__(self, info: dict, routed: list[str], groups):
+        self.info = info
+        self.routed = set(routed)
+        self.ep_group, self.dp_group = groups
+        _ExpertParallel.loaded += 1
+        self.serial = _ExpertParallel.loaded
+
+    def __deepcopy__(self, memo):
+        return self  # a copy of the model shares the ranks and their groups
+
+    saves = 0  # save_pretrained calls so far (every rank counts the same)
+
+    def meet_to_save(self, directory: str) -> None:
+        """Every rank must call save_pretrained: they meet through torch.distributed's store (not
+        a collective, so a rank that never comes fails the others with a message instead of
+        leaving them in a collective that never completes). One counter decides: the rank whose
+        arrival makes it reach the world size lets everyone go; a rank that gives up first pushes
+        it past reach, so either every rank goes on or every rank fails."""
+        import torch.distributed as dist
+
+        self.saves += 1
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = self.info["rank"], self.info["world_size"]
+        key = f"automoe/save/{self.serial}/{self.saves}/"
+        gave_up = 1 << 40
+        store.set(key + f"dir{rank}", directory)
+        arrived = store.add(key + "count", 1)
+        if arrived == world:
+            store.set(key + "go", "1")
+        timeout = float(os.environ.get("AUTOMOE_EP_SAVE_TIMEOUT_S", "300"))
+        if arrived <= world:
+            try:
+                store.wait([key + "go"], timedelta(seconds=timeout))
+                arrived = world
+            except Exception:  # the store's timeout (its error types differ between backends)
+                arrived = store.add(key + "count", gave_up) - gave_up
+                if arrived >= world:  # everyone came after all: go
+                    store.wait([key + "go"], timedelta(seconds=60))
+        if arrived != world:
+            missing = [r for r in range(world) if not store.check([key + f"dir{r}"])]
+            raise AutoMoEError(
+                f"save_pretrained({directory!r}) under expert parallelism (ep_size={self.info['ep']}) is "
+                f"collective: every rank writes its experts, but rank(s) {missing or '(late)'} did not call it "
+                f"within {timeout:.0f} s (AUTOMOE_EP_SAVE_TIMEOUT_S). Call save_pretrained on every rank (the "
+                "Transformers Trainer saves from rank 0 only: see docs/parallelism.md)")
+        dirs = {store.get(key + f"dir{r}").decode() for r in range(world)}
+        if len(dirs) > 1:
+            raise AutoMoEError(f"save_pretrained under expert parallelism: the ranks name different "
+                               f"directories {sorted(dirs)}; they write one checkpoint together")
+
+    def hook(self, names: list[str], params: list) -> None:
+        for name, p in zip(names, params):
+            if p is None or name not in self.routed or getattr(p, "_automoe_ep_hooked", False):
+                continue
+            if p.requires_grad:  # (a frozen expert is hooked once it requires gradients)
+                p.register_hook(self._average)
+                p._automoe_ep_hooked = True
+
+    def _average(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / self.info["world_size"]
+        if self.dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad, group=self.dp_group)
+        return grad
+
+
 class EngineBackbone(_EngineModule):
     """The decoder without its LM head (`model.model`, `model.base_model`): hidden states."""
 
@@ -284,7 +370,7 @@ class EngineCausalLM(_EngineModule):
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
-    def _automoe_build(cls, engine: "_C.Model", config, source_dir: str | None = None):
+    def _automoe_build(cls, engine: "_C.Model", config, source_dir: str | None = None, groups=None):
         """Transformers' module tree for `config` (parameters never allocated), its parameters
         bound to the engine's tensors."""
         config = copy.deepcopy(config)
@@ -328,6 +414,15 @@ class EngineCausalLM(_EngineModule):
         if missing:
             raise AutoMoEError(f"Transformers' {type(model).__name__} has parameters the engine does not: "
                                f"{missing[:5]}")
+        if engine.parallel is not None:
+            ep = _ExpertParallel(engine.parallel, engine.routed_expert_names, groups)
+            model._automoe_ep = model.model._automoe_ep = ep
+            # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
+            # each rank's experts are its own, their gradients are averaged by the hook above.
+            model._ddp_params_and_buffers_to_ignore = sorted(ep.routed)
+            model.model._ddp_params_and_buffers_to_ignore = sorted(
+                n[len("model."):] for n in ep.routed if n.startswith("model."))
+            ep.hook(names, [model.get_parameter(n) if n in ep.routed else None for n in names])
         if source_dir is not None:
             try:
                 model.generation_config = transformers.GenerationConfig.from_pretrained(source_dir)
@@ -390,6 +485,58 @@ class EngineCausalLM(_EngineModule):
             labels=labels, use_cache=use_cache, output_router_logits=output_router_logits,
             logits_to_keep=logits_to_keep, num_items_in_batch=num_items_in_batch, kwargs=kwargs)
 
+    @property
+    def automoe_parallel(self) -> dict | None:
+        """Expert parallelism (from_pretrained(ep_size=N)): this rank, the mesh and the experts
+        it holds; None when one process holds every expert."""
+        return None if self._automoe_ep is None else dict(self._automoe_engine.parallel)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this model's parameters; returns the total norm.
+        Under expert parallelism it is the norm of the whole model's gradient — each rank's
+        experts' part summed over its EP group, the dense part once — the same on every rank (as
+        FSDP's clip_grad_norm_), so the ranks clip alike. torch.nn.utils.clip_grad_norm_ on the
+        parameters would see only this rank's experts and clip each rank differently."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self._automoe_ep is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): under expert parallelism AutoMoE "
+                             "computes the 2-norm")
+        import torch.distributed as dist
+
+        routed = self._automoe_ep.routed
+        dense, experts = [], []
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                (experts if name in routed else dense).append(p.grad)
+
+        def squares(grads):
+            if not grads:
+                return torch.zeros((), dtype=torch.float64)
+            return torch.stack([g.detach().double().pow(2).sum().cpu() for g in grads]).sum()
+
+        sq_experts = squares(experts)
+        if self._automoe_ep.ep_group is not None:
+            device = self._automoe_ep.info.get("device", "cpu")
+            sq_experts = sq_experts.to(device)
+            dist.all_reduce(sq_experts, group=self._automoe_ep.ep_group)
+            sq_experts = sq_experts.cpu()
+        total = (squares(dense) + sq_experts).sqrt().float()
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    def generate(self, *args, **kwargs):
+        """Transformers' generate; under expert parallelism every rank runs a forward at every step
+        until all ranks are done (synced_gpus, as under FSDP), since each forward exchanges
+        tokens with the other ranks."""
+        if self._automoe_ep is not None:
+            if kwargs.get("synced_gpus") is False:
+                raise ValueError("generate(synced_gpus=False): under expert parallelism every rank "
+                                 "must run every step's forward")
+            kwargs["synced_gpus"] = True
+        return super().generate(*args, **kwargs)
+
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """generate() keeps the engine's cache between steps rather than a DynamicCache (what
         Transformers would create; a cache the user passed is used as given)."""
@@ -429,8 +576,9 @@ class EngineCausalLM(_EngineModule):
             raise ValueError(f"save_pretrained(variant={variant!r}): weight-file variants are not supported "
                              "by AutoMoE's writer")
         if distributed_checkpoint:
-            raise ValueError("save_pretrained(distributed_checkpoint=True) is not supported: AutoMoE "
-                             "runs in one process and writes the whole checkpoint")
+            raise ValueError("save_pretrained(distributed_checkpoint=True) is not supported: AutoMoE writes "
+                             "a Hugging Face checkpoint (under expert parallelism every rank writes its "
+                             "experts into it)")
         ignored = {}
         if token is not None:
             ignored["token"] = "only used to push to the Hub"
@@ -445,8 +593,12 @@ class EngineCausalLM(_EngineModule):
         for key in sorted(kwargs):
             ignored[key] = "only used by push_to_hub in Transformers"
         warn_ignored("save_pretrained()", ignored)
-        if not is_main_process:
+        if not is_main_process and self._automoe_ep is None:
             return  # as Transformers: only the main process writes
+        # Under expert parallelism the save is collective whatever is_main_process says: every
+        # rank writes its experts' rows into the shard files, rank 0 the rest.
+        if self._automoe_ep is not None:
+            self._automoe_ep.meet_to_save(os.fspath(save_directory))
         if layout is None and save_original_format is not None:
             layout = "per-expert" if save_original_format else "fused"
         self._automoe_sync()

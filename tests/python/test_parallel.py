@@ -92,7 +92,7 @@ def single(model_dir, tmp_path_factory):
 
 MESHES = [  # (processes, ep, dispatcher, zero)
     (2, 2, "alltoall", 1),
-    (2, 1, "auto", 1),
+    (2, 1, "auto", 2),
     (2, 2, "allgather", 0),
     (4, 2, "alltoall_overlap", 1),
     (4, 4, "allgather", 1),
@@ -103,7 +103,14 @@ MESHES = [  # (processes, ep, dispatcher, zero)
 @pytest.mark.parametrize("nproc,ep,dispatcher,zero", MESHES,
                          ids=[f"world{n}-ep{e}-{d}-zero{z}" for n, e, d, z in MESHES])
 def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, nproc, ep, dispatcher, zero):
-    run_ranks(ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher, zero=zero), tmp_path, nproc)
+    # Gradient buckets of ~8 KiB: dozens per class, launched from inside the backward.
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher, zero=zero, bucket_mb=1 / 128)
+    # The export is written collectively (each rank its experts' rows): one directory, the files
+    # of the one-process export, in the checkpoint's layout or the other.
+    other_layout = (nproc, ep) == (4, 2)
+    if other_layout:
+        recipe["checkpoint"]["export_layout"] = "per-expert"
+    run_ranks(recipe, tmp_path, nproc)
     ref, got = metrics(single), metrics(tmp_path / "run")
     for step in (1, 2, 3):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
@@ -113,12 +120,25 @@ def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, npro
         # expert loads are summed over every rank
         assert [l["counts"] for l in got[step]["expert_load"]] == [l["counts"] for l in ref[step]["expert_load"]]
     a, b = weights(single), weights(tmp_path / "run")
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    if other_layout:
+        from transformers import AutoModelForCausalLM
+
+        assert any(".experts.3.down_proj.weight" in k for k in b)
+        ids = torch.randint(0, 300, (2, 17), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            la = AutoModelForCausalLM.from_pretrained(single / "export").eval()(ids).logits
+            lb = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "export").eval()(ids).logits
+        torch.testing.assert_close(lb, la, rtol=1e-5, atol=1e-5)
+    else:
+        assert a.keys() == b.keys()
+        assert sorted(p.name for p in (tmp_path / "run" / "export").iterdir()) == sorted(
+            p.name for p in (single / "export").iterdir())
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
     rec = got[3]
     assert rec["parallel"] == {**rec["parallel"], "world": nproc, "ep": ep, "dp": nproc // ep}
     assert len(rec["parallel"]["peak_memory_gib_per_rank"]) == nproc
+    assert len(rec["parallel"]["gradient_sync_wait_s"]) == nproc
     if ep > 1:
         d = rec["dispatch"]
         assert d["dispatcher"] == ("alltoall" if dispatcher == "auto" else dispatcher)
@@ -222,7 +242,7 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path)
 
 @pytest.mark.parametrize("override,nproc,message", [
     ("parallel.ep=3", 2, "parallel.ep = 3 does not divide the 2 processes"),
-    ("parallel.zero=2", 2, "ZeRO-2 (sharded gradients) is not implemented"),
+    ("parallel.zero=3", 2, "ZeRO-3 (sharded weights) is not implemented"),
     ("model.backend.dispatcher=local", 2, "cannot reach the experts of other ranks"),
     ("parallel.dp=2", 2, "parallel.dp = 2 but 2 processes with ep = 2 make dp = 1"),
 ])
@@ -245,7 +265,7 @@ def test_experts_that_do_not_split_over_ep_are_refused(tmp_path, tokenizer):
     assert "does not divide the model's 6 experts" in proc.stderr, proc.stderr[-4000:]
 
 
-def test_bf16_activation_checkpointing_and_evaluation_under_ep(model_dir, tmp_path):
+def test_bf16_activation_checkpointing_zero2_and_evaluation_under_ep(model_dir, tmp_path):
     # Checkpointed layers recompute their exchanges in the backward; every rank evaluates its share.
     def recipe(run, **parallel):
         r = ep_recipe(model_dir, tmp_path, run, **parallel)
@@ -255,7 +275,8 @@ def test_bf16_activation_checkpointing_and_evaluation_under_ep(model_dir, tmp_pa
         return r
 
     run_train(recipe("one"), tmp_path)
-    run_ranks(recipe("ep", ep=2, dispatcher="alltoall_overlap"), tmp_path, 2)
+    # ZeRO-2 with small buckets: gradients leave from inside the checkpointed layers' backward.
+    run_ranks(recipe("ep", ep=2, dispatcher="alltoall_overlap", zero=2, bucket_mb=1 / 64), tmp_path, 2)
     ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
     for step in (1, 2, 3):  # bf16 compute: the same math, rounded at other places
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
@@ -286,11 +307,33 @@ def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
-def test_the_drop_in_refuses_a_dispatcher_it_cannot_run(model_dir):
-    import automoe
+# ---- the drop-in ------------------------------------------------------------------------------
 
-    with pytest.raises(ValueError, match="dispatcher='alltoall': the drop-in model runs its experts in this process"):
+@pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 2)], ids=["ep2", "ep2-dp2"])
+def test_the_drop_in_under_expert_parallelism_matches_one_process(model_dir, tmp_path, nproc, ep):
+    """from_pretrained(ep_size=N) under torchrun: logits, gradients with and without DDP, torch.optim
+    steps, a collective save_pretrained that Transformers loads, generate with ranks of different
+    lengths, and a save that one rank alone calls refused with a message (dropin_ep_worker.py)."""
+    proc = torchrun(nproc, str(HERE / "dropin_ep_worker.py"), str(model_dir), str(tmp_path), str(ep),
+                    check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.count(": ok") == nproc
+
+
+def test_the_drop_in_refuses_what_expert_parallelism_cannot_do(model_dir):
+    import automoe
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match="dispatcher='alltoall': this model runs every expert in this process"):
         automoe.AutoModelForCausalLM.from_pretrained(model_dir, backend={"dispatcher": "alltoall"})
+    with pytest.raises(automoe.AutoMoEError, match=r"ep_size=2\): expert parallelism needs torch.distributed"):
+        automoe.AutoModelForCausalLM.from_pretrained(model_dir, ep_size=2)
+    with pytest.raises(ValueError, match=r"ep_size=0\): expected a positive integer"):
+        automoe.AutoModelForCausalLM.from_pretrained(model_dir, ep_size=0)
+    with pytest.raises(ValueError, match="runs in AutoMoE's engine, not in Transformers' model"):
+        automoe.AutoModelForCausalLM.from_pretrained(model_dir, ep_size=2, force_transformers=True)
+    with pytest.raises(ValueError, match=r"from_config\(ep_size=2\): expert parallelism loads a checkpoint"):
+        automoe.AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), ep_size=2)
 
 
 def test_gpt_oss_experts_under_expert_parallelism_are_refused(tmp_path, tokenizer):

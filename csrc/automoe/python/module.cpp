@@ -134,6 +134,32 @@ PYBIND11_MODULE(_C, m) {
           "spec", [](const PretrainedModel& self) { return spec_dict(self.decoder->spec()); })
       .def_property_readonly("source_dir",
                              [](const PretrainedModel& self) { return self.source_dir; })
+      .def_property_readonly("routed_expert_names",
+                             [](const PretrainedModel& self) {
+                               std::vector<std::string> out;
+                               for (const auto& d : parameter_layout(self.decoder->spec())) {
+                                 if (d.routed_expert) out.push_back(d.name);
+                               }
+                               return out;
+                             })
+      .def_property_readonly(
+          "parallel",
+          [](const PretrainedModel& self) -> py::object {
+            if (!self.world) return py::none();
+            const auto& w = *self.world;
+            const ModelSpec& spec = self.decoder->spec();
+            py::dict d;
+            d["rank"] = w.rank;
+            d["world_size"] = w.mesh.world;
+            d["ep"] = w.mesh.ep;
+            d["dp"] = w.mesh.dp;
+            d["ep_rank"] = w.ep_rank();
+            d["dp_rank"] = w.dp_rank();
+            d["expert_begin"] = spec.moe.expert_begin;
+            d["expert_count"] = spec.moe.local_experts();
+            d["device"] = w.device.str();
+            return d;
+          })
       .def("named_parameters",
            [](const PretrainedModel& self) { return self.decoder->named_parameters(); })
       .def("set_parameter", [](PretrainedModel& self, const std::string& name,
@@ -170,6 +196,7 @@ PYBIND11_MODULE(_C, m) {
              copy.layout = self.layout;
              copy.source_dir = self.source_dir;
              copy.decoder = std::make_unique<Decoder>(*self.decoder);
+             copy.world = self.world;
              return copy;
            })
       .def("to_memory_tensors",
@@ -226,7 +253,8 @@ PYBIND11_MODULE(_C, m) {
       "load_pretrained",
       [](const std::string& dir, const std::optional<std::string>& dtype,
          const std::map<std::string, std::string>& backend,
-         const std::optional<std::string>& config_json) {
+         const std::optional<std::string>& config_json,
+         const std::optional<std::map<std::string, std::string>>& parallel) {
         const BackendConfig cfg = BackendConfig::from_map(backend, "backend");
         // "auto" (Transformers v5's default): the dtype config.json names, else the stored one.
         std::optional<c10::ScalarType> dt;
@@ -243,11 +271,31 @@ PYBIND11_MODULE(_C, m) {
           dt = parse_dtype(dtype);
         }
         py::gil_scoped_release no_gil;
-        return load_pretrained(dir, dt, cfg, config_json);
+        if (!parallel) return load_pretrained(dir, dt, cfg, config_json);
+        // Expert parallelism (from_pretrained(ep_size=N) under torch.distributed): this rank's
+        // experts only, exchanged with the other ranks of its EP group by the dispatcher.
+        const auto& p = *parallel;
+        const std::string origin = "from_pretrained(ep_size=" + p.at("ep") + ")";
+        const LoadedConfig loaded =
+            config_json ? parse_config(*config_json, dir + "/config.json") : load_config(dir);
+        const int64_t experts = loaded.spec.moe.num_experts;
+        AUTOMOE_CHECK(experts > 0, origin, ": ", loaded.spec.model_type, " has no routed experts");
+        const parallel::Mesh mesh = parallel::make_mesh(std::stoll(p.at("world_size")),
+                                                        std::stoll(p.at("ep")), 0, experts, origin);
+        auto world = std::make_shared<parallel::World>(parallel::world_from_group_names(
+            p.at("world_group"), p.at("ep_group"), p.at("dp_group"), mesh, c10::Device(p.at("device"))));
+        AUTOMOE_CHECK(cfg.dispatcher != "local", origin, ": backend dispatcher 'local' runs every "
+                      "expert in this process; use 'auto', 'alltoall', 'alltoall_overlap' or 'allgather'");
+        const parallel::ExpertRange own = parallel::experts_of(world->ep_rank(), mesh.ep, experts);
+        PretrainedModel m = load_pretrained(dir, dt, cfg, config_json, {own.begin, own.count});
+        m.decoder->set_dispatcher(moe::make_dispatcher(
+            cfg.dispatcher == "auto" ? "alltoall" : cfg.dispatcher, world->ep, experts));
+        m.world = std::move(world);
+        return m;
       },
       py::arg("dir"), py::arg("dtype") = py::none(),
       py::arg("backend") = std::map<std::string, std::string>{},
-      py::arg("config_json") = py::none());
+      py::arg("config_json") = py::none(), py::arg("parallel") = py::none());
   m.def(
       "init_model",
       [](const std::string& config_json, const std::string& dtype,

@@ -1,0 +1,164 @@
+"""One rank of the drop-in under expert parallelism (run by torchrun on Gloo, from
+test_parallel.py): `AutoModelForCausalLM.from_pretrained(path, ep_size=N)` against the
+one-process model loaded from the same checkpoint in the same process.
+
+argv: checkpoint directory, output directory, ep_size. Exits non-zero on the first mismatch."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+
+def close(a, b, what, atol=1e-6):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m: f"rank {dist.get_rank()}: {what}: {m}")
+
+
+def main() -> None:
+    model_dir, out, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from automoe import AutoModelForCausalLM
+    from automoe.native import AutoMoEError
+
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, ep_size=ep)
+    par = model.automoe_parallel
+    assert par["ep"] == ep and par["dp"] == world // ep and par["rank"] == rank, par
+    begin, count = par["expert_begin"], par["expert_count"]
+    num_experts = model.config.num_experts
+    assert count == num_experts // ep and begin == (rank % ep) * count, par
+    routed = set(model._ddp_params_and_buffers_to_ignore)
+    assert routed and all(".mlp.experts." in n for n in routed), routed
+
+    def rows(name, t):  # this rank's part of a one-process tensor
+        return t[begin:begin + count] if name in routed else t
+
+    for name, p in model.named_parameters():
+        close(p.detach(), rows(name, ref.get_parameter(name).detach()), f"loaded {name}")
+
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    batches = [[torch.randint(0, vocab, (2, 11), generator=gen) for _ in range(world)] for _ in range(3)]
+
+    def compare_grads(what):
+        for name, p in model.named_parameters():
+            r = ref.get_parameter(name).grad
+            close(p.grad, rows(name, r), f"{what}: gradient of {name}")
+
+    # 1. Every rank feeds the same batch, no DDP: outputs and gradients are the one process's.
+    model.train()
+    ref.train()
+    ids = batches[0][0]
+    got, want = model(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+    close(got.logits, want.logits, "logits")
+    close(got.loss, want.loss, "loss")
+    got.loss.backward()
+    want.loss.backward()
+    compare_grads("same batch")
+    model.zero_grad(set_to_none=True)
+    ref.zero_grad(set_to_none=True)
+
+    # 2. DDP, each rank its own batch (as the Trainer runs it): the gradients of the mean loss,
+    # clipped by the global norm.
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for step in range(3):
+        mine = batches[step][rank]
+        loss = ddp(input_ids=mine, labels=mine).loss
+        loss.backward()
+        ref_loss = sum(ref(input_ids=b, labels=b).loss for b in batches[step]) / world
+        ref_loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        close(mean / world, ref_loss.detach(), f"step {step} loss")
+        compare_grads(f"DDP step {step}")
+        # The model's clip_grad_norm_ clips by the whole model's norm, the same on every rank.
+        norm = model.clip_grad_norm_(0.05)
+        close(norm, torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05), f"step {step} gradient norm")
+        compare_grads(f"DDP step {step}, clipped")
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+
+    # 3. save_pretrained is collective: one checkpoint, the one-process save's files and tensors,
+    # which Transformers loads with the one-process model's logits.
+    model.save_pretrained(out / "ep")
+    if rank == 0:
+        ref.save_pretrained(out / "ref")
+    dist.barrier()
+    if rank == 0:
+        import transformers
+
+        names = sorted(p.name for p in (out / "ref").iterdir())
+        assert sorted(p.name for p in (out / "ep").iterdir()) == names, names
+        from safetensors.torch import load_file
+
+        for n in names:
+            if n.endswith(".safetensors"):  # (the trained weights agree to rounding, not bit for bit)
+                a, b = load_file(out / "ep" / n), load_file(out / "ref" / n)
+                assert list(a) == list(b), n
+                for k in a:
+                    # (three AdamW steps: a gradient within rounding of zero may step either way)
+                    close(a[k], b[k], f"saved {k}", atol=1e-5)
+        probe = batches[0][0]
+        with torch.no_grad():
+            a = transformers.AutoModelForCausalLM.from_pretrained(out / "ep", dtype=torch.float32).eval()(probe).logits
+            b = ref.eval()(probe).logits
+        close(a, b, "Transformers' logits of the saved checkpoint")
+    dist.barrier()
+
+    # 4. generate: prompts and lengths differ between ranks; every rank runs until all are done.
+    model.eval()
+    ref.eval()
+    prompt = batches[1][rank][:1, :3 + rank]
+    n_new = 4 + 2 * rank
+    g = model.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    r = ref.generate(prompt, max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False)
+    assert torch.equal(g, r), (g, r)
+
+    # 5. The Transformers Trainer trains it (it wraps it with DDP, which skips the experts); without
+    # gradient clipping and checkpoints (docs/parallelism.md): the dense weights stay identical
+    # on every rank, the experts train.
+    from transformers import Trainer, TrainingArguments
+
+    del ddp
+    model.train()
+    data = [{"input_ids": b[0], "labels": b[0]} for step in batches for b in step]
+    args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=1, max_steps=2,
+                             max_grad_norm=0.0, save_strategy="no", report_to=[], learning_rate=1e-3,
+                             use_cpu=True, disable_tqdm=True, logging_steps=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    Trainer(model=model, args=args, train_dataset=data).train()
+    moved = 0
+    for n, p in model.named_parameters():
+        moved += not torch.equal(p.detach(), before[n])
+        if n not in routed:
+            total = p.detach().clone()
+            dist.all_reduce(total)
+            close(total / world, p.detach(), f"Trainer: {n} on every rank")
+    assert moved > len(routed), moved
+
+    # 6. A save that one rank alone calls (the Trainer saves from rank 0 only) fails with a message.
+    os.environ["AUTOMOE_EP_SAVE_TIMEOUT_S"] = "3"
+    if rank == 0:
+        try:
+            model.save_pretrained(out / "alone")
+        except AutoMoEError as e:
+            assert "did not call it" in str(e) and "rank(s) [1" in str(e), e
+        else:
+            raise AssertionError("a save called by rank 0 alone succeeded")
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
