@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -62,7 +63,8 @@ def build(preset: str, work: Path) -> Path:
     return path
 
 
-def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep: int = 0, zero: int = 1) -> dict:
+def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep: int = 0, zero: int = 1,
+        bucket_mb: float = 32) -> dict:
     import yaml
 
     run_dir = work / name
@@ -75,7 +77,7 @@ def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep
         "optimizer": {"lr": 1e-4},
         "checkpoint": {"dir": str(run_dir)},
         "log": {"every": 1, "progress": "off", "peak_tflops": 1.0},
-        "parallel": {"ep": ep or nproc, "zero": zero},
+        "parallel": {"ep": ep or nproc, "zero": zero, "bucket_mb": bucket_mb},
     }
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(recipe))
@@ -86,9 +88,11 @@ def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep
     if proc.returncode != 0:
         raise SystemExit(f"{name} failed:\n{proc.stderr[-4000:]}")
     recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir)  # (checkpoints and the export: gigabytes per run at cpu-medium)
     train = [r for r in recs if r["type"] == "train"][1:]  # the first step warms up
     out = {
         "name": name, "nproc": nproc, "ep": ep or nproc, "zero": zero if nproc > 1 else "-",
+        "bucket_mb": bucket_mb if nproc > 1 else "-",
         "dispatcher": dispatcher if (ep or nproc) > 1 else "-",
         "step_s": statistics.median(r["step_time_s"] for r in train),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
@@ -97,6 +101,9 @@ def run(ckpt: Path, work: Path, name: str, nproc: int, dispatcher: str, args, ep
     last = train[-1]
     per_rank = last.get("parallel", {}).get("peak_memory_gib_per_rank") or [last["peak_memory_gib"]]
     out["peak_gib_per_rank"] = max(per_rank)
+    if "parallel" in last:
+        syncs = [[r["parallel"]["gradient_sync_wait_s"][k] for r in train] for k in range(nproc)]
+        out["grad_sync_s_per_step"] = max(statistics.median(w) for w in syncs)
     if "dispatch" in last:
         for key, field in (("wait_s_per_step", "collective_wait_s"),
                            ("backward_wait_s_per_step", "backward_collective_wait_s")):
@@ -119,9 +126,14 @@ def main():
     p.add_argument("--ep", default="all", help="'all' (ep = processes) or 1 (data parallelism only)")
     p.add_argument("--zero", default="1", help="ZeRO stages to compare, e.g. 1,2")
     p.add_argument("--dispatchers", default="alltoall,alltoall_overlap")
+    p.add_argument("--bucket-mb", default="32", help="gradient bucket sizes to compare, e.g. 32,100000")
     p.add_argument("--out", help="write the results as JSON here")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="automoe-parallel-"))
+    with tempfile.TemporaryDirectory(prefix="automoe-parallel-") as tmp:
+        measure(args, Path(tmp))
+
+
+def measure(args, work: Path) -> None:
     ckpt = build(args.preset, work)
     results = []
     for n in [int(x) for x in args.nproc.split(",")]:
@@ -129,21 +141,25 @@ def main():
         kinds = args.dispatchers.split(",") if ep > 1 else ["auto"]
         for kind in kinds:
             for zero in ([int(z) for z in args.zero.split(",")] if n > 1 else [1]):
-                results.append(run(ckpt, work, f"n{n}-ep{ep}-{kind}-zero{zero}", n, kind, args, ep, zero))
-                print(json.dumps(results[-1]), file=sys.stderr)
+                for mb in ([float(b) for b in args.bucket_mb.split(",")] if n > 1 else [32.0]):
+                    results.append(run(ckpt, work, f"n{n}-ep{ep}-{kind}-zero{zero}-b{mb:g}", n, kind, args,
+                                       ep, zero, mb))
+                    print(json.dumps(results[-1]), file=sys.stderr)
     base = results[0]
     print(f"\n{args.preset}, {args.dtype}, {args.accum} x {args.micro} x {args.seq} tokens per step, "
           f"{args.threads} thread(s) per process; {cpu_model()} ({isa()}), {os.cpu_count()} cores\n")
-    print("| processes (ep) | ZeRO | dispatcher | tokens/s | step s | peak memory per rank | vs 1 process | "
-          "dispatcher wait per step, forward / backward | dispatch MB sent per rank per step |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("| processes (ep) | ZeRO | bucket MiB | dispatcher | tokens/s | step s | peak memory per rank | "
+          "vs 1 process | dispatcher wait per step, forward / backward | gradient sync wait per step | "
+          "dispatch MB sent per rank per step |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
         wait = (f"{r['wait_s_per_step'] * 1e3:.0f} / {r['backward_wait_s_per_step'] * 1e3:.0f} ms"
                 if "wait_s_per_step" in r else "-")
         sent = f"{r['mb_sent_per_step']:.2f}" if "mb_sent_per_step" in r else "-"
-        print(f"| {r['nproc']} ({r['ep']}) | {r['zero']} | {r['dispatcher']} | {r['tokens_per_s']:.0f} | {r['step_s']:.3f} | "
-              f"{r['peak_gib_per_rank']:.2f} GiB | {r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}x | "
-              f"{wait} | {sent} |")
+        sync = f"{r['grad_sync_s_per_step'] * 1e3:.0f} ms" if "grad_sync_s_per_step" in r else "-"
+        print(f"| {r['nproc']} ({r['ep']}) | {r['zero']} | {r['bucket_mb']} | {r['dispatcher']} | "
+              f"{r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib_per_rank']:.2f} GiB | "
+              f"{r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}x | {wait} | {sync} | {sent} |")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 

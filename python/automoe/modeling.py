@@ -129,11 +129,13 @@ def _expert_parallel(ep_size, device: torch.device | None):
                          "torch.distributed's world (world = data-parallel replicas x ep_size)")
     backend = dist.get_backend()
     if backend == "nccl":
-        if device is None or device.type != "cuda":
+        current = torch.cuda.current_device()
+        if device is None or device.type != "cuda" or device.index not in (None, current):
             raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is NCCL, whose "
-                             "collectives run on the GPU: load with device_map='cuda' (each rank on its "
-                             "own GPU, torch.cuda.set_device(LOCAL_RANK))")
-        collective = f"cuda:{torch.cuda.current_device()}"
+                             f"collectives run on this rank's current GPU (cuda:{current}): load with "
+                             "device_map='cuda' or 'auto' after torch.cuda.set_device(LOCAL_RANK), "
+                             f"not {device}")
+        collective = f"cuda:{current}"
     else:
         if device is not None and device.type != "cpu":
             raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is {backend}; "
@@ -220,6 +222,8 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                          "whose tensors do not match their config")
     warn_ignored("from_pretrained()", ignored)
     device = _device(device_map)
+    if ep_size not in (None, 1) and device_map == "auto" and device is not None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # each rank its own GPU
     parallel = _expert_parallel(ep_size, device)
     cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation,
                             expert_parallel=parallel is not None)

@@ -293,35 +293,53 @@ class _ExpertParallel:
     def __deepcopy__(self, memo):
         return self  # a copy of the model shares the ranks and their groups
 
-    saves = 0  # save_pretrained calls so far (every rank counts the same)
-
     def meet_to_save(self, directory: str) -> None:
         """Every rank must call save_pretrained: they meet through torch.distributed's store (not
         a collective, so a rank that never comes fails the others with a message instead of
-        leaving them in a collective that never completes). One counter decides: the rank whose
-        arrival makes it reach the world size lets everyone go; a rank that gives up first pushes
-        it past reach, so either every rank goes on or every rank fails."""
+        leaving them in a collective that never completes).
+
+        Each save is a round (its number in the store, advanced once per round, whether it
+        succeeded or was abandoned, so that a failed save does not desynchronise later ones).
+        One counter decides a round: the rank whose arrival brings it exactly to the world size
+        sets "go"; a rank that gives up adds a large number first, after which "go" can no longer
+        be set (the last arrival then sets "abort"). A rank goes on only once "go" is set, so
+        either every rank writes or every rank fails."""
         import torch.distributed as dist
 
-        self.saves += 1
         store = dist.distributed_c10d._get_default_store()
         rank, world = self.info["rank"], self.info["world_size"]
-        key = f"automoe/save/{self.serial}/{self.saves}/"
+        base = f"automoe/save/{self.serial}/"
+        number = store.add(base + "round", 0)
+        key = f"{base}{number}/"
         gave_up = 1 << 40
+
+        def next_round():  # once per round, by whichever rank ends it first
+            store.compare_set(base + "round", str(number), str(number + 1))
+
         store.set(key + f"dir{rank}", directory)
-        arrived = store.add(key + "count", 1)
-        if arrived == world:
+        n = store.add(key + "count", 1)
+        if n == world:
             store.set(key + "go", "1")
+            next_round()
+        elif n % gave_up == world:
+            store.set(key + "abort", "1")
         timeout = float(os.environ.get("AUTOMOE_EP_SAVE_TIMEOUT_S", "300"))
-        if arrived <= world:
+        went = False
+        if n < gave_up:  # nobody had given up when this rank arrived
             try:
                 store.wait([key + "go"], timedelta(seconds=timeout))
-                arrived = world
+                went = True
             except Exception:  # the store's timeout (its error types differ between backends)
-                arrived = store.add(key + "count", gave_up) - gave_up
-                if arrived >= world:  # everyone came after all: go
-                    store.wait([key + "go"], timedelta(seconds=60))
-        if arrived != world:
+                r = store.add(key + "count", gave_up)
+                next_round()
+                if r % gave_up == world:  # everyone had come: the last arrival has decided
+                    deadline = time.monotonic() + 60
+                    while not went and time.monotonic() < deadline:
+                        went = store.check([key + "go"])
+                        if not went and store.check([key + "abort"]):
+                            break
+                        time.sleep(0.05)
+        if not went:
             missing = [r for r in range(world) if not store.check([key + f"dir{r}"])]
             raise AutoMoEError(
                 f"save_pretrained({directory!r}) under expert parallelism (ep_size={self.info['ep']}) is "
@@ -511,19 +529,21 @@ class EngineCausalLM(_EngineModule):
             if p.grad is not None:
                 (experts if name in routed else dense).append(p.grad)
 
-        def squares(grads):
-            if not grads:
-                return torch.zeros((), dtype=torch.float64)
-            return torch.stack([g.detach().double().pow(2).sum().cpu() for g in grads]).sum()
+        device = torch.device(self._automoe_ep.info["device"])
+
+        def squares(grads):  # float64 sum of squares, on the collectives' device
+            out = torch.zeros((), dtype=torch.float64, device=device)
+            for g in grads:
+                out += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(device) ** 2
+            return out
 
         sq_experts = squares(experts)
         if self._automoe_ep.ep_group is not None:
-            device = self._automoe_ep.info.get("device", "cpu")
-            sq_experts = sq_experts.to(device)
             dist.all_reduce(sq_experts, group=self._automoe_ep.ep_group)
-            sq_experts = sq_experts.cpu()
         total = (squares(dense) + sq_experts).sqrt().float()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device))
         return total
 
     def generate(self, *args, **kwargs):

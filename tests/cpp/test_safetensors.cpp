@@ -690,7 +690,7 @@ TEST_F(SafetensorsTest, CollectiveSaveWritesTheOneProcessFilesByteForByte) {
   }
 }
 
-TEST_F(SafetensorsTest, CollectiveSaveRefusesRowsNobodyWroteAndNamesAFailingProcess) {
+TEST_F(SafetensorsTest, CollectiveSaveRefusesUncoveredOrDoubledRowsAndNamesAFailingProcess) {
   const at::Tensor experts = at::arange(8, at::kFloat).view({4, 2});
   auto slot = [&](at::Tensor rows, int64_t begin) {
     return TensorSlot{"experts", at::kFloat, {4, 2}, std::move(rows), begin};
@@ -698,7 +698,22 @@ TEST_F(SafetensorsTest, CollectiveSaveRefusesRowsNobodyWroteAndNamesAFailingProc
   // Rows 2..3 are nobody's: an error on every process, and nothing left in the directory.
   auto errors = SaveTogether(dir_.string(), {{slot(experts.narrow(0, 0, 2), 0)}, {slot({}, 0)}}, 1000);
   for (const auto& e : errors) {
-    EXPECT_NE(e.find("wrote 16 bytes of the checkpoint's 32"), std::string::npos) << e;
+    EXPECT_NE(e.find("\"experts\": rows [2, 4) are written by no process"), std::string::npos) << e;
+  }
+  EXPECT_EQ(DirEntries(), std::set<std::string>{});
+  // Rows 1..2 twice and row 3 by nobody: the same byte count, still refused.
+  errors = SaveTogether(dir_.string(),
+                        {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 1, 2), 1)}}, 1000);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("rows [1, 2) are written by more than one process"), std::string::npos) << e;
+  }
+  EXPECT_EQ(DirEntries(), std::set<std::string>{});
+  // Processes planning different files (here another shape) are refused before anything is written.
+  errors = SaveTogether(
+      dir_.string(),
+      {{slot(experts.narrow(0, 0, 2), 0)}, {TensorSlot{"experts", at::kFloat, {4, 3}, {}, 0}}}, 1000);
+  for (const auto& e : errors) {
+    EXPECT_NE(e.find("process 1 plans other files than process 0"), std::string::npos) << e;
   }
   EXPECT_EQ(DirEntries(), std::set<std::string>{});
   // Process 1 holds rows of the wrong dtype: both fail, naming process 1 and the tensor.

@@ -156,6 +156,11 @@ def main() -> None:
         else:
             raise AssertionError("a save called by rank 0 alone succeeded")
     dist.barrier()
+    # ... and the next save, which every rank calls, works (the abandoned round is over).
+    model.save_pretrained(out / "after")
+    if rank == 0:
+        names = sorted(p.name for p in (out / "after").iterdir())
+        assert names == sorted(p.name for p in (out / "ep").iterdir()), names
     dist.destroy_process_group()
     print(f"rank {rank}: ok", flush=True)
 

@@ -55,7 +55,9 @@ def ep_recipe(model_dir, tmp, run, **parallel):
     r = base_recipe(model_dir, tmp, run,
                     train={"micro_batch_size": 1, "grad_accumulation_steps": 4, "max_steps": 3, "threads": 1})
     if parallel:
-        r["parallel"] = {k: v for k, v in parallel.items() if k != "dispatcher"}
+        # Gradient buckets of ~8 KiB unless a test says otherwise: dozens per class, launched from
+        # inside the backward, saved and resumed across them.
+        r["parallel"] = {"bucket_mb": 1 / 128, **{k: v for k, v in parallel.items() if k != "dispatcher"}}
     if "dispatcher" in parallel:
         r["model"]["backend"] = {"dispatcher": parallel["dispatcher"]}
     return r
@@ -103,8 +105,7 @@ MESHES = [  # (processes, ep, dispatcher, zero)
 @pytest.mark.parametrize("nproc,ep,dispatcher,zero", MESHES,
                          ids=[f"world{n}-ep{e}-{d}-zero{z}" for n, e, d, z in MESHES])
 def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, nproc, ep, dispatcher, zero):
-    # Gradient buckets of ~8 KiB: dozens per class, launched from inside the backward.
-    recipe = ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher, zero=zero, bucket_mb=1 / 128)
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=ep, dispatcher=dispatcher, zero=zero)
     # The export is written collectively (each rank its experts' rows): one directory, the files
     # of the one-process export, in the checkpoint's layout or the other.
     other_layout = (nproc, ep) == (4, 2)
@@ -147,6 +148,30 @@ def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, npro
         assert sum(d["expert_rows"]) == sum(sum(l["counts"]) for l in rec["expert_load"])
         files = sorted(p.name for p in (tmp_path / "run" / "step-3").glob("experts-*"))
         assert files == [f"experts-{i:05d}-of-{ep:05d}.safetensors" for i in range(ep)]
+
+
+def test_zero1_when_one_ranks_last_micro_batch_has_nothing_to_learn(model_dir, tmp_path):
+    """Rank 1's last micro-batch of every step (the 4th document: a prompt longer than seq_len)
+    has no loss token and is not run, so rank 1 launches its gradient buckets after the loop
+    while rank 0 launches them from inside its backward: the same collectives in the same order,
+    and the one-process losses."""
+    rows = [{"prompt": "word " * 200, "completion": "end"} if i % 4 == 3 else
+            {"prompt": f"question {i}", "completion": f"answer number {i}"} for i in range(12)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def recipe(run, **parallel):
+        r = ep_recipe(model_dir, tmp_path, run, **parallel)
+        r["data"].update(train=str(data), seq_len=32, packing=False, shuffle=False)
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("dp", ep=1, zero=1), tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "dp")
+    assert ref[1]["truncated_documents"] == 1
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
 
 
 def test_a_checkpoint_saved_at_ep2_resumes_as_dp2_and_loads_in_transformers(model_dir, single, tmp_path):

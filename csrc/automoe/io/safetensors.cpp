@@ -622,7 +622,27 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
   // shard is renamed into place and the new index is written last. A save interrupted at any
   // point leaves either the previous checkpoint intact or no index (an error on load) — never an
   // index that matches a mix of old and new shards.
-  const std::string pending = ".pending-" + g.gather(std::to_string(::getpid()), "save (start)").front();
+  // The processes must plan the same files: the lead's pid names the pending files, and every
+  // process's digest of the plan (names, dtypes, shapes, shard size) must equal the lead's.
+  uint64_t digest = 1469598103934665603ull;  // FNV-1a
+  auto mix = [&](const std::string& text) {
+    for (const char c : text) digest = (digest ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  };
+  mix(std::to_string(max_shard_bytes));
+  for (const TensorSlot& sl : slots) {
+    mix(sl.name + "|" + std::to_string(static_cast<int>(sl.dtype)));
+    for (int64_t d : sl.shape) mix("," + std::to_string(d));
+  }
+  const std::vector<std::string> starts =
+      g.gather(std::to_string(::getpid()) + " " + std::to_string(digest), "save (start)");
+  const std::string lead_pid = starts.front().substr(0, starts.front().find(' '));
+  for (size_t r = 0; r < starts.size(); ++r) {
+    AUTOMOE_CHECK(starts[r].substr(starts[r].find(' ')) == starts.front().substr(starts.front().find(' ')),
+                  "saving \"", dir, "\": process ", r,
+                  " plans other files than process 0 (other tensor names, dtypes, shapes, layout or "
+                  "shard size)");
+  }
+  const std::string pending = ".pending-" + lead_pid;
   auto pending_path = [&](size_t i) { return (fs::path(dir) / (files[i] + pending)).string(); };
   auto remove_pending = [&] {
     if (!g.lead) return;
@@ -679,8 +699,8 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
   });
   agree(error, "creating the files");
 
-  // Each process writes the rows it holds; together they must cover every byte exactly once.
-  uint64_t written = 0;
+  // Each process writes the rows it holds; together they must cover every row exactly once.
+  std::string mine;  // "slot:first row:rows;" for each slot this process writes
   error = attempt([&] {
     for (size_t i = 0; i < shards.size(); ++i) {
       const std::string path = pending_path(i);
@@ -710,7 +730,8 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
           if (fd.get() < 0) fail_write(path, "open", errno);
         }
         pwrite_all(fd.get(), path, c.data_ptr(), c.nbytes(), data_begin[i] + offsets[i][j] + offset);
-        written += c.nbytes();
+        mine += std::to_string(shards[i][j]) + ":" + std::to_string(s.row_begin) + ":" +
+                std::to_string(s.shape.empty() ? 1 : c.size(0)) + ";";
       }
       if (fd.get() >= 0) {
         if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
@@ -720,13 +741,38 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
   });
   agree(error, "writing the tensors");
   {
-    const std::vector<std::string> all = g.gather(std::to_string(written), "save (bytes written)");
-    uint64_t sum = 0;
-    for (const auto& n : all) sum += std::stoull(n);
-    if (sum != total_bytes) {
-      remove_pending();
-      fail("saving \"", dir, "\": the processes wrote ", sum, " bytes of the checkpoint's ",
-           total_bytes, " (each tensor's rows must be written by exactly one process)");
+    // Every process checks the same gathered lists, so all of them agree on the outcome.
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> rows(slots.size());
+    for (const std::string& list : g.gather(mine, "save (rows written)")) {
+      std::istringstream in(list);
+      std::string item;
+      while (std::getline(in, item, ';')) {
+        size_t slot = 0;
+        int64_t first = 0, count = 0;
+        std::sscanf(item.c_str(), "%zu:%ld:%ld", &slot, &first, &count);
+        rows.at(slot).emplace_back(first, count);
+      }
+    }
+    for (size_t k = 0; k < slots.size(); ++k) {
+      const int64_t n = slots[k].shape.empty() ? 1 : slots[k].shape[0];
+      auto& v = rows[k];
+      std::sort(v.begin(), v.end());
+      int64_t next = 0;
+      for (const auto& [first, count] : v) {
+        if (first != next) {
+          remove_pending();
+          fail("saving \"", dir, "\": tensor \"", slots[k].name, "\": rows [", std::min(first, next),
+               ", ", std::max(first, next), ") are written by ", first > next ? "no" : "more than one",
+               " process (each tensor's rows must be written by exactly one process)");
+        }
+        next = first + count;
+      }
+      if (next != n && !(n == 0 && v.empty())) {
+        remove_pending();
+        fail("saving \"", dir, "\": tensor \"", slots[k].name, "\": rows [", next, ", ", n,
+             ") are written by no process (each tensor's rows must be written by exactly one "
+             "process)");
+      }
     }
   }
 

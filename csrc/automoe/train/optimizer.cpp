@@ -132,7 +132,7 @@ void AdamW::begin_backward(bool last) {
   next_launch_ = 0;
   for (Slice& s : zero_) {
     s.pending = static_cast<int64_t>(s.members.size());
-    if (s.transient) s.launched = false;
+    if (stage_ == 2) s.launched = false;  // (stage 1: once per step, in reduce_grads)
   }
 }
 
@@ -142,6 +142,10 @@ void AdamW::on_gradient(size_t i, const at::Tensor& param) {
   if (!g.defined() || !sharded()) return;
   const auto [b, k] = where_[i];
   Slice& s = zero_[b];
+  // (Each parameter's gradient is accumulated once per backward — activation checkpointing goes
+  // through autograd::grad — so this cannot happen; if it ever did, the gradient would be lost.)
+  AUTOMOE_CHECK(!(s.group && reducing() && s.launched), "gradient of ", names[i],
+                " arrived after its bucket was reduced");
   if (!s.grad_flat.defined()) s.grad_flat = at::zeros({s.total}, s.grad.options());
   s.grad_flat.narrow(0, s.offset[k], g.numel()).view(g.sizes()).add_(g);
   g = at::Tensor();  // released at once: the compute-dtype gradients never all exist together

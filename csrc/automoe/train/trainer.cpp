@@ -520,7 +520,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       // Under ZeRO the gradients leave for their buckets during the backward (see AdamW::shard).
       if (opt.sharded()) opt.begin_backward(m + 1 == mbs.size());
       r.loss->backward();
-      if (opt.sharded()) opt.end_backward();
+      if (opt.sharded() && rc.parallel.zero == 2) {  // ZeRO-2 waits for its reductions here
+        const auto t_sync = Clock::now();
+        opt.end_backward();
+        sync();
+        win.grad_sync_s += seconds_since(t_sync);
+      } else if (opt.sharded()) {
+        opt.end_backward();
+      }
       const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
       const double total = r.loss->item<double>();
       ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
@@ -569,6 +576,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       if (window_loss_tokens > 0) {
         const auto t_sync = Clock::now();
         opt.reduce_grads(world);
+        sync();  // (NCCL's wait only orders the stream: time the reductions themselves)
         win.grad_sync_s += seconds_since(t_sync);
       }
       at::Tensor t = at::tensor({ce_sum, aux_weighted, finite ? 0.0 : 1.0}, at::kDouble).to(world.device);
