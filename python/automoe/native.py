@@ -488,6 +488,13 @@ class EngineCausalLM(_EngineModule):
         if cfg.attn == "sdpa" and not type(self)._supports_sdpa:
             raise AutoMoEError(f"backend attn='sdpa': {type(self).__name__} has no sdpa attention "
                                "(its attention sinks need 'eager')")
+        current = self._automoe_engine.backend()["dispatcher"]
+        in_process = cfg.dispatcher == "local" and self._automoe_ep is None  # (what "auto" is then)
+        if cfg.dispatcher not in ("auto", current) and not in_process:
+            raise AutoMoEError(f"backend dispatcher={cfg.dispatcher!r}: the dispatcher is chosen when the "
+                               "model is loaded (from_pretrained(..., ep_size=N, backend={'dispatcher': ...})); "
+                               f"this model runs {current!r}")
+        cfg.dispatcher = current
         self._automoe_engine.set_backend(cfg.to_dict())
         self.config._attn_implementation = cfg.attn
         self.config._experts_implementation_internal = ENGINE_EXPERTS[cfg.experts]
