@@ -667,7 +667,8 @@ TEST_F(SafetensorsTest, CollectiveSaveWritesTheOneProcessFilesByteForByte) {
   const at::Tensor experts = at::arange(24, at::kFloat).view({4, 3, 2}).to(at::kBFloat16);
   const at::Tensor scalar = at::ones({}, at::kDouble);
   for (const uint64_t limit : {uint64_t{1000}, uint64_t{30}}) {
-    const fs::path one = dir_ / ("one-" + std::to_string(limit)), two = dir_ / ("two-" + std::to_string(limit));
+    const fs::path one = dir_ / ("one-" + std::to_string(limit)),
+                   two = dir_ / ("two-" + std::to_string(limit));
     save_sharded(one.string(), {{"dense", dense}, {"experts", experts}, {"s", scalar}}, limit);
     auto slot = [](const std::string& n, const at::Tensor& full, at::Tensor rows, int64_t begin) {
       return TensorSlot{n, full.scalar_type(), full.sizes().vec(), std::move(rows), begin};
@@ -696,14 +697,16 @@ TEST_F(SafetensorsTest, CollectiveSaveRefusesUncoveredOrDoubledRowsAndNamesAFail
     return TensorSlot{"experts", at::kFloat, {4, 2}, std::move(rows), begin};
   };
   // Rows 2..3 are nobody's: an error on every process, and nothing left in the directory.
-  auto errors = SaveTogether(dir_.string(), {{slot(experts.narrow(0, 0, 2), 0)}, {slot({}, 0)}}, 1000);
+  auto errors =
+      SaveTogether(dir_.string(), {{slot(experts.narrow(0, 0, 2), 0)}, {slot({}, 0)}}, 1000);
   for (const auto& e : errors) {
     EXPECT_NE(e.find("\"experts\": rows [2, 4) are written by no process"), std::string::npos) << e;
   }
   EXPECT_EQ(DirEntries(), std::set<std::string>{});
   // Rows 1..2 twice and row 3 by nobody: the same byte count, still refused.
-  errors = SaveTogether(dir_.string(),
-                        {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 1, 2), 1)}}, 1000);
+  errors =
+      SaveTogether(dir_.string(),
+                   {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 1, 2), 1)}}, 1000);
   for (const auto& e : errors) {
     EXPECT_NE(e.find("rows [1, 2) are written by more than one process"), std::string::npos) << e;
   }
@@ -711,15 +714,17 @@ TEST_F(SafetensorsTest, CollectiveSaveRefusesUncoveredOrDoubledRowsAndNamesAFail
   // Processes planning different files (here another shape) are refused before anything is written.
   errors = SaveTogether(
       dir_.string(),
-      {{slot(experts.narrow(0, 0, 2), 0)}, {TensorSlot{"experts", at::kFloat, {4, 3}, {}, 0}}}, 1000);
+      {{slot(experts.narrow(0, 0, 2), 0)}, {TensorSlot{"experts", at::kFloat, {4, 3}, {}, 0}}},
+      1000);
   for (const auto& e : errors) {
     EXPECT_NE(e.find("process 1 plans other files than process 0"), std::string::npos) << e;
   }
   EXPECT_EQ(DirEntries(), std::set<std::string>{});
   // Process 1 holds rows of the wrong dtype: both fail, naming process 1 and the tensor.
-  errors = SaveTogether(dir_.string(),
-                        {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 2, 2).to(at::kDouble), 2)}},
-                        1000);
+  errors = SaveTogether(
+      dir_.string(),
+      {{slot(experts.narrow(0, 0, 2), 0)}, {slot(experts.narrow(0, 2, 2).to(at::kDouble), 2)}},
+      1000);
   for (const auto& e : errors) {
     EXPECT_NE(e.find("process 1"), std::string::npos) << e;
     EXPECT_NE(e.find("\"experts\""), std::string::npos) << e;

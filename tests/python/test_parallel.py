@@ -358,7 +358,7 @@ def test_the_drop_in_refuses_what_expert_parallelism_cannot_do(model_dir):
     with pytest.raises(ValueError, match="runs in AutoMoE's engine, not in Transformers' model"):
         automoe.AutoModelForCausalLM.from_pretrained(model_dir, ep_size=2, force_transformers=True)
     model = automoe.AutoModelForCausalLM.from_pretrained(model_dir)
-    with pytest.raises(automoe.AutoMoEError, match="dispatcher='alltoall': the dispatcher is chosen when the model is loaded"):
+    with pytest.raises(automoe.AutoMoEError, match="the dispatcher is chosen when the model is loaded"):
         model.set_backend({"dispatcher": "alltoall"})
     with pytest.raises(ValueError, match=r"from_config\(ep_size=2\): expert parallelism loads a checkpoint"):
         automoe.AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), ep_size=2)

@@ -590,9 +590,8 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
                     "\": duplicate tensor name \"", s.name, "\"");
     }
   }
-  const WriteGroup alone{true, [](const std::string& mine, const char*) {
-                           return std::vector<std::string>{mine};
-                         }};
+  const WriteGroup alone{
+      true, [](const std::string& mine, const char*) { return std::vector<std::string>{mine}; }};
   const WriteGroup& g = group ? *group : alone;
   std::error_code ec;
 
@@ -637,10 +636,11 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
       g.gather(std::to_string(::getpid()) + " " + std::to_string(digest), "save (start)");
   const std::string lead_pid = starts.front().substr(0, starts.front().find(' '));
   for (size_t r = 0; r < starts.size(); ++r) {
-    AUTOMOE_CHECK(starts[r].substr(starts[r].find(' ')) == starts.front().substr(starts.front().find(' ')),
-                  "saving \"", dir, "\": process ", r,
-                  " plans other files than process 0 (other tensor names, dtypes, shapes, layout or "
-                  "shard size)");
+    AUTOMOE_CHECK(
+        starts[r].substr(starts[r].find(' ')) == starts.front().substr(starts.front().find(' ')),
+        "saving \"", dir, "\": process ", r,
+        " plans other files than process 0 (other tensor names, dtypes, shapes, layout or "
+        "shard size)");
   }
   const std::string pending = ".pending-" + lead_pid;
   auto pending_path = [&](size_t i) { return (fs::path(dir) / (files[i] + pending)).string(); };
@@ -692,7 +692,8 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
       Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
       if (fd.get() < 0) fail_write(path, "create", errno);
       write_all(fd.get(), path, prefix.data(), prefix.size());
-      if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) fail_write(path, "ftruncate", errno);
+      if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
+        fail_write(path, "ftruncate", errno);
       if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
       if (::close(fd.release()) != 0) fail_write(path, "close", errno);
     }
@@ -720,16 +721,17 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
           AUTOMOE_CHECK(c.dim() == static_cast<int64_t>(s.shape.size()) &&
                             c.sizes().slice(1).vec() == tail && s.row_begin >= 0 &&
                             s.row_begin + c.size(0) <= s.shape[0],
-                        "cannot write \"", path, "\": tensor \"", s.name, "\": rows [",
-                        s.row_begin, ", ", s.row_begin + (c.dim() ? c.size(0) : 0), ") of shape ",
-                        c.sizes(), " do not fit its shape ", s.shape);
+                        "cannot write \"", path, "\": tensor \"", s.name, "\": rows [", s.row_begin,
+                        ", ", s.row_begin + (c.dim() ? c.size(0) : 0), ") of shape ", c.sizes(),
+                        " do not fit its shape ", s.shape);
           offset = static_cast<uint64_t>(s.row_begin) * (c.numel() ? c.nbytes() / c.size(0) : 0);
         }
         if (fd.get() < 0) {
           fd = Fd(::open(path.c_str(), O_WRONLY | O_CLOEXEC));
           if (fd.get() < 0) fail_write(path, "open", errno);
         }
-        pwrite_all(fd.get(), path, c.data_ptr(), c.nbytes(), data_begin[i] + offsets[i][j] + offset);
+        pwrite_all(fd.get(), path, c.data_ptr(), c.nbytes(),
+                   data_begin[i] + offsets[i][j] + offset);
         mine += std::to_string(shards[i][j]) + ":" + std::to_string(s.row_begin) + ":" +
                 std::to_string(s.shape.empty() ? 1 : c.size(0)) + ";";
       }
@@ -761,8 +763,9 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
       for (const auto& [first, count] : v) {
         if (first != next) {
           remove_pending();
-          fail("saving \"", dir, "\": tensor \"", slots[k].name, "\": rows [", std::min(first, next),
-               ", ", std::max(first, next), ") are written by ", first > next ? "no" : "more than one",
+          fail("saving \"", dir, "\": tensor \"", slots[k].name, "\": rows [",
+               std::min(first, next), ", ", std::max(first, next), ") are written by ",
+               first > next ? "no" : "more than one",
                " process (each tensor's rows must be written by exactly one process)");
         }
         next = first + count;

@@ -324,7 +324,8 @@ std::vector<TensorSlot> collective_slots(const ModelSpec& spec, const Architectu
     const bool expert = decls[i].routed_expert && spec.moe.sharded();
     std::vector<int64_t> shape = t.sizes().vec();
     if (expert) shape[0] = spec.moe.num_experts;
-    const at::Tensor meta = at::empty(shape, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
+    const at::Tensor meta =
+        at::empty(shape, at::TensorOptions().dtype(t.scalar_type()).device(at::kMeta));
     const NamedTensors disk = to_disk_tensors({{name, meta}}, expert ? full : spec, arch, layout);
     std::map<std::string, at::Tensor> mine;
     if (expert ? writes_experts : lead) {
@@ -394,7 +395,8 @@ void write_pretrained(const LoadedConfig& loaded, ExpertsLayout layout,
         error = e.what();
       }
     }
-    const auto all = parallel::all_gather_strings(world->world, error, world->device, "save (done)");
+    const auto all =
+        parallel::all_gather_strings(world->world, error, world->device, "save (done)");
     if (!lead && !all.front().empty()) fail("saving ", dir, ": rank 0: ", all.front());
   }
   if (failed) std::rethrow_exception(failed);

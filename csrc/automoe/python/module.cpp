@@ -142,24 +142,23 @@ PYBIND11_MODULE(_C, m) {
                                }
                                return out;
                              })
-      .def_property_readonly(
-          "parallel",
-          [](const PretrainedModel& self) -> py::object {
-            if (!self.world) return py::none();
-            const auto& w = *self.world;
-            const ModelSpec& spec = self.decoder->spec();
-            py::dict d;
-            d["rank"] = w.rank;
-            d["world_size"] = w.mesh.world;
-            d["ep"] = w.mesh.ep;
-            d["dp"] = w.mesh.dp;
-            d["ep_rank"] = w.ep_rank();
-            d["dp_rank"] = w.dp_rank();
-            d["expert_begin"] = spec.moe.expert_begin;
-            d["expert_count"] = spec.moe.local_experts();
-            d["device"] = w.device.str();
-            return d;
-          })
+      .def_property_readonly("parallel",
+                             [](const PretrainedModel& self) -> py::object {
+                               if (!self.world) return py::none();
+                               const auto& w = *self.world;
+                               const ModelSpec& spec = self.decoder->spec();
+                               py::dict d;
+                               d["rank"] = w.rank;
+                               d["world_size"] = w.mesh.world;
+                               d["ep"] = w.mesh.ep;
+                               d["dp"] = w.mesh.dp;
+                               d["ep_rank"] = w.ep_rank();
+                               d["dp_rank"] = w.dp_rank();
+                               d["expert_begin"] = spec.moe.expert_begin;
+                               d["expert_count"] = spec.moe.local_experts();
+                               d["device"] = w.device.str();
+                               return d;
+                             })
       .def("named_parameters",
            [](const PretrainedModel& self) { return self.decoder->named_parameters(); })
       .def("set_parameter", [](PretrainedModel& self, const std::string& name,
@@ -282,10 +281,13 @@ PYBIND11_MODULE(_C, m) {
         AUTOMOE_CHECK(experts > 0, origin, ": ", loaded.spec.model_type, " has no routed experts");
         const parallel::Mesh mesh = parallel::make_mesh(std::stoll(p.at("world_size")),
                                                         std::stoll(p.at("ep")), 0, experts, origin);
-        auto world = std::make_shared<parallel::World>(parallel::world_from_group_names(
-            p.at("world_group"), p.at("ep_group"), p.at("dp_group"), mesh, c10::Device(p.at("device"))));
-        AUTOMOE_CHECK(cfg.dispatcher != "local", origin, ": backend dispatcher 'local' runs every "
-                      "expert in this process; use 'auto', 'alltoall', 'alltoall_overlap' or 'allgather'");
+        auto world = std::make_shared<parallel::World>(
+            parallel::world_from_group_names(p.at("world_group"), p.at("ep_group"),
+                                             p.at("dp_group"), mesh, c10::Device(p.at("device"))));
+        AUTOMOE_CHECK(
+            cfg.dispatcher != "local", origin,
+            ": backend dispatcher 'local' runs every "
+            "expert in this process; use 'auto', 'alltoall', 'alltoall_overlap' or 'allgather'");
         const parallel::ExpertRange own = parallel::experts_of(world->ep_rank(), mesh.ep, experts);
         PretrainedModel m = load_pretrained(dir, dt, cfg, config_json, {own.begin, own.count});
         m.decoder->set_dispatcher(moe::make_dispatcher(

@@ -93,7 +93,8 @@ void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params,
       sl.exp_avg_sq = at::zeros({sl.size}, f32);
       absorb(sl);
       for (size_t i : sl.members) master[i] = exp_avg[i] = exp_avg_sq[i] = at::Tensor();
-      sl.params_flat = at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
+      sl.params_flat =
+          at::zeros({sl.total}, params[sl.members.front()].options().requires_grad(false));
       sl.transient = stage == 2 && replicated;
       if (sl.transient) {
         sl.grad = at::zeros({sl.size}, f32);  // the slice's accumulator; grad_flat per backward
@@ -104,14 +105,16 @@ void AdamW::shard(const parallel::World& world, std::vector<at::Tensor>& params,
       }
       for (size_t k = 0; k < sl.members.size(); ++k) {
         const size_t i = sl.members[k];
-        at::Tensor view = sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
+        at::Tensor view =
+            sl.params_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i]);
         view.copy_(params[i]);
         view.set_requires_grad(true);
         params[i] = view;
         grad[i] = sl.grad_flat.defined()
                       ? sl.grad_flat.narrow(0, sl.offset[k], params[i].numel()).view(shapes_[i])
                       : at::Tensor();
-        torch::autograd::impl::set_post_acc_grad_hooks(view, std::make_unique<GradientHook>(this, i));
+        torch::autograd::impl::set_post_acc_grad_hooks(view,
+                                                       std::make_unique<GradientHook>(this, i));
       }
       zero_.push_back(std::move(sl));
     }

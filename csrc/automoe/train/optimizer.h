@@ -6,9 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <utility>
-
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "automoe/model/components.h"
@@ -105,7 +104,7 @@ struct AdamW {
   std::vector<std::pair<size_t, size_t>> where_;  // parameter -> (bucket, member index)
   std::vector<std::vector<int64_t>> shapes_;      // each parameter's shape
   int64_t stage_ = 0;
-  bool last_ = false;      // this backward ends the step's accumulation
+  bool last_ = false;       // this backward ends the step's accumulation
   size_t next_launch_ = 0;  // buckets launch in order (the same on every rank)
   at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]
   void absorb(Slice& s);
