@@ -45,7 +45,6 @@ struct AdamW {
   void shard(const parallel::World& world, std::vector<at::Tensor>& params, int64_t stage,
              int64_t bucket_bytes = 32 << 20);
   bool sharded() const { return !zero_.empty(); }
-  int64_t buckets() const { return static_cast<int64_t>(zero_.size()); }
   // Around each backward pass (ZeRO): `last`, the step's last backward on this rank.
   void begin_backward(bool last);
   void end_backward();
