@@ -203,6 +203,27 @@ def grouped_gemm_cases():
                    OPS.grouped_gemm_reference, grad=(0, 1), cast=(0, 1))
 
 
+def grouped_gemm_lora_cases():
+    # LoRA inside the grouped GEMM: an empty expert, r = 1, a single row (T = 1), rows past the
+    # groups; scaling as PEFT's alpha / r. The frozen base weight (w) gets no gradient.
+    for N, K, O, r, sizes in [(1, 5, 3, 1, [1]), (37, 33, 19, 4, [5, 0, 12, 11, 0]),
+                              (9, 16, 8, 2, [0, 0, 4]), (130, 64, 40, 8, [97, 1, 30, 2])]:
+        def make(g, N=N, K=K, O=O, r=r, sizes=sizes):
+            offsets = torch.tensor([0] + sizes).cumsum(0)
+            G = len(sizes)
+            return [randn(g, N, K), randn(g, G, O, K, scale=0.2), randn(g, G, r, K, scale=0.3),
+                    randn(g, G, O, r, scale=0.3), offsets]
+        yield Case(f"grouped_gemm_lora-N{N}-K{K}-O{O}-r{r}-{sizes}", make,
+                   lambda x, w, a, b, o, r=r: OPS.grouped_gemm_lora(x, w, a, b, o, 16.0 / r),
+                   lambda x, w, a, b, o, r=r: OPS.grouped_gemm_lora_reference(x, w, a, b, o, 16.0 / r),
+                   grad=(0, 2, 3), cast=(0, 1, 2, 3))
+        # every input differentiable, the base weight too (a full fine-tune with adapters)
+        yield Case(f"grouped_gemm_lora-all-grads-N{N}-r{r}", make,
+                   lambda x, w, a, b, o: OPS.grouped_gemm_lora(x, w, a, b, o, 0.5),
+                   lambda x, w, a, b, o: OPS.grouped_gemm_lora_reference(x, w, a, b, o, 0.5),
+                   grad=(0, 1, 2, 3), cast=(0, 1, 2, 3))
+
+
 def cross_entropy_cases():
     for N, H, V, rows_per_chunk in [(1, 3, 5, 0), (17, 33, 101, 3), (64, 16, 300, 7)]:
         def make(g, N=N, H=H, V=V):
@@ -220,7 +241,7 @@ def cross_entropy_cases():
 
 
 CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
-         *grouped_gemm_cases(), *cross_entropy_cases()]
+         *grouped_gemm_cases(), *grouped_gemm_lora_cases(), *cross_entropy_cases()]
 
 
 def run_case(case: Case, dtype, device):
@@ -366,6 +387,39 @@ def test_experts_backends_agree_with_an_empty_expert_and_dropped_slots():
         assert rel_err(got, eager.double()) <= 1e-5, backend
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["grouped", "torch_mm", "eager"])
+def test_expert_lora_equals_the_merged_weight_in_every_backend(backend, dtype):
+    """Each backend runs the adapters on the expert's rows (never forming W + s·B·A); the result
+    and the adapters' gradients must be those of the merged weight, in float64; float32 adapters
+    on a bf16 model are cast inside, as the engine's trainer and PEFT's float32 adapters need."""
+    g = torch.Generator().manual_seed(11)
+    T, K, E, H, I, r = 13, 2, 5, 16, 8, 3  # (torch_mm: 16-byte rows in bf16)
+    idx = routing(g, T, K, E, "empty_and_dropped")
+    idx[idx < 0] = 1
+    x = randn(g, T, H)
+    wts = randn(g, T, K).abs()
+    gu, down = randn(g, E, 2 * I, H, scale=0.3), randn(g, E, H, I, scale=0.3)
+    a_gu, b_gu = randn(g, E, r, H, scale=0.3), randn(g, E, 2 * I, r, scale=0.3)
+    a_d, b_d = randn(g, E, r, I, scale=0.3), randn(g, E, H, r, scale=0.3)
+    s_gu, s_d = 2.0, 0.5
+    leaves = [t.float().requires_grad_(True) for t in (a_gu, b_gu, a_d, b_d)]
+    got = OPS.moe_experts(x.to(dtype), idx, wts.to(dtype), gu.to(dtype), down.to(dtype), backend,
+                          leaves[0], leaves[1], s_gu, leaves[2], leaves[3], s_d)
+    ref_leaves = [t.double().requires_grad_(True) for t in (a_gu, b_gu, a_d, b_d)]
+    merged_gu = gu.to(dtype).double() + s_gu * torch.bmm(ref_leaves[1], ref_leaves[0])
+    merged_d = down.to(dtype).double() + s_d * torch.bmm(ref_leaves[3], ref_leaves[2])
+    ref = OPS.moe_experts(x.to(dtype).double(), idx, wts.to(dtype).double(), merged_gu, merged_d, "eager")
+    tol = TOL[dtype] * 2
+    assert rel_err(got, ref) <= tol
+    up = randn(g, T, H)
+    grads = torch.autograd.grad((got.double() * up).sum(), leaves)
+    ref_grads = torch.autograd.grad((ref * up).sum(), ref_leaves)
+    for name, a, b in zip(("gate_up A", "gate_up B", "down A", "down B"), grads, ref_grads):
+        assert a.dtype == torch.float32
+        assert rel_err(a, b) <= tol, name
+
+
 def test_bad_inputs_name_the_op_and_tensor():
     with pytest.raises(Exception, match=r"automoe.grouped_gemm: offsets must be non-decreasing"):
         OPS.grouped_gemm(torch.randn(4, 3), torch.randn(2, 5, 3), torch.tensor([0, 3, 2]))
@@ -375,6 +429,9 @@ def test_bad_inputs_name_the_op_and_tensor():
         OPS.linear_cross_entropy(torch.randn(2, 3), torch.randn(5, 3), torch.tensor([1, 5]))
     with pytest.raises(Exception, match=r"automoe.router: n_group \(3\) must divide"):
         OPS.router(torch.randn(2, 8), 2, "sigmoid", None, 3, 1)
+    with pytest.raises(Exception, match=r"automoe.grouped_gemm_lora: b must be \[G, O, r\] = \[2, 5, 3\]"):
+        OPS.grouped_gemm_lora(torch.randn(4, 3), torch.randn(2, 5, 3), torch.randn(2, 3, 3),
+                              torch.randn(2, 5, 2), torch.tensor([0, 1, 4]), 1.0)
     with pytest.raises(Exception, match=r"automoe.swiglu: the last dimension of gate_up must be even"):
         OPS.swiglu(torch.randn(2, 5))
     with pytest.raises(Exception, match=r"automoe.swiglu: the last dimension of gate_up must be even and > 0"):

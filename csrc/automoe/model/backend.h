@@ -9,6 +9,7 @@
 #include <optional>
 #include <string>
 
+#include "automoe/moe/experts.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe {
@@ -55,10 +56,11 @@ struct ComponentOps {
   std::function<at::Tensor(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                            const at::Tensor& w_down)>
       mlp;
-  // The routed experts (moe/experts.h), fused weights [E, 2I, H] and [E, H, I].
+  // The routed experts (moe/experts.h), fused weights [E, 2I, H] and [E, H, I], and their LoRA
+  // adapters (null: none).
   std::function<at::Tensor(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up,
-                           const at::Tensor& w_down)>
+                           const at::Tensor& w_down, const moe::ExpertLora* lora)>
       experts;
   // GPT-OSS's experts (moe/experts.h experts_gpt_oss): transposed, interleaved, with biases; the
   // last argument is autocast's dtype (nullopt: the inputs').

@@ -23,6 +23,15 @@
 
 namespace automoe {
 
+namespace {
+
+std::optional<at::Tensor> opt_param(const NamedTensors& params, int64_t i) {
+  if (i < 0) return std::nullopt;
+  return params[i].second;
+}
+
+}  // namespace
+
 Decoder::Decoder(ModelSpec spec, BackendConfig backend, NamedTensors params)
     : spec_(std::move(spec)), backend_(backend), ops_(resolve(backend)), params_(std::move(params)) {
   std::vector<ParamDecl> layout;
@@ -68,7 +77,80 @@ void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
     t = tensor;
     return;
   }
+  for (auto& s : adapters_) {
+    at::Tensor* t = name == s.a_name() ? &s.a : name == s.b_name() ? &s.b : nullptr;
+    if (!t) continue;
+    AUTOMOE_CHECK(tensor.sizes() == t->sizes(), "set_parameter ", name, ": expected shape ",
+                  t->sizes(), ", got ", tensor.sizes());
+    *t = tensor;
+    set_adapters(std::move(adapters_));  // the per-layer lists hold the factors too
+    return;
+  }
   fail("set_parameter: no parameter named ", name);
+}
+
+void Decoder::set_adapters(std::vector<LoraSite> sites) {
+  std::vector<int64_t> of(sites.empty() ? 0 : params_.size(), -1);
+  std::vector<int64_t> layer_of(params_.size(), -1);
+  for (const LayerSlots& L : slots_.layers) {
+    for (int64_t i : L.all) layer_of[i] = L.index;
+  }
+  std::vector<std::vector<at::Tensor>> per_layer(spec_.num_layers);
+  for (size_t k = 0; k < sites.size(); ++k) {
+    const LoraSite& s = sites[k];
+    AUTOMOE_CHECK(s.slot >= 0 && s.slot < static_cast<int64_t>(params_.size()) &&
+                      params_[s.slot].first == s.base(),
+                  "LoRA: adapter for ", s.base(), " does not name a weight of this model");
+    AUTOMOE_CHECK(of[s.slot] < 0, "LoRA: two adapters on ", s.base());
+    AUTOMOE_CHECK(layer_of[s.slot] >= 0, "LoRA: ", s.base(), " is not a decoder layer's weight");
+    const at::Tensor& w = params_[s.slot].second;
+    AUTOMOE_CHECK(w.dim() == (s.experts ? 3 : 2), "LoRA: ", s.base(), " is ", w.sizes(),
+                  s.experts ? "; expected routed experts [E, O, K]" : "; expected a linear weight [O, K]");
+    const int64_t E = s.experts ? w.size(0) : 1, O = w.size(-2), K = w.size(-1);
+    std::vector<int64_t> a{s.r, K}, b{O, s.r};
+    if (s.experts) {
+      a.insert(a.begin(), E);
+      b.insert(b.begin(), E);
+    }
+    AUTOMOE_CHECK(s.a.defined() && s.b.defined() && s.a.sizes() == at::IntArrayRef(a) &&
+                      s.b.sizes() == at::IntArrayRef(b),
+                  "LoRA: the adapter of ", s.base(), " ", w.sizes(), " needs A ", at::IntArrayRef(a),
+                  " and B ", at::IntArrayRef(b), ", got ", s.a.defined() ? s.a.sizes() : at::IntArrayRef{},
+                  " and ", s.b.defined() ? s.b.sizes() : at::IntArrayRef{});
+    AUTOMOE_CHECK(s.a.device() == w.device() && s.b.device() == w.device(), "LoRA: the adapter of ",
+                  s.base(), " is on ", s.a.device(), "; its weight on ", w.device());
+    AUTOMOE_CHECK(at::isFloatingType(s.a.scalar_type()) && at::isFloatingType(s.b.scalar_type()),
+                  "LoRA: the adapter of ", s.base(), " must be floating point");
+    AUTOMOE_CHECK(!(s.experts && spec_.moe.gpt_oss), "LoRA: adapters on GPT-OSS's experts are not supported");
+    of[s.slot] = static_cast<int64_t>(k);
+    per_layer[layer_of[s.slot]].push_back(s.a);
+    per_layer[layer_of[s.slot]].push_back(s.b);
+  }
+  adapters_ = std::move(sites);
+  adapter_of_ = std::move(of);
+  layer_adapters_ = std::move(per_layer);
+}
+
+at::Tensor Decoder::linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const {
+  at::Tensor y = at::linear(x, p(w), opt_param(params_, bias));
+  const LoraSite* s = adapter(w);
+  if (!s) return y;
+  // PEFT's lora.Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling, the factors in the compute
+  // dtype (autocast's, when on, as torch.autocast runs an nn.Linear).
+  const at::Tensor xd = s->dropout > 0 && training ? at::dropout(x, s->dropout, true) : x;
+  const auto dt = y.scalar_type();
+  return y + at::linear(at::linear(xd.to(dt), s->a.to(dt)), s->b.to(dt)) * s->scaling;
+}
+
+at::Tensor Decoder::mlp(const at::Tensor& x, const MlpSlots& m, bool training) const {
+  if (!adapter(m.gate) && !adapter(m.up) && !adapter(m.down)) {
+    return ops_.mlp(x, p(m.gate), p(m.up), p(m.down));
+  }
+  const at::Tensor gate = linear(x, m.gate, -1, training), up = linear(x, m.up, -1, training);
+  const at::Tensor h = backend_.fused_swiglu && gate.scalar_type() == up.scalar_type()
+                           ? ops::swiglu(at::cat({gate, up}, -1))
+                           : at::silu(gate) * up;
+  return linear(h, m.down, -1, training);
 }
 
 void Decoder::rebind(const std::vector<std::optional<at::Tensor>>& tensors) {
@@ -105,10 +187,6 @@ void Decoder::resize_vocab(const at::Tensor& embed, const std::optional<at::Tens
 
 namespace {
 
-std::optional<at::Tensor> opt_param(const NamedTensors& params, int64_t i) {
-  if (i < 0) return std::nullopt;
-  return params[i].second;
-}
 
 void check_inputs(const ForwardArgs& a, const ModelSpec& s) {
   AUTOMOE_CHECK(a.input_ids.defined() != a.inputs_embeds.has_value(),
@@ -274,9 +352,9 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   const int64_t B = x_BSH.size(0), S = x_BSH.size(1);
   const AttentionSpec& a = spec_.attn;
   const int64_t N = a.num_heads, KV = a.num_kv_heads, D = a.head_dim;
-  at::Tensor q = at::linear(x_BSH, p(A.q), opt_param(params_, A.q_bias));
-  at::Tensor k = at::linear(x_BSH, p(A.k), opt_param(params_, A.k_bias));
-  at::Tensor v = at::linear(x_BSH, p(A.v), opt_param(params_, A.v_bias));
+  at::Tensor q = linear(x_BSH, A.q, A.q_bias, c.training);
+  at::Tensor k = linear(x_BSH, A.k, A.k_bias, c.training);
+  at::Tensor v = linear(x_BSH, A.v, A.v_bias, c.training);
   if (a.qk_norm && a.qk_norm_full_width) {  // OLMoE: over the whole projection
     q = norm(q, A.q_norm);
     k = norm(k, A.k_norm);
@@ -299,7 +377,7 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_,
                                              opt_param(params_, A.sinks));
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
-  return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
+  return linear(out_BSH, A.o, A.o_bias, c.training);
 }
 
 at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
@@ -310,12 +388,12 @@ at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
   const int64_t N = a.num_heads, Dn = a.qk_nope_head_dim, Dr = a.qk_rope_head_dim;
   const int64_t Dv = a.v_head_dim, R = a.kv_lora_rank;
   const at::Tensor q_flat =
-      A.q >= 0 ? at::linear(x_BSH, p(A.q))
-               : at::linear(ops_.rms_norm(at::linear(x_BSH, p(A.q_a), opt_param(params_, A.q_a_bias)),
-                                          p(A.q_a_norm), a.latent_norm_eps),
-                            p(A.q_b));
+      A.q >= 0 ? linear(x_BSH, A.q, -1, c.training)
+               : linear(ops_.rms_norm(linear(x_BSH, A.q_a, A.q_a_bias, c.training),
+                                      p(A.q_a_norm), a.latent_norm_eps),
+                        A.q_b, -1, c.training);
   const at::Tensor q_BSND = q_flat.view({B, S, N, Dn + Dr});
-  const at::Tensor compressed = at::linear(x_BSH, p(A.kv_a), opt_param(params_, A.kv_a_bias));
+  const at::Tensor compressed = linear(x_BSH, A.kv_a, A.kv_a_bias, c.training);
   // The compressed latent (normed) and the single rotary key head: what the KV cache holds, as
   // Transformers' cache does ([B, 1, S, R] and [B, 1, S, Dr]).
   at::Tensor kv_B1SR =
@@ -336,14 +414,14 @@ at::Tensor Decoder::latent_attention(const AttentionSlots& A, int64_t layer,
   const int64_t Skv = kv_B1SR.size(2);
   const at::Tensor q_BNSD = at::cat({q_BSND.narrow(3, 0, Dn), q_rot_BSND}, 3).transpose(1, 2);
   const at::Tensor kv_BNSD =
-      at::linear(kv_B1SR.squeeze(1), p(A.kv_b)).view({B, Skv, N, Dn + Dv}).transpose(1, 2);
+      linear(kv_B1SR.squeeze(1), A.kv_b, -1, c.training).view({B, Skv, N, Dn + Dv}).transpose(1, 2);
   const at::Tensor k_BNSD =
       at::cat({kv_BNSD.narrow(3, 0, Dn), k_rot_B1SD.expand({B, N, Skv, Dr})}, 3);
   const at::Tensor v_BNSD = kv_BNSD.narrow(3, Dn, Dv);
   const at::Tensor out_BNSD =
       ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_, std::nullopt);
   const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * Dv});
-  return at::linear(out_BSH, p(A.o), opt_param(params_, A.o_bias));
+  return linear(out_BSH, A.o, A.o_bias, c.training);
 }
 
 ForwardResult Decoder::forward(const ForwardArgs& a) const {
@@ -391,6 +469,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   bool needs_grad = false;
   if (a.activation_checkpointing && at::GradMode::is_enabled()) {
     for (const auto& [n, t] : params_) needs_grad = needs_grad || t.requires_grad();
+    for (const auto& s : adapters_) needs_grad = needs_grad || s.a.requires_grad() || s.b.requires_grad();
   }
   // The backward of a checkpointed layer runs on a snapshot of this decoder (parameter handles,
   // spec, backend), not on `this`, which may be gone or re-bound by then.
@@ -452,9 +531,16 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
 }
 
 
-at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
-                            const at::Tensor& w_gate_up, const at::Tensor& w_down,
+at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing, const MoESlots& M,
                             std::optional<c10::ScalarType> compute_dtype) const {
+  const at::Tensor& w_gate_up = p(M.gate_up);
+  const at::Tensor& w_down = p(M.down);
+  moe::ExpertLora lora_factors;
+  const LoraSite* gu_site = adapter(M.gate_up);
+  const LoraSite* d_site = adapter(M.down);
+  if (gu_site) lora_factors.gate_up = {gu_site->a, gu_site->b, gu_site->scaling};
+  if (d_site) lora_factors.down = {d_site->a, d_site->b, d_site->scaling};
+  const moe::ExpertLora* lora = gu_site || d_site ? &lora_factors : nullptr;
   if (spec_.moe.sharded()) {
     AUTOMOE_CHECK(dispatcher_, "this model holds experts [", spec_.moe.expert_begin, ", ",
                   spec_.moe.expert_begin + spec_.moe.expert_count, ") of ", spec_.moe.num_experts,
@@ -464,7 +550,7 @@ at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
     const std::string backend = backend_.to_map().at("experts");
     const bool fused_swiglu = backend_.fused_swiglu;
     auto local = [&](const at::Tensor& x_NH, const at::Tensor& offsets_L1) {
-      return moe::experts_on_rows(backend, x_NH, offsets_L1, gu, dn, fused_swiglu);
+      return moe::experts_on_rows(backend, x_NH, offsets_L1, gu, dn, fused_swiglu, lora);
     };
     return dispatcher_
         ->run(x_TH.to(mm), routing.idx_TK, routing.weights_TK, local,
@@ -474,10 +560,10 @@ at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
   if (compute_dtype && *compute_dtype != x_TH.scalar_type()) {
     return ops_
         .experts(x_TH.to(*compute_dtype), routing.idx_TK, routing.weights_TK,
-                 w_gate_up.to(*compute_dtype), w_down.to(*compute_dtype))
+                 w_gate_up.to(*compute_dtype), w_down.to(*compute_dtype), lora)
         .to(x_TH.scalar_type());
   }
-  return ops_.experts(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down);
+  return ops_.experts(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down, lora);
 }
 
 ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
@@ -533,16 +619,16 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
     y_TH = spec_.moe.gpt_oss
                ? ops_.gpt_oss_experts(x_TH, routing.idx_TK, routing.weights_TK, p(M.gate_up),
                                       p(M.gate_up_bias), p(M.down), p(M.down_bias), c.autocast)
-               : experts(x_TH, routing, p(M.gate_up), p(M.down), c.autocast);
+               : experts(x_TH, routing, M, c.autocast);
     if (spec_.moe.shared_intermediate_size > 0) {
-      at::Tensor shared = ops_.mlp(x_TH, p(M.shared.gate), p(M.shared.up), p(M.shared.down));
-      if (M.shared_gate >= 0) shared = at::sigmoid(at::linear(x_TH, p(M.shared_gate))) * shared;
+      at::Tensor shared = mlp(x_TH, M.shared, c.training);
+      if (M.shared_gate >= 0) shared = at::sigmoid(linear(x_TH, M.shared_gate, -1, c.training)) * shared;
       y_TH = y_TH + shared;
     }
     out.router_logits = routing.logits_TE;
     out.idx = routing.idx_TK;
   } else {
-    y_TH = ops_.mlp(x_TH, p(L.mlp.gate), p(L.mlp.up), p(L.mlp.down));
+    y_TH = mlp(x_TH, L.mlp, c.training);
   }
   out.h = h_BSH + y_TH.view({B, S, H});
   return out;
@@ -648,7 +734,12 @@ Decoder::LayerOutput Decoder::checkpointed_layer(const LayerSlots& L, const at::
                                                  const std::shared_ptr<const Decoder>& self) const {
   auto rec = c10::make_intrusive<LayerRecompute>();
   for (int64_t i : L.all) rec->params.push_back(p(i));
-  if (L.moe && c.training && spec_.moe.router_jitter_noise > 0) {
+  bool adapter_dropout = false;
+  if (!layer_adapters_.empty()) {
+    for (const at::Tensor& t : layer_adapters_[L.index]) rec->params.push_back(t);
+    for (int64_t i : L.all) adapter_dropout = adapter_dropout || (adapter(i) && adapter(i)->dropout > 0);
+  }
+  if ((L.moe && c.training && spec_.moe.router_jitter_noise > 0) || (c.training && adapter_dropout)) {
     rec->rng_state = at::Tensor();  // captured in the forward
     rec->device = h_in.device();
   }

@@ -15,6 +15,7 @@
 #include "automoe/moe/dispatcher.h"
 #include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
+#include "automoe/model/lora.h"
 #include "automoe/model/spec.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
@@ -94,8 +95,13 @@ class Decoder {
   const std::vector<bool>& trainable() const { return trainable_; }
   const ModelSlots& slots() const { return slots_; }
   // Replaces the tensor behind `name` (same shape), e.g. by a Python nn.Parameter that aliases it,
-  // so that gradients land where the caller's optimizer looks.
+  // so that gradients land where the caller's optimizer looks. Adapter factors go by their
+  // LoraSite::a_name() / b_name().
   void set_parameter(const std::string& name, const at::Tensor& tensor);
+  // LoRA adapters (model/lora.h) the forward runs beside their base weights, replacing any set
+  // before (empty: none). Each site's slot, names and factor shapes are checked against the model.
+  void set_adapters(std::vector<LoraSite> sites);
+  const std::vector<LoraSite>& adapters() const { return adapters_; }
   // A new vocabulary size (Transformers' resize_token_embeddings): the embedding [V', H] and, when
   // the LM head is not tied, the LM head [V', H] replace the current ones.
   void resize_vocab(const at::Tensor& embed_VH, const std::optional<at::Tensor>& lm_head_VH);
@@ -149,11 +155,18 @@ class Decoder {
   at::Tensor latent_attention(const AttentionSlots& A, int64_t layer, const at::Tensor& x_BSH,
                               const LayerContext& c, const LayerContext::Attention& m) const;
   at::Tensor norm(const at::Tensor& x, int64_t weight) const;
+  // x·Wᵀ (+ bias) for the linear weight in slot `w`, plus its LoRA adapter when it has one
+  // (dropout on the adapter's input in training).
+  at::Tensor linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const;
+  // down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
+  at::Tensor mlp(const at::Tensor& x, const MlpSlots& m, bool training) const;
+  const LoraSite* adapter(int64_t slot) const {
+    return adapter_of_.empty() || adapter_of_[slot] < 0 ? nullptr : &adapters_[adapter_of_[slot]];
+  }
   // RoPE on the first rope.dim dimensions of x [B, S, N, D] (partial rotary passes the rest).
   at::Tensor rotate(const at::Tensor& x_BSND, const LayerContext& c) const;
   // `compute_dtype`: run the expert GEMMs in this dtype (autocast), the result in x's dtype.
-  at::Tensor experts(const at::Tensor& x_TH, const moe::Routing& routing,
-                     const at::Tensor& w_gate_up, const at::Tensor& w_down,
+  at::Tensor experts(const at::Tensor& x_TH, const moe::Routing& routing, const MoESlots& M,
                      std::optional<c10::ScalarType> compute_dtype) const;
   // Cross-entropy sum and count of the causal shift through the fused LM head + loss.
   ops::LossSum fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
@@ -165,6 +178,9 @@ class Decoder {
   NamedTensors params_;
   std::vector<bool> trainable_;
   ModelSlots slots_;
+  std::vector<LoraSite> adapters_;
+  std::vector<int64_t> adapter_of_;  // per parameter: its adapter's index, -1; empty: no adapters
+  std::vector<std::vector<at::Tensor>> layer_adapters_;  // per layer: its adapters' factors
   at::Tensor inv_freq_;
   double scale_ = 1.0;            // attention softmax scale
   ops::RouterParams router_;      // from spec_.moe

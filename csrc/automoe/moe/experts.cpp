@@ -33,46 +33,93 @@ at::Tensor loop_over_experts(const at::Tensor& x_TH, const at::Tensor& idx_TK,
   return out_TH;
 }
 
+const LoraFactors* gate_up_of(const ExpertLora* l) {
+  return l && l->gate_up.defined() ? &l->gate_up : nullptr;
+}
+const LoraFactors* down_of(const ExpertLora* l) {
+  return l && l->down.defined() ? &l->down : nullptr;
+}
+
+// One expert's projection x·w[e]ᵀ (+ its adapter), Transformers' and PEFT's order of operations.
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w_EOK, int64_t e,
+                         const LoraFactors* f) {
+  at::Tensor y = at::linear(x, w_EOK[e]);
+  if (!f) return y;
+  const auto dt = x.scalar_type();
+  return y + at::linear(at::linear(x, f->a[e].to(dt)), f->b[e].to(dt)) * f->scaling;
+}
+
+// Our grouped GEMM, with the adapter inside it when there is one.
+at::Tensor grouped(const at::Tensor& x_NK, const at::Tensor& w, const at::Tensor& offsets,
+                   const LoraFactors* f) {
+  if (!f) return ops::grouped_gemm(x_NK, w, offsets);
+  const auto dt = x_NK.scalar_type();
+  return ops::grouped_gemm_lora(x_NK, w, f->a.to(dt), f->b.to(dt), offsets, f->scaling);
+}
+
+// ATen's _grouped_mm (cumulative row ends `ends`), with the adapter as two more grouped products.
+at::Tensor grouped_mm(const at::Tensor& x_NK, const at::Tensor& w, const at::Tensor& ends,
+                      const LoraFactors* f) {
+  at::Tensor y = at::_grouped_mm(x_NK, w.transpose(1, 2), ends);
+  if (!f) return y;
+  const auto dt = x_NK.scalar_type();
+  at::Tensor a = f->a.to(dt), b = f->b.to(dt);
+  // _grouped_mm wants 16-byte strides: pad the rank with zero rows of A / columns of B (the same
+  // product).
+  const int64_t per = 16 / static_cast<int64_t>(c10::elementSize(dt)), r = a.size(1);
+  if (r % per != 0) {
+    const int64_t pad = per - r % per;
+    a = at::constant_pad_nd(a, {0, 0, 0, pad});
+    b = at::constant_pad_nd(b, {0, pad});
+  }
+  const at::Tensor u = at::_grouped_mm(x_NK, a.transpose(1, 2), ends);
+  return y + at::_grouped_mm(u, b.transpose(1, 2), ends) * f->scaling;
+}
+
 }  // namespace
 
 at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                          const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                         const at::Tensor& w_down_EHI) {
-  return loop_over_experts(x_TH, idx_TK, weights_TK, w_gate_up_EIH.size(0), x_TH.scalar_type(),
-                           [&](int64_t e, const at::Tensor& x_eH) {
-                             const auto gate_up = at::linear(x_eH, w_gate_up_EIH[e]).chunk(2, -1);
-                             return at::linear(at::silu(gate_up[0]) * gate_up[1], w_down_EHI[e]);
-                           });
+                         const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+  return loop_over_experts(
+      x_TH, idx_TK, weights_TK, w_gate_up_EIH.size(0), x_TH.scalar_type(),
+      [&](int64_t e, const at::Tensor& x_eH) {
+        const auto gate_up = expert_linear(x_eH, w_gate_up_EIH, e, gate_up_of(lora)).chunk(2, -1);
+        return expert_linear(at::silu(gate_up[0]) * gate_up[1], w_down_EHI, e, down_of(lora));
+      });
 }
 
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                           const at::Tensor& w_down_EHI) {
+                           const at::Tensor& w_down_EHI, const ExpertLora* lora) {
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor x_NH = ops::permute(x_TH, plan);
-  const at::Tensor h_NI = ops::swiglu(ops::grouped_gemm(x_NH, w_gate_up_EIH, plan.offsets));
-  return ops::unpermute(ops::grouped_gemm(h_NI, w_down_EHI, plan.offsets), plan, weights_TK);
+  const at::Tensor h_NI =
+      ops::swiglu(grouped(x_NH, w_gate_up_EIH, plan.offsets, gate_up_of(lora)));
+  return ops::unpermute(grouped(h_NI, w_down_EHI, plan.offsets, down_of(lora)), plan, weights_TK);
 }
 
 at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                                             const at::Tensor& weights_TK,
                                             const at::Tensor& w_gate_up_EIH,
-                                            const at::Tensor& w_down_EHI) {
+                                            const at::Tensor& w_down_EHI, const ExpertLora* lora) {
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
-  const at::Tensor gu = ops::grouped_gemm(ops::permute(x_TH, plan), w_gate_up_EIH, plan.offsets);
-  return ops::unpermute(ops::grouped_gemm(ops::swiglu_reference(gu), w_down_EHI, plan.offsets),
-                        plan, weights_TK);
+  const at::Tensor gu =
+      grouped(ops::permute(x_TH, plan), w_gate_up_EIH, plan.offsets, gate_up_of(lora));
+  return ops::unpermute(
+      grouped(ops::swiglu_reference(gu), w_down_EHI, plan.offsets, down_of(lora)), plan,
+      weights_TK);
 }
 
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                            const at::Tensor& w_down_EHI) {
+                            const at::Tensor& w_down_EHI, const ExpertLora* lora) {
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   // _grouped_mm takes the cumulative row ends of each group as int32.
   const at::Tensor ends = plan.offsets.narrow(0, 1, w_gate_up_EIH.size(0)).to(at::kInt);
   const at::Tensor x_NH = ops::permute_reference(x_TH, plan);
-  const at::Tensor gu = at::_grouped_mm(x_NH, w_gate_up_EIH.transpose(1, 2), ends);
-  const at::Tensor y = at::_grouped_mm(ops::swiglu_reference(gu), w_down_EHI.transpose(1, 2), ends);
+  const at::Tensor gu = grouped_mm(x_NH, w_gate_up_EIH, ends, gate_up_of(lora));
+  const at::Tensor y = grouped_mm(ops::swiglu_reference(gu), w_down_EHI, ends, down_of(lora));
   return ops::unpermute_reference(y, plan, weights_TK);
 }
 
@@ -124,7 +171,8 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
 
 at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
                            const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
-                           const at::Tensor& w_down_GHI, bool fused_swiglu) {
+                           const at::Tensor& w_down_GHI, bool fused_swiglu,
+                           const ExpertLora* lora) {
   const int64_t G = w_gate_up_GIH.size(0);
   if (backend == "eager") {  // one expert at a time, on its rows
     const at::Tensor off = offsets_G1.cpu();
@@ -135,8 +183,9 @@ at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
       // (empty) output stays in the autograd graph like the other backends' (an expert-parallel
       // exchange's backward must run on every rank).
       if (n == 0 && !(g == G - 1 && ys.empty())) continue;
-      const auto gate_up = at::linear(x_NH.narrow(0, lo, n), w_gate_up_GIH[g]).chunk(2, -1);
-      ys.push_back(at::linear(at::silu(gate_up[0]) * gate_up[1], w_down_GHI[g]));
+      const auto gate_up =
+          expert_linear(x_NH.narrow(0, lo, n), w_gate_up_GIH, g, gate_up_of(lora)).chunk(2, -1);
+      ys.push_back(expert_linear(at::silu(gate_up[0]) * gate_up[1], w_down_GHI, g, down_of(lora)));
     }
     return ys.size() == 1 ? ys.front() : at::cat(ys, 0);
   }
@@ -145,20 +194,25 @@ at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
   };
   if (backend == "torch_mm") {
     const at::Tensor ends = offsets_G1.narrow(0, 1, G).to(at::kInt);
-    const at::Tensor gu = at::_grouped_mm(x_NH, w_gate_up_GIH.transpose(1, 2), ends);
-    return at::_grouped_mm(ops::swiglu_reference(gu), w_down_GHI.transpose(1, 2), ends);
+    const at::Tensor gu = grouped_mm(x_NH, w_gate_up_GIH, ends, gate_up_of(lora));
+    return grouped_mm(ops::swiglu_reference(gu), w_down_GHI, ends, down_of(lora));
   }
   AUTOMOE_CHECK(backend == "grouped", "experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
-  return ops::grouped_gemm(swiglu(ops::grouped_gemm(x_NH, w_gate_up_GIH, offsets_G1)), w_down_GHI,
-                           offsets_G1);
+  return grouped(swiglu(grouped(x_NH, w_gate_up_GIH, offsets_G1, gate_up_of(lora))), w_down_GHI,
+                 offsets_G1, down_of(lora));
 }
 
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,
-                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI) {
-  if (backend == "grouped") return experts_grouped(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
-  if (backend == "torch_mm") return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
-  if (backend == "eager") return experts_eager(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI);
+                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI,
+                           const ExpertLora* lora) {
+  if (backend == "grouped") {
+    return experts_grouped(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+  }
+  if (backend == "torch_mm") {
+    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+  }
+  if (backend == "eager") return experts_eager(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
   fail("experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
 }
 

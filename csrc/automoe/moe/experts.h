@@ -10,11 +10,26 @@
 
 namespace automoe::moe {
 
+// LoRA on one fused expert weight w [E, O, K]: per-expert factors a [E, r, K] and b [E, O, r]
+// (PEFT's target_parameters adapter), so that expert e computes x·w[e]ᵀ + scaling·(x·a[e]ᵀ)·b[e]ᵀ.
+// The factors may be in another dtype than x (float32 adapters on a bf16 model): they are cast to
+// the compute dtype, differentiably.
+struct LoraFactors {
+  at::Tensor a, b;
+  double scaling = 0.0;
+  bool defined() const { return a.defined(); }
+};
+// The routed experts' adapters: on gate_up_proj, down_proj, either or both (undefined = none).
+struct ExpertLora {
+  LoraFactors gate_up, down;
+};
+
 // The `eager` backend: a loop over the experts that received tokens, Transformers' semantics and
 // order of accumulation (experts in ascending order, index_add into a zeroed output).
 at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                          const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                         const at::Tensor& w_down_EHI);
+                         const at::Tensor& w_down_EHI,
+    const ExpertLora* lora = nullptr);
 
 // The `grouped` backend: the fused ops router -> permute -> grouped_gemm -> swiglu -> grouped_gemm
 // -> unpermute (ops/ops.h). Rows are grouped by expert in the deterministic order of
@@ -22,20 +37,23 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 // accumulation. weights_TK may be float32 (the router's) or x's dtype.
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                           const at::Tensor& w_down_EHI);
+                           const at::Tensor& w_down_EHI,
+    const ExpertLora* lora = nullptr);
 
 // The same dispatch and grouped GEMMs around ATen's SwiGLU (ops::swiglu_reference): the `grouped`
 // experts with BackendConfig swiglu="torch".
 at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                                             const at::Tensor& weights_TK,
                                             const at::Tensor& w_gate_up_EIH,
-                                            const at::Tensor& w_down_EHI);
+                                            const at::Tensor& w_down_EHI,
+    const ExpertLora* lora = nullptr);
 
 // The `torch_mm` backend: the same dispatch with ATen's `_grouped_mm` for both GEMMs and ATen
 // gathers / SwiGLU around them (the composition NeMo AutoModel's `torch_mm` uses).
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                            const at::Tensor& w_down_EHI);
+                            const at::Tensor& w_down_EHI,
+    const ExpertLora* lora = nullptr);
 
 // GPT-OSS's experts (Transformers' GptOssExperts): weights stored transposed, w_gate_up [E, H, 2I]
 // with gate and up interleaved along the last dim, w_down [E, I, H], biases [E, 2I] and [E, H],
@@ -58,11 +76,14 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
 // false takes ATen's SwiGLU (ops::swiglu_reference).
 at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
                            const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
-                           const at::Tensor& w_down_GHI, bool fused_swiglu);
+                           const at::Tensor& w_down_GHI, bool fused_swiglu,
+                           const ExpertLora* lora = nullptr);
 
-// By BackendConfig name: "grouped", "torch_mm" or "eager".
+// By BackendConfig name: "grouped", "torch_mm" or "eager". Every backend (GPT-OSS's excepted)
+// takes `lora`: the adapters run inside it on each expert's rows, never as w + scaling·b·a.
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,
-                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI);
+                           const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI,
+    const ExpertLora* lora = nullptr);
 
 }  // namespace automoe::moe

@@ -48,6 +48,15 @@ at::Tensor unpermute_reference(const at::Tensor& y_NH, const PermutePlan& plan,
 at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets);
 at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
                                   const at::Tensor& offsets);
+// LoRA on the grouped GEMM: y[rows of g] = x·w[g]ᵀ + scaling·(x·a[g]ᵀ)·b[g]ᵀ with a [G, r, K],
+// b [G, O, r] (per-group low-rank factors, x's dtype), without forming w + scaling·b·a. w gets a
+// gradient only when it requires one.
+at::Tensor grouped_gemm_lora(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                             const at::Tensor& a_GRK, const at::Tensor& b_GOR,
+                             const at::Tensor& offsets, double scaling);
+at::Tensor grouped_gemm_lora_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                                       const at::Tensor& a_GRK, const at::Tensor& b_GOR,
+                                       const at::Tensor& offsets, double scaling);
 
 // ---- SwiGLU -------------------------------------------------------------------------------
 struct SwigluParams {

@@ -96,6 +96,10 @@ TORCH_LIBRARY(automoe, m) {
   m.def("grouped_gemm(Tensor x, Tensor w, Tensor offsets) -> Tensor", TORCH_FN(grouped_gemm));
   m.def("grouped_gemm_reference(Tensor x, Tensor w, Tensor offsets) -> Tensor",
         TORCH_FN(grouped_gemm_reference));
+  const char* lora_args = "(Tensor x, Tensor w, Tensor a, Tensor b, Tensor offsets, float scaling) -> Tensor";
+  m.def((std::string("grouped_gemm_lora") + lora_args).c_str(), TORCH_FN(grouped_gemm_lora));
+  m.def((std::string("grouped_gemm_lora_reference") + lora_args).c_str(),
+        TORCH_FN(grouped_gemm_lora_reference));
   const char* swiglu_args =
       "(Tensor gate_up, str variant=\"silu\", float alpha=1.702, float limit=7.0) -> Tensor";
   m.def((std::string("swiglu") + swiglu_args).c_str(), TORCH_FN(swiglu_op<swiglu>));

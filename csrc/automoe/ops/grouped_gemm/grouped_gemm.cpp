@@ -57,7 +57,84 @@ void check_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& o
   }
 }
 
+// y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ per group: LoRA on the grouped GEMM, computed on the rows as they are
+// (the [N, r] product x·Aᵀ is the only extra activation; W + s·B·A is never formed). W takes a
+// gradient only when it requires one (a frozen base does not).
+struct GroupedGemmLoraFn : torch::autograd::Function<GroupedGemmLoraFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const at::Tensor& a, const at::Tensor& b, const at::Tensor& offsets,
+                            double scaling) {
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous(), ac = a.contiguous(),
+                     bc = b.contiguous();
+    const at::Tensor u = AUTOMOE_KERNEL(grouped_gemm_fwd, xc, xc, ac, offsets);  // [N, r]
+    at::Tensor y = AUTOMOE_KERNEL(grouped_gemm_fwd, xc, xc, wc, offsets);
+    y.add_(AUTOMOE_KERNEL(grouped_gemm_fwd, u, u, bc, offsets), scaling);
+    ctx->save_for_backward({xc, wc, ac, bc, offsets, u});
+    ctx->saved_data["scaling"] = scaling;
+    return y;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1], &a = s[2], &b = s[3], &offsets = s[4], &u = s[5];
+    const double scaling = ctx->saved_data["scaling"].toDouble();
+    const at::Tensor dy = grads[0].contiguous();
+    const int64_t G = w.size(0);
+    // du = s·dy·B (per group), the gradient reaching the [N, r] product.
+    const at::Tensor du = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, b, offsets).mul_(scaling);
+    at::Tensor dx, dw, da, db;
+    if (ctx->needs_input_grad(0)) {
+      dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w, offsets);
+      dx.add_(AUTOMOE_KERNEL(grouped_gemm_dx, du, du, a, offsets));
+    }
+    if (ctx->needs_input_grad(1)) {
+      dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, G, w.scalar_type());
+    }
+    if (ctx->needs_input_grad(2)) {
+      da = AUTOMOE_KERNEL(grouped_gemm_dw, du, du, x, offsets, G, a.scalar_type());
+    }
+    if (ctx->needs_input_grad(3)) {
+      db = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, u, offsets, G, b.scalar_type()).mul_(scaling);
+    }
+    return {dx, dw, da, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+void check_lora(const at::Tensor& x, const at::Tensor& w, const at::Tensor& a,
+                const at::Tensor& b) {
+  const char* op = "automoe.grouped_gemm_lora";
+  detail::check_float(op, "a", a);
+  detail::check_float(op, "b", b);
+  detail::check_dim(op, "a", a, 3);
+  detail::check_dim(op, "b", b, 3);
+  detail::check_same_dtype(op, "x", x, "a", a);
+  detail::check_same_dtype(op, "x", x, "b", b);
+  detail::check_same_device(op, {{"x", &x}, {"a", &a}, {"b", &b}});
+  const int64_t G = w.size(0), O = w.size(1), K = w.size(2), r = a.size(1);
+  AUTOMOE_CHECK(a.size(0) == G && a.size(2) == K && r > 0, op, ": a must be [G, r, K] = [", G,
+                ", r, ", K, "] like w [G, O, K] = ", w.sizes(), ", got ", a.sizes());
+  AUTOMOE_CHECK(b.size(0) == G && b.size(1) == O && b.size(2) == r, op, ": b must be [G, O, r] = [",
+                G, ", ", O, ", ", r, "], got ", b.sizes());
+}
+
 }  // namespace
+
+at::Tensor grouped_gemm_lora(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                             const at::Tensor& a_GRK, const at::Tensor& b_GOR,
+                             const at::Tensor& offsets_in, double scaling) {
+  const at::Tensor offsets = offsets_in.contiguous();
+  check_grouped(x_NK, w_GOK, offsets);
+  check_lora(x_NK, w_GOK, a_GRK, b_GOR);
+  return GroupedGemmLoraFn::apply(x_NK, w_GOK, a_GRK, b_GOR, offsets, scaling);
+}
+
+at::Tensor grouped_gemm_lora_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
+                                       const at::Tensor& a_GRK, const at::Tensor& b_GOR,
+                                       const at::Tensor& offsets, double scaling) {
+  check_lora(x_NK, w_GOK, a_GRK, b_GOR);
+  const at::Tensor u = grouped_gemm_reference(x_NK, a_GRK, offsets);
+  return grouped_gemm_reference(x_NK, w_GOK, offsets) +
+         grouped_gemm_reference(u, b_GOR, offsets) * scaling;
+}
 
 at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets_in) {
   const at::Tensor offsets = offsets_in.contiguous();  // checked and used: the same tensor
