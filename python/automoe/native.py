@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import sys
 import time
 import warnings
 from datetime import timedelta
@@ -78,6 +79,15 @@ def warn_ignored(where: str, ignored: dict[str, str]) -> None:
                       + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
 
 
+def _is_lora_layer(module: nn.Module) -> bool:
+    """A PEFT tuner layer (lora.Linear, lora.ParamWrapper, ...) wrapping `base_layer`."""
+    if "peft" not in sys.modules:
+        return False
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return isinstance(module, BaseTunerLayer) and hasattr(module, "base_layer")
+
+
 def _describe(module: nn.Module) -> str:
     cls = type(module)
     return f"{cls.__module__}.{cls.__qualname__}"
@@ -109,6 +119,10 @@ class _EngineModule:
                         f"({_describe(module)}) has no submodule {part!r}; the AutoMoE engine computes "
                         "with the module tree it was loaded with"
                     )
+                # PEFT's LoRA layers wrap the module that holds the weight (its `base_layer`); the
+                # engine reads the weight there and runs the adapter itself (_automoe_adapters).
+                while _is_lora_layer(child):
+                    child = child.base_layer
                 module = child
             param = module._parameters.get(leaf)
             if param is None:
@@ -117,12 +131,75 @@ class _EngineModule:
                 where = prefix + ".".join(path)
                 raise AutoMoEError(
                     f"parameter {name} is gone: {where} is now a {_describe(module)}. The AutoMoE "
-                    "engine runs the model's own weights and cannot run adapters or replaced "
-                    "modules (LoRA on the engine is not built yet); load with "
+                    "engine runs the model's own weights with PEFT's LoRA adapters (lora.Linear, "
+                    "lora.ParamWrapper) and cannot run other replaced modules; load with "
                     "AutoModelForCausalLM.from_pretrained(..., force_transformers=True) to run "
                     "Transformers' own model instead"
                 )
             out.append(param)
+        return out
+
+    def _automoe_adapters(self) -> list[tuple]:
+        """PEFT's LoRA adapters on this module tree, as the engine runs them: (base weight name, A,
+        B, scaling, dropout) per adapted weight, the factors PEFT's own parameters (views), so that
+        autograd fills their .grad. An adapter is never skipped silently: what the engine cannot
+        run (DoRA, another PEFT method, several active adapters, ...) is refused by name."""
+        if "peft" not in sys.modules:
+            return []
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        out = []
+        for name, module in self.named_modules():
+            if not isinstance(module, BaseTunerLayer):
+                continue
+            where = self._automoe_prefix + name
+            from peft.tuners import lora
+
+            if not isinstance(module, (lora.Linear, lora.ParamWrapper)) or type(module).__module__ != lora.layer.__name__:
+                raise AutoMoEError(
+                    f"{where} is a PEFT {_describe(module)}; the AutoMoE engine runs LoRA adapters on "
+                    "linear layers (target_modules) and on routed experts (target_parameters) only. "
+                    "Load with force_transformers=True to run PEFT's own layers")
+            if module.disable_adapters or module.merged:
+                continue  # PEFT's forward adds nothing then (merged: it is in the weights)
+            active = [a for a in module.active_adapters if a in module.lora_A]
+            if not active:
+                continue
+            if len(active) > 1:
+                raise AutoMoEError(f"{where}: {len(active)} active LoRA adapters {active}; the AutoMoE "
+                                   "engine runs one adapter per weight (merge the others first, or "
+                                   "set_adapter one of them)")
+            adapter = active[0]
+            for feature, on in (("DoRA (use_dora)", module.use_dora.get(adapter, False)),
+                                ("lora_bias", module.lora_bias.get(adapter, False)),
+                                (f"the LoRA variant {type(module.lora_variant.get(adapter)).__name__}",
+                                 adapter in getattr(module, "lora_variant", {})),
+                                ("fan_in_fan_out", getattr(module, "fan_in_fan_out", False))):
+                if on:
+                    raise AutoMoEError(f"{where}: {feature} is a PEFT feature the AutoMoE engine does "
+                                       "not run; load with force_transformers=True to use it")
+            a = module.lora_A[adapter].weight
+            b = module.lora_B[adapter].weight
+            scaling = float(module.scaling[adapter])
+            drop = module.lora_dropout[adapter]
+            dropout = float(drop.p) if isinstance(drop, nn.Dropout) else 0.0
+            path = name.replace(".base_layer", "")
+            if isinstance(module, lora.ParamWrapper):
+                experts = module.num_experts
+                if experts == 1 or not module._did_swap_in_out_features:
+                    raise AutoMoEError(
+                        f"{where}: target_parameters on {module.parameter_name} "
+                        f"{tuple(module.get_param().shape)}; the AutoMoE engine runs parameter adapters "
+                        "on routed experts stored [experts, out, in] only (use target_modules for "
+                        "linear layers)")
+                r = module.r[adapter]
+                base = f"{self._automoe_prefix}{path}.{module.parameter_name}"
+                # PEFT: lora_A [E·r, in] expert-major, lora_B [out, r·E] rank-major.
+                a = a.view(experts, r, a.shape[-1])
+                b = b.view(b.shape[0], r, experts).permute(2, 0, 1)
+            else:
+                base = f"{self._automoe_prefix}{path}.weight"
+            out.append((base, a, b, scaling, dropout))
         return out
 
     def _automoe_check_hooks(self) -> bool:
@@ -159,6 +236,13 @@ class _EngineModule:
         engine = self._automoe_engine
         params = self._automoe_params()
         engine.rebind(params)
+        adapters = self._automoe_adapters()
+        if adapters or getattr(self, "_automoe_has_adapters", False):
+            if adapters and self._automoe_ep is not None:
+                raise AutoMoEError("PEFT adapters on a model loaded with ep_size > 1 are not supported "
+                                   "yet; load it without ep_size")
+            engine.set_adapters(adapters)
+            self._automoe_has_adapters = bool(adapters)
         if self._automoe_ep is not None:
             self._automoe_ep.hook(self._automoe_names, params)
         backend = engine.backend()

@@ -102,7 +102,12 @@ void Decoder::set_adapters(std::vector<LoraSite> sites) {
                       params_[s.slot].first == s.base(),
                   "LoRA: adapter for ", s.base(), " does not name a weight of this model");
     AUTOMOE_CHECK(of[s.slot] < 0, "LoRA: two adapters on ", s.base());
-    AUTOMOE_CHECK(layer_of[s.slot] >= 0, "LoRA: ", s.base(), " is not a decoder layer's weight");
+    bool experts = false;
+    AUTOMOE_CHECK(layer_of[s.slot] >= 0 && lora_adaptable(spec_, s.slot, &experts) &&
+                      experts == s.experts,
+                  "LoRA: the AutoMoE engine does not run an adapter on ", s.base(),
+                  " (adapters go on attention, MLP and shared-expert linear layers and on the routed "
+                  "experts' tensors; not on routers, norms, embeddings or the LM head)");
     const at::Tensor& w = params_[s.slot].second;
     AUTOMOE_CHECK(w.dim() == (s.experts ? 3 : 2), "LoRA: ", s.base(), " is ", w.sizes(),
                   s.experts ? "; expected routed experts [E, O, K]" : "; expected a linear weight [O, K]");

@@ -107,6 +107,16 @@ typename Map::const_iterator pattern_of(const Map& patterns, const std::string& 
 
 }  // namespace
 
+bool lora_adaptable(const ModelSpec& spec, int64_t slot, bool* experts) {
+  const std::vector<ParamDecl> layout = parameter_layout(spec);
+  for (const Candidate& c : candidates(spec, layout)) {
+    if (static_cast<int64_t>(c.index) != slot) continue;
+    if (experts) *experts = c.kind == Kind::kExperts;
+    return c.kind == Kind::kLinear || (c.kind == Kind::kExperts && !spec.moe.gpt_oss);
+  }
+  return false;
+}
+
 std::string LoraSite::a_name() const {
   return experts ? base() + ".lora_A" : module + ".lora_A.weight";
 }

@@ -76,6 +76,10 @@ struct LoraSite {
 std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDecl>& layout,
                                 const LoraConfig& config, bool strict);
 
+// Whether the forward runs an adapter on parameter `slot` of a model of `spec` (a linear layer of
+// attention, a dense MLP or the shared experts; `*experts` true: a routed-experts tensor).
+bool lora_adaptable(const ModelSpec& spec, int64_t slot, bool* experts);
+
 // PEFT's initialisation: A uniform in ±1/sqrt(K) (nn.Linear's kaiming_uniform, a = sqrt(5)), B zero.
 // Drawn on the CPU from `seed`, then placed with `options`.
 void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, uint64_t seed);

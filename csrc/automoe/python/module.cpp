@@ -163,6 +163,34 @@ PYBIND11_MODULE(_C, m) {
            [](const PretrainedModel& self) { return self.decoder->named_parameters(); })
       .def("set_parameter", [](PretrainedModel& self, const std::string& name,
                                const at::Tensor& t) { self.decoder->set_parameter(name, t); })
+      .def("set_adapters",
+           [](PretrainedModel& self,
+              const std::vector<std::tuple<std::string, at::Tensor, at::Tensor, double, double>>& in) {
+             // (base weight name, A, B, scaling, dropout): linear A [r, K], B [O, r]; routed
+             // experts A [E, r, K], B [E, O, r]. Replaces the adapters set before.
+             const NamedTensors& params = self.decoder->named_parameters();
+             std::vector<LoraSite> sites;
+             for (const auto& [name, a, b, scaling, dropout] : in) {
+               LoraSite s;
+               for (size_t i = 0; i < params.size(); ++i) {
+                 if (params[i].first == name) s.slot = static_cast<int64_t>(i);
+               }
+               AUTOMOE_CHECK(s.slot >= 0, "LoRA: the model has no weight named ", name);
+               const size_t dot = name.rfind('.');
+               s.module = name.substr(0, dot);
+               s.param = name.substr(dot + 1);
+               s.experts = params[s.slot].second.dim() == 3;
+               AUTOMOE_CHECK(a.dim() == (s.experts ? 3 : 2), "LoRA: the adapter of ", name,
+                             " has A ", a.sizes());
+               s.r = a.size(-2);
+               s.a = a;
+               s.b = b;
+               s.scaling = scaling;
+               s.dropout = dropout;
+               sites.push_back(std::move(s));
+             }
+             self.decoder->set_adapters(std::move(sites));
+           })
       .def("backend", [](const PretrainedModel& self) { return self.decoder->backend().to_map(); })
       .def("set_backend",
            [](PretrainedModel& self, const std::map<std::string, std::string>& fields) {

@@ -1,0 +1,160 @@
+"""LoRA with PEFT itself driving the engine: `get_peft_model` on AutoMoE's model and on
+Transformers' model must train the same (attention target_modules, expert target_parameters, both),
+adapters move between the two, merge_and_unload and save_pretrained are PEFT's own, and what the
+engine cannot run is refused by name. Checkpoints are tiny Qwen3-MoE models Transformers writes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from conftest import qwen3_moe_config, rel_err, write_checkpoint
+
+peft = pytest.importorskip("peft")
+from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
+
+import automoe  # noqa: E402
+from automoe import AutoModelForCausalLM  # noqa: E402
+
+ATTN = dict(target_modules=["q_proj", "v_proj"])
+EXPERTS = dict(target_modules=[], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+BOTH = dict(target_modules=["q_proj", "o_proj"], target_parameters=["mlp.experts.gate_up_proj",
+                                                                    "mlp.experts.down_proj"])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("lora-base"), qwen3_moe_config(), "fused")
+
+
+def batches(vocab: int, n: int, seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (2, 12), generator=g)
+        yield ids, ids.clone()
+
+
+def load_pair(ckpt):
+    import transformers
+
+    ours = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    return ours, theirs
+
+
+def peft_pair(ckpt, targets: dict, **extra):
+    ours, theirs = load_pair(ckpt)
+    cfg = LoraConfig(r=4, lora_alpha=8, **targets, **extra)
+    torch.manual_seed(0)
+    p_ours = get_peft_model(ours, copy.deepcopy(cfg))
+    torch.manual_seed(0)
+    p_theirs = get_peft_model(theirs, copy.deepcopy(cfg))
+    # B starts at zero (PEFT's init): give it values so that the first forward already differs from
+    # the base model's and every factor gets a gradient.
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for (n1, a), (n2, b) in zip(p_ours.named_parameters(), p_theirs.named_parameters()):
+            assert n1 == n2
+            if "lora_B" in n1:
+                v = torch.randn(a.shape, generator=g) * 0.05
+                a.copy_(v)
+                b.copy_(v)
+    return p_ours, p_theirs
+
+
+@pytest.mark.parametrize("targets", [ATTN, EXPERTS, BOTH], ids=["attention", "experts", "both"])
+def test_peft_trains_automoe_as_it_trains_transformers(ckpt, targets):
+    p_ours, p_theirs = peft_pair(ckpt, targets)
+    trainable = [n for n, p in p_ours.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert trainable == [n for n, p in p_theirs.named_parameters() if p.requires_grad]
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+            for m in (p_ours, p_theirs)]
+    losses = ([], [])
+    for ids, labels in batches(97, 10):
+        for m, opt, out in zip((p_ours, p_theirs), opts, losses):
+            m.train()
+            loss = m(input_ids=ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            out.append(loss.item())
+    for a, b in zip(*losses):
+        assert abs(a - b) <= 1e-4 * abs(b), (losses)
+    assert losses[0][-1] < losses[0][0]
+    # The base weights did not move; the adapters did, identically on both sides.
+    ours = dict(p_ours.named_parameters())
+    for n, p in p_theirs.named_parameters():
+        assert rel_err(ours[n].detach(), p.detach()) <= 1e-4, n
+
+
+def test_adapter_trained_on_transformers_loads_into_automoe(ckpt, tmp_path):
+    _, p_theirs = peft_pair(ckpt, BOTH)
+    p_theirs.save_pretrained(tmp_path / "adapter")
+    ours, theirs = load_pair(ckpt)
+    lo = PeftModel.from_pretrained(ours, tmp_path / "adapter").eval()
+    lt = PeftModel.from_pretrained(theirs, tmp_path / "adapter").eval()
+    ids = next(batches(97, 1))[0]
+    with torch.no_grad():
+        got, want = lo(input_ids=ids).logits, lt(input_ids=ids).logits
+    assert rel_err(got, want) <= 1e-5
+    # ... and the adapter is not a no-op: without it the logits differ.
+    with torch.no_grad(), lo.disable_adapter():
+        plain = lo(input_ids=ids).logits
+    assert rel_err(plain, want) > 1e-3
+
+
+def test_merge_and_unload_and_save_pretrained_are_peft_s_own(ckpt, tmp_path):
+    p_ours, p_theirs = peft_pair(ckpt, BOTH)
+    ids = next(batches(97, 1))[0]
+    with torch.no_grad():
+        want = p_theirs(input_ids=ids).logits
+        got = p_ours(input_ids=ids).logits
+    assert rel_err(got, want) <= 1e-5
+    p_ours.save_pretrained(tmp_path / "ours")
+    p_theirs.save_pretrained(tmp_path / "theirs")
+    from safetensors.torch import load_file
+
+    a, b = load_file(tmp_path / "ours" / "adapter_model.safetensors"), load_file(
+        tmp_path / "theirs" / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b)
+    merged = p_ours.merge_and_unload()
+    assert isinstance(merged, automoe.native.Qwen3MoeForCausalLM)
+    with torch.no_grad():
+        assert rel_err(merged(input_ids=ids).logits, want) <= 1e-5
+    merged.save_pretrained(tmp_path / "merged")
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel_err(back(input_ids=ids).logits, want) <= 1e-5
+
+
+def test_gradient_checkpointing_and_bf16_model_with_float32_adapters(ckpt):
+    ours = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16)
+    model = get_peft_model(ours, LoraConfig(r=4, lora_alpha=8, **BOTH))
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)
+    model.gradient_checkpointing_enable()
+    model.train()
+    ids, labels = next(batches(97, 1))
+    model(input_ids=ids, labels=labels).loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert all(g is not None for g in grads.values())
+    assert any(g.abs().sum() > 0 for n, g in grads.items() if "experts" in n and "lora_B" in n)
+    assert all(p.grad is None for n, p in model.named_parameters() if "lora_" not in n)
+
+
+def test_what_the_engine_cannot_run_is_refused_by_name(ckpt):
+    ours = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = get_peft_model(ours, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    ids = next(batches(97, 1))[0]
+    with pytest.raises(automoe.AutoMoEError, match=r"self_attn.q_proj: DoRA \(use_dora\)"):
+        model(input_ids=ids)
+    ours = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
+    model = get_peft_model(ours, peft.IA3Config(target_modules=["k_proj", "down_proj"],
+                                                feedforward_modules=["down_proj"]))
+    with pytest.raises(automoe.AutoMoEError, match=r"self_attn.k_proj is a PEFT peft.tuners.ia3"):
+        model(input_ids=ids)
