@@ -13,5 +13,6 @@ int inspect(const Args& args);
 int convert(const Args& args);
 int bench(const Args& args);
 int train(const Args& args);
+int export_adapter(const Args& args);
 
 }  // namespace automoe::cli

@@ -23,6 +23,9 @@ commands:
   convert IN OUT --layout per-expert|fused [--dtype float32|bfloat16|float16]
                  [--max-shard-size SIZE]
                               rewrite a checkpoint with the other experts layout (bit-exact)
+  export ADAPTER OUT --merge [--base DIR] [--dtype NAME] [--layout per-expert|fused]
+                              merge a PEFT LoRA adapter into its base model: a full Hugging Face
+                              checkpoint (see docs/lora.md)
   bench [--preset NAME | --config FILE] [--batch B --seq S --steps N ...]
                               time training steps of a random Qwen3-MoE (see bench --help and
                               bench/compare_hf.py for the side-by-side with Transformers)
@@ -42,6 +45,7 @@ int main(int argc, char** argv) {
     if (cmd == "convert") return automoe::cli::convert(args);
     if (cmd == "bench") return automoe::cli::bench(args);
     if (cmd == "train") return automoe::cli::train(args);
+    if (cmd == "export") return automoe::cli::export_adapter(args);
     if (cmd == "report") {
       std::cerr << "automoe report: run it through the Python `automoe` command (it draws with "
                    "matplotlib)\n";

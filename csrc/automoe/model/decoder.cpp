@@ -83,28 +83,34 @@ void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
     AUTOMOE_CHECK(tensor.sizes() == t->sizes(), "set_parameter ", name, ": expected shape ",
                   t->sizes(), ", got ", tensor.sizes());
     *t = tensor;
-    set_adapters(std::move(adapters_));  // the per-layer lists hold the factors too
+    index_adapters();  // the per-layer lists hold the factors too
     return;
   }
   fail("set_parameter: no parameter named ", name);
 }
 
-void Decoder::set_adapters(std::vector<LoraSite> sites) {
-  std::vector<int64_t> of(sites.empty() ? 0 : params_.size(), -1);
+void Decoder::index_adapters() {
   std::vector<int64_t> layer_of(params_.size(), -1);
   for (const LayerSlots& L : slots_.layers) {
     for (int64_t i : L.all) layer_of[i] = L.index;
   }
-  std::vector<std::vector<at::Tensor>> per_layer(spec_.num_layers);
+  layer_adapters_.assign(adapters_.empty() ? 0 : spec_.num_layers, {});
+  for (const LoraSite& s : adapters_) {
+    layer_adapters_[layer_of[s.slot]].push_back(s.a);
+    layer_adapters_[layer_of[s.slot]].push_back(s.b);
+  }
+}
+
+void Decoder::set_adapters(std::vector<LoraSite> sites) {
+  std::vector<int64_t> of(sites.empty() ? 0 : params_.size(), -1);
+  if (!sites.empty() && lora_targets_.empty()) lora_targets_ = lora_targets(spec_);
   for (size_t k = 0; k < sites.size(); ++k) {
     const LoraSite& s = sites[k];
     AUTOMOE_CHECK(s.slot >= 0 && s.slot < static_cast<int64_t>(params_.size()) &&
                       params_[s.slot].first == s.base(),
                   "LoRA: adapter for ", s.base(), " does not name a weight of this model");
     AUTOMOE_CHECK(of[s.slot] < 0, "LoRA: two adapters on ", s.base());
-    bool experts = false;
-    AUTOMOE_CHECK(layer_of[s.slot] >= 0 && lora_adaptable(spec_, s.slot, &experts) &&
-                      experts == s.experts,
+    AUTOMOE_CHECK(lora_targets_[s.slot] == (s.experts ? 2 : 1),
                   "LoRA: the AutoMoE engine does not run an adapter on ", s.base(),
                   " (adapters go on attention, MLP and shared-expert linear layers and on the routed "
                   "experts' tensors; not on routers, norms, embeddings or the LM head)");
@@ -128,12 +134,10 @@ void Decoder::set_adapters(std::vector<LoraSite> sites) {
                   "LoRA: the adapter of ", s.base(), " must be floating point");
     AUTOMOE_CHECK(!(s.experts && spec_.moe.gpt_oss), "LoRA: adapters on GPT-OSS's experts are not supported");
     of[s.slot] = static_cast<int64_t>(k);
-    per_layer[layer_of[s.slot]].push_back(s.a);
-    per_layer[layer_of[s.slot]].push_back(s.b);
   }
   adapters_ = std::move(sites);
   adapter_of_ = std::move(of);
-  layer_adapters_ = std::move(per_layer);
+  index_adapters();
 }
 
 at::Tensor Decoder::linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const {

@@ -181,6 +181,8 @@ class Decoder {
   std::vector<LoraSite> adapters_;
   std::vector<int64_t> adapter_of_;  // per parameter: its adapter's index, -1; empty: no adapters
   std::vector<std::vector<at::Tensor>> layer_adapters_;  // per layer: its adapters' factors
+  std::vector<int8_t> lora_targets_;  // model/lora.h lora_targets(spec_), once adapters are set
+  void index_adapters();  // layer_adapters_ from adapters_
   at::Tensor inv_freq_;
   double scale_ = 1.0;            // attention softmax scale
   ops::RouterParams router_;      // from spec_.moe

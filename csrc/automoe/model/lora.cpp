@@ -107,14 +107,14 @@ typename Map::const_iterator pattern_of(const Map& patterns, const std::string& 
 
 }  // namespace
 
-bool lora_adaptable(const ModelSpec& spec, int64_t slot, bool* experts) {
+std::vector<int8_t> lora_targets(const ModelSpec& spec) {
   const std::vector<ParamDecl> layout = parameter_layout(spec);
+  std::vector<int8_t> out(layout.size(), 0);
   for (const Candidate& c : candidates(spec, layout)) {
-    if (static_cast<int64_t>(c.index) != slot) continue;
-    if (experts) *experts = c.kind == Kind::kExperts;
-    return c.kind == Kind::kLinear || (c.kind == Kind::kExperts && !spec.moe.gpt_oss);
+    if (c.kind == Kind::kLinear) out[c.index] = 1;
+    if (c.kind == Kind::kExperts && !spec.moe.gpt_oss) out[c.index] = 2;
   }
-  return false;
+  return out;
 }
 
 std::string LoraSite::a_name() const {
@@ -439,10 +439,11 @@ std::vector<LoraSite> read_peft_adapter(const std::string& dir, const ModelSpec&
   return sites;
 }
 
-at::Tensor merge_lora(const LoraSite& s, const at::Tensor& w) {
+at::Tensor merge_lora(const LoraSite& s, const at::Tensor& w, std::optional<c10::ScalarType> dtype) {
   const at::Tensor a = s.a.detach().to(w.device(), at::kFloat), b = s.b.detach().to(w.device(), at::kFloat);
+  // PEFT's get_delta_weight: (B @ A) * scaling, added to the weight.
   const at::Tensor delta = (s.experts ? at::bmm(b, a) : at::mm(b, a)) * s.scaling;
-  return (w.detach().to(at::kFloat) + delta).to(w.scalar_type());
+  return (w.detach().to(at::kFloat) + delta).to(dtype.value_or(w.scalar_type()));
 }
 
 }  // namespace automoe

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <vector>
@@ -76,9 +77,9 @@ struct LoraSite {
 std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDecl>& layout,
                                 const LoraConfig& config, bool strict);
 
-// Whether the forward runs an adapter on parameter `slot` of a model of `spec` (a linear layer of
-// attention, a dense MLP or the shared experts; `*experts` true: a routed-experts tensor).
-bool lora_adaptable(const ModelSpec& spec, int64_t slot, bool* experts);
+// Per parameter of a model of `spec` (parameter_layout order), whether the forward runs an adapter
+// on it: 0 no, 1 a linear layer (attention, dense MLP, shared experts), 2 a routed-experts tensor.
+std::vector<int8_t> lora_targets(const ModelSpec& spec);
 
 // PEFT's initialisation: A uniform in ±1/sqrt(K) (nn.Linear's kaiming_uniform, a = sqrt(5)), B zero.
 // Drawn on the CPU from `seed`, then placed with `options`.
@@ -100,7 +101,8 @@ void write_peft_adapter(const std::string& dir, const LoraConfig& config,
 std::vector<LoraSite> read_peft_adapter(const std::string& dir, const ModelSpec& spec,
                                         LoraConfig* config);
 
-// W + scaling·B·A (per expert for experts), computed in float32 and returned in W's dtype.
-at::Tensor merge_lora(const LoraSite& site, const at::Tensor& w);
+// W + scaling·B·A (per expert for experts), computed in float32, returned in `dtype` (default: W's).
+at::Tensor merge_lora(const LoraSite& site, const at::Tensor& w,
+                      std::optional<c10::ScalarType> dtype = std::nullopt);
 
 }  // namespace automoe

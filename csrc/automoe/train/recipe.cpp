@@ -95,19 +95,22 @@ class Section {
     return def;
   }
 
-  std::vector<std::string> paths(const std::string& k) {
+  std::vector<std::string> paths(const std::string& k) { return strings(k, "file path"); }
+
+  // One string or a list of non-empty strings (`what` names one in errors).
+  std::vector<std::string> strings(const std::string& k, const std::string& what) {
     std::vector<std::string> out;
     const json* v = raw(k);
     if (!v) return out;
     if (v->is_string()) {
-      AUTOMOE_CHECK(!v->get<std::string>().empty(), where(k), "expected a file path, got \"\"");
+      AUTOMOE_CHECK(!v->get<std::string>().empty(), where(k), "expected a ", what, ", got \"\"");
       return {v->get<std::string>()};
     }
-    AUTOMOE_CHECK(v->is_array(), where(k), "expected a file path or a list of paths, got ",
+    AUTOMOE_CHECK(v->is_array(), where(k), "expected a ", what, " or a list of them, got ",
                   type_name(*v));
     for (const auto& e : *v) {
-      AUTOMOE_CHECK(e.is_string() && !e.get<std::string>().empty(), where(k),
-                    "expected file paths, got ", e.dump());
+      AUTOMOE_CHECK(e.is_string() && !e.get<std::string>().empty(), where(k), "expected a ", what,
+                    ", got ", e.dump());
       out.push_back(e.get<std::string>());
     }
     return out;
@@ -141,13 +144,14 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   }
   AUTOMOE_CHECK(root.is_object(), origin, ": a recipe is a mapping of sections, got ",
                 type_name(root));
-  const std::set<std::string> sections = {"model",    "data",       "train", "optimizer",
-                                          "schedule", "checkpoint", "log",   "router", "parallel"};
+  const std::set<std::string> sections = {"model",  "data",     "train", "optimizer",
+                                          "schedule", "checkpoint", "log", "router",
+                                          "parallel", "peft"};
   for (const auto& [k, v] : root.items()) {
     if (!sections.count(k)) {
       fail(origin, ": unknown section `", k,
            "` (a recipe has: model, data, train, optimizer, schedule, checkpoint, log, "
-           "router, parallel)");
+           "router, parallel, peft)");
     }
   }
   Recipe r;
@@ -288,6 +292,35 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.parallel.bucket_mb = pa.number("bucket_mb", 32.0, 0.0, 1e6, /*open_min=*/true);
   r.parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
   pa.finish();
+
+  if (root.contains("peft") && !root.at("peft").is_null()) {
+    Section pe(root, "peft", origin);
+    r.peft.enabled = true;
+    r.peft.r = pe.integer("r", 8, 1);
+    r.peft.lora_alpha = pe.number("lora_alpha", 16.0, 0.0, 1e9, /*open_min=*/true);
+    r.peft.lora_dropout = pe.number("lora_dropout", 0.0, 0.0, 0.99);
+    r.peft.use_rslora = pe.boolean("use_rslora", false);
+    if (const json* t = pe.raw("target_modules")) {
+      if (t->is_string()) {
+        const std::string v = t->get<std::string>();
+        if (v == "all-linear") r.peft.target_modules = {v};
+        else r.peft.target_modules_regex = v;
+        AUTOMOE_CHECK(!v.empty(), pe.where("target_modules"), "expected module names or a regular expression");
+      } else {
+        r.peft.target_modules = pe.strings("target_modules", "module name");
+      }
+    }
+    r.peft.target_parameters = pe.strings("target_parameters", "parameter name");
+    AUTOMOE_CHECK(!r.peft.target_modules.empty() || !r.peft.target_modules_regex.empty() ||
+                      !r.peft.target_parameters.empty(),
+                  pe.where("target_modules"),
+                  "say which weights get adapters: target_modules (e.g. [q_proj, k_proj, v_proj, "
+                  "o_proj] or all-linear) and/or target_parameters (the routed experts: "
+                  "[mlp.experts.gate_up_proj, mlp.experts.down_proj])");
+    r.peft.moe_rank_scaling = pe.boolean("moe_rank_scaling", false);
+    r.peft.export_merged = pe.boolean("export_merged", false);
+    pe.finish();
+  }
   return r;
 }
 
@@ -340,6 +373,18 @@ std::string Recipe::to_json() const {
                    {"zero", parallel.zero},
                    {"bucket_mb", parallel.bucket_mb},
                    {"timeout_s", parallel.timeout_s}};
+  if (peft.enabled) {
+    j["peft"] = {{"r", peft.r},
+                 {"lora_alpha", peft.lora_alpha},
+                 {"lora_dropout", peft.lora_dropout},
+                 {"use_rslora", peft.use_rslora},
+                 {"target_modules", peft.target_modules_regex.empty()
+                                        ? json(peft.target_modules)
+                                        : json(peft.target_modules_regex)},
+                 {"target_parameters", peft.target_parameters},
+                 {"moe_rank_scaling", peft.moe_rank_scaling},
+                 {"export_merged", peft.export_merged}};
+  }
   return j.dump(2);
 }
 

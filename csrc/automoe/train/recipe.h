@@ -95,6 +95,22 @@ struct ParallelSection {
   double timeout_s = 600;  // a collective waiting longer than this fails the run on every rank
 };
 
+// LoRA fine-tuning (docs/lora.md): PEFT's LoraConfig names and meanings. Present = on: the base
+// weights stay frozen in model.dtype, only the adapters train (float32 masters), checkpoints hold
+// the adapters and their optimizer state, and the export is a PEFT adapter directory.
+struct PeftSection {
+  bool enabled = false;
+  int64_t r = 8;
+  double lora_alpha = 16;
+  double lora_dropout = 0.0;
+  bool use_rslora = false;
+  std::vector<std::string> target_modules;  // ["q_proj", ...] or ["all-linear"]
+  std::string target_modules_regex;         // target_modules given as one string (PEFT: a regex)
+  std::vector<std::string> target_parameters;  // routed experts: ["mlp.experts.gate_up_proj", ...]
+  bool moe_rank_scaling = false;  // experts' rank r / top_k
+  bool export_merged = false;     // also write <dir>/export-merged: base + adapters, full checkpoint
+};
+
 struct Recipe {
   ModelSection model;
   DataSection data;
@@ -105,6 +121,7 @@ struct Recipe {
   LogSection log;
   RouterSection router;
   ParallelSection parallel;
+  PeftSection peft;
 
   // From the recipe as JSON text (the YAML document converted). `origin` names it in errors.
   static Recipe parse(const std::string& json_text, const std::string& origin);

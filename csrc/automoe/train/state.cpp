@@ -144,7 +144,7 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
 
 // Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
 json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, TrainerState& st,
-                     int64_t expert_begin) {
+                     int64_t expert_begin, const std::function<void(const json&)>& check) {
   std::string name = read_text(run / "latest");
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
   AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
@@ -152,6 +152,19 @@ json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, Tra
   const fs::path dir = run / name;
   AUTOMOE_CHECK(fs::is_directory(dir), (run / "latest").string(), " names ", name,
                 ", which does not exist");
+  json j;
+  try {
+    j = json::parse(read_text(dir / "trainer_state.json"));
+    st.step = j.at("step").get<int64_t>();
+    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
+    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
+    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
+    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
+    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
+  } catch (const json::exception& e) {
+    fail((dir / "trainer_state.json").string(), ": ", e.what());
+  }
+  if (check) check(j);
   const SafetensorsFile model((dir / "model.safetensors").string());
   const SafetensorsFile state((dir / "optimizer.safetensors").string());
   auto load_into = [](const SafetensorsFile& f, const std::string& key, at::Tensor& dst) {
@@ -230,18 +243,6 @@ json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, Tra
   if (state.contains("rng.cpu")) {
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     gen.set_state(state.get("rng.cpu").clone());
-  }
-  json j;
-  try {
-    j = json::parse(read_text(dir / "trainer_state.json"));
-    st.step = j.at("step").get<int64_t>();
-    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
-    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
-    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
-    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
-  } catch (const json::exception& e) {
-    fail((dir / "trainer_state.json").string(), ": ", e.what());
   }
   return j;
 }

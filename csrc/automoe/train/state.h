@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -37,7 +38,10 @@ void save_checkpoint(const std::filesystem::path& run, const TrainerState& st, c
 
 // Reads `latest` and the checkpoint it names into `opt`, `buffers` and `st`; returns its trainer
 // state JSON. Expert tensors hold rows [expert_begin, expert_begin + rows) of the saved ones.
+// `check` sees the trainer state JSON before any tensor is read (a run that cannot continue is
+// refused with its own reason, not a tensor's shape).
 nlohmann::json load_checkpoint(const std::filesystem::path& run, AdamW& opt, NamedTensors& buffers,
-                               TrainerState& st, int64_t expert_begin);
+                               TrainerState& st, int64_t expert_begin,
+                               const std::function<void(const nlohmann::json&)>& check = {});
 
 }  // namespace automoe::train

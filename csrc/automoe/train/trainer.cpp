@@ -18,12 +18,14 @@
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
+#include <map>
 #include <sstream>
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
 #include "automoe/model/checkpoint.h"
 #include "automoe/model/config.h"
+#include "automoe/model/lora.h"
 #include "automoe/io/safetensors.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/bias_balance.h"
@@ -154,6 +156,76 @@ class Progress {
   bool bar_ = false, lines_ = false, dirty_ = false;
 };
 
+LoraConfig lora_config_of(const PeftSection& p) {
+  LoraConfig c;
+  c.r = p.r;
+  c.lora_alpha = p.lora_alpha;
+  c.lora_dropout = p.lora_dropout;
+  c.use_rslora = p.use_rslora;
+  c.target_modules = p.target_modules;
+  c.target_modules_regex = p.target_modules_regex;
+  c.target_parameters = p.target_parameters;
+  c.moe_rank_scaling = p.moe_rank_scaling;
+  return c;
+}
+
+// The layer number in a parameter name ("model.layers.12.mlp.experts" -> 12).
+int64_t layer_of(const std::string& name) {
+  const size_t at = name.find("layers.");
+  return at == std::string::npos ? -1 : std::stoll(name.substr(at + 7));
+}
+
+// What the routed experts' adapters did in a log window: which experts' adapters received a
+// gradient (per MoE layer), and how far the last step moved them — so that adapters that never
+// train are visible in the metrics.
+struct ExpertAdapterMetrics {
+  struct Site {
+    int64_t layer;
+    size_t a, b;  // optimizer indices of the factors
+  };
+  std::vector<Site> sites;
+  std::map<int64_t, at::Tensor> touched;  // per layer: bool [E]
+
+  void add_gradients(const AdamW& opt) {
+    at::NoGradGuard no_grad;
+    for (const Site& s : sites) {
+      at::Tensor any = at::zeros({opt.grad[s.a].size(0)}, opt.grad[s.a].options().dtype(at::kBool));
+      for (size_t i : {s.a, s.b}) {
+        if (opt.grad[i].defined()) any = any.logical_or(opt.grad[i].flatten(1).ne(0).any(1));
+      }
+      at::Tensor& t = touched[s.layer];
+      t = t.defined() ? t.logical_or(any) : any;
+    }
+  }
+  // Masters of the experts' factors before an update (for update_norms).
+  std::vector<at::Tensor> snapshot(const AdamW& opt) const {
+    std::vector<at::Tensor> out;
+    for (const Site& s : sites) {
+      out.push_back(opt.master[s.a].detach().clone());
+      out.push_back(opt.master[s.b].detach().clone());
+    }
+    return out;
+  }
+  json report(const AdamW& opt, const std::vector<at::Tensor>& before) {
+    std::map<int64_t, double> sq;
+    for (size_t k = 0; k < sites.size() && !before.empty(); ++k) {
+      for (int w = 0; w < 2; ++w) {
+        const size_t i = w == 0 ? sites[k].a : sites[k].b;
+        sq[sites[k].layer] += (opt.master[i] - before[2 * k + w]).pow(2).sum().item<double>();
+      }
+    }
+    json out = json::array();
+    for (const auto& [layer, t] : touched) {
+      out.push_back({{"layer", layer},
+                     {"experts_with_grad", t.sum().item<int64_t>()},
+                     {"experts", t.numel()},
+                     {"update_norm", before.empty() ? NAN : std::sqrt(sq[layer])}});
+    }
+    touched.clear();
+    return out;
+  }
+};
+
 }  // namespace
 
 int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in,
@@ -235,6 +307,27 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                 " processes (each trains on its own micro-batches of every step)");
   const ModelSpec& spec = pm.decoder->spec();
   const c10::ScalarType stored = pm.decoder->named_parameters().front().second.scalar_type();
+  // LoRA: the base weights stay frozen in the compute dtype (no masters, no moments, no gradients);
+  // the optimizer holds the adapters' float32 masters.
+  const bool lora = rc.peft.enabled;
+  const LoraConfig lora_config = lora_config_of(rc.peft);
+  std::vector<LoraSite> lora_sites;
+  if (lora) {
+    AUTOMOE_CHECK(mesh.ep == 1, "peft: LoRA under expert parallelism (parallel.ep = ", mesh.ep,
+                  ") is not supported yet; use parallel.ep: 1 (data parallelism)");
+    try {
+      lora_sites = plan_lora(spec, parameter_layout(spec), lora_config, /*strict=*/true);
+    } catch (const Error& e) {
+      fail("peft: ", e.what());
+    }
+    for (const auto& site : lora_sites) {
+      AUTOMOE_CHECK(!(site.experts && rc.peft.lora_dropout > 0), "peft.lora_dropout: ",
+                    rc.peft.lora_dropout, " with routed experts targeted (", site.base(),
+                    "): PEFT's target_parameters adapters, the format the export writes, have no "
+                    "dropout; use 0");
+    }
+    init_lora(lora_sites, at::TensorOptions().dtype(at::kFloat).device(dev), rc.train.seed);
+  }
   AdamW opt;
   // Buffers saved with the weights (the routers' correction bias): float32 on the device, never
   // touched by the optimizer; the bias update below moves them.
@@ -245,6 +338,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     const NamedTensors& params = pm.decoder->named_parameters();
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& [n, t] = params[i];
+      if (lora && trainable[i]) {  // frozen, as loaded (no copy when already the compute dtype)
+        pm.decoder->set_parameter(n, t.to(dev, compute));
+        continue;
+      }
       at::Tensor f32 = t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       if (trainable[i]) {
         masters.emplace_back(n, std::move(f32));
@@ -256,10 +353,17 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     std::vector<bool> routed;
     std::vector<ParamDecl> layout = parameter_layout(pm.decoder->spec());
     for (size_t i = 0; i < params.size(); ++i) {
-      if (trainable[i]) routed.push_back(layout[i].routed_expert);
+      if (trainable[i] && !lora) routed.push_back(layout[i].routed_expert);
     }
+    for (const auto& site : lora_sites) {
+      masters.emplace_back(site.a_name(), site.a);
+      masters.emplace_back(site.b_name(), site.b);
+      routed.insert(routed.end(), {false, false});
+    }
+    if (lora) pm.decoder->set_adapters(lora_sites);
     // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
-    const bool zero = dist && rc.parallel.zero >= 1;
+    // (LoRA: the adapters are small; every rank keeps their whole state.)
+    const bool zero = dist && rc.parallel.zero >= 1 && !lora;
     opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero, /*full_state=*/!zero);
   }
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
@@ -278,7 +382,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   }
   // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
   // the forward's weights become views of one buffer per class (re-bound here).
-  if (dist && rc.parallel.zero >= 1) {
+  if (dist && rc.parallel.zero >= 1 && !lora) {
     opt.shard(world, model_params, rc.parallel.zero,
               static_cast<int64_t>(rc.parallel.bucket_mb * (1 << 20)));
     for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
@@ -287,6 +391,19 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   for (int64_t l = 0; l < spec.num_layers; ++l) {
     if (spec.is_moe(l)) moe_layers.push_back(l);
   }
+  ExpertAdapterMetrics expert_adapters;
+  int64_t lora_parameters = 0, base_parameters = 0;
+  for (const auto& site : lora_sites) {
+    lora_parameters += site.a.numel() + site.b.numel();
+    if (!site.experts) continue;
+    ExpertAdapterMetrics::Site s{layer_of(site.module), 0, 0};
+    for (size_t i = 0; i < opt.names.size(); ++i) {
+      if (opt.names[i] == site.a_name()) s.a = i;
+      if (opt.names[i] == site.b_name()) s.b = i;
+    }
+    expert_adapters.sites.push_back(s);
+  }
+  for (const auto& [n, t] : pm.decoder->named_parameters()) base_parameters += t.numel();
 
   // Data.
   const TokenDataset train_set(data.train);
@@ -318,13 +435,22 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       rc.log.peak_tflops > 0 ? rc.log.peak_tflops
                              : measure_matmul_peak(dev, compute, dev.is_cuda() ? 0 : 512).tflops;
   TrainerState st;
+  const json recipe_json = json::parse(rc.to_json());
   const json run_identity = {{"model_path", rc.model.path},
                              {"train_data", data.train_key},
                              {"train_documents", train_set.num_docs()},
-                             {"train_tokens", train_set.num_tokens()}};
+                             {"train_tokens", train_set.num_tokens()},
+                             {"peft", lora ? recipe_json["peft"] : json(nullptr)}};
   if (has_latest) {
     opt.materialize();  // ZeRO-1: full tensors to load into, then this rank's slices of them
-    const json saved = load_checkpoint(run, opt, buffers, st, own.begin);
+    const json saved = load_checkpoint(run, opt, buffers, st, own.begin, [&](const json& state) {
+      const json saved_peft = state.value("peft", json(nullptr));
+      AUTOMOE_CHECK(saved_peft == run_identity["peft"], "cannot resume ", run.string(), ": its checkpoint ",
+                    saved_peft.is_null() ? "is a full fine-tune" : "holds LoRA adapters " + saved_peft.dump(),
+                    ", but the recipe asks for ",
+                    lora ? "LoRA " + run_identity["peft"].dump() : std::string("a full fine-tune"),
+                    "; use another checkpoint.dir, or the recipe's peft section as it was");
+    });
     opt.absorb();
     opt.release();
     if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
@@ -420,6 +546,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           {"device", dev.str()},
           {"dtype", dtype_to_name(compute)}});
   }
+  if (lora) {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "LoRA: %zu adapted weights, %s trainable parameters (%.2f%% of %s)",
+                  lora_sites.size(), human_count(static_cast<double>(lora_parameters)).c_str(),
+                  100.0 * static_cast<double>(lora_parameters) / static_cast<double>(base_parameters),
+                  human_count(static_cast<double>(base_parameters)).c_str());
+    progress.line(buf);
+  }
 
   const double aux_coef = rc.model.router_aux_loss_coef.value_or(spec.moe.router_aux_loss_coef);
   // A micro-batch as forward arguments on the device; callers add what the pass needs.
@@ -473,6 +607,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   };
 
   Window win;
+  std::vector<at::Tensor> expert_adapters_before;
   const auto t_start = Clock::now();
   const int64_t first_step = st.step;
   if (hooks.reset_peak_memory) hooks.reset_peak_memory();
@@ -622,6 +757,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         if (rc.optimizer.max_grad_norm > 0 && norm > rc.optimizer.max_grad_norm) {
           opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
         }
+        expert_adapters.add_gradients(opt);
+        // The logged step's update of the experts' adapters (a copy of their masters, then).
+        if (!expert_adapters.sites.empty() &&
+            ((st.step) % rc.log.every == 0 || st.step == total_steps)) {
+          expert_adapters_before = expert_adapters.snapshot(opt);
+        }
         opt.update(rc.optimizer, lr);
         bias_balance.apply();
         opt.publish(model_params);
@@ -709,6 +850,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   {"elapsed_s", elapsed},
                   {"expert_load", expert_load(win.expert_counts, moe_layers)}};
       if (bias_balance.enabled()) rec["router_bias"] = bias_balance.report();
+      if (!expert_adapters.sites.empty()) {
+        rec["expert_lora"] = expert_adapters.report(opt, expert_adapters_before);
+        expert_adapters_before.clear();
+      }
       if (dist) {
         rec["parallel"] = {{"world", mesh.world},
                            {"ep", mesh.ep},
@@ -740,6 +885,50 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       rc.checkpoint.export_dtype == "auto" ? stored
                                            : dtype_from_name(rc.checkpoint.export_dtype,
                                                              "checkpoint.export_dtype");
+  ExpertsLayout layout = pm.layout;
+  if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
+  if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
+  if (lora) {
+    // The adapters as trained (their float32 masters) as PEFT's adapter directory, which PEFT
+    // loads onto Transformers' model of model.path; on request also the merged model. Every rank
+    // holds the same adapters (no expert parallelism): rank 0 writes.
+    std::vector<LoraSite> trained = lora_sites;
+    for (auto& site : trained) {
+      for (size_t i = 0; i < opt.names.size(); ++i) {
+        if (opt.names[i] == site.a_name()) site.a = opt.master[i];
+        if (opt.names[i] == site.b_name()) site.b = opt.master[i];
+      }
+    }
+    if (!lead) return 0;
+    const c10::ScalarType adapter_dtype =
+        rc.checkpoint.export_dtype == "auto" ? at::kFloat : export_dtype;
+    write_peft_adapter((run / "export").string(), lora_config, trained,
+                       fs::absolute(rc.model.path).lexically_normal().string(), adapter_dtype);
+    json end = {{"type", "end"}, {"step", st.step}, {"export", (run / "export").string()}};
+    std::string where = (run / "export").string() + " (PEFT adapter)";
+    if (rc.peft.export_merged) {
+      std::map<int64_t, const LoraSite*> by_slot;
+      for (const auto& site : trained) by_slot[site.slot] = &site;
+      NamedTensors merged;
+      const auto& params = pm.decoder->named_parameters();
+      const auto& trainable = pm.decoder->trainable();
+      for (size_t i = 0; i < params.size(); ++i) {
+        const auto& [name, t] = params[i];
+        const auto it = by_slot.find(static_cast<int64_t>(i));
+        merged.emplace_back(name, it != by_slot.end()
+                                      ? merge_lora(*it->second, t, export_dtype).cpu()
+                                      : t.detach().to(at::kCPU, trainable[i] ? export_dtype : t.scalar_type()));
+      }
+      write_pretrained(pm.config, layout, pm.source_dir, spec, merged,
+                       (run / "export-merged").string(), SaveOptions{}, nullptr);
+      end["export_merged"] = (run / "export-merged").string();
+      where += " and " + (run / "export-merged").string() + " (merged Hugging Face model)";
+    }
+    end["elapsed_s"] = seconds_since(t_start);
+    emit(end);
+    progress.line("automoe train: done at step " + std::to_string(st.step) + "; " + where);
+    return 0;
+  }
   // In parameter_layout order: the trained weights, the buffers as they are (float32). Under
   // expert parallelism the export is collective: each rank of replica 0 writes its experts' rows
   // into the shard files and rank 0 the dense tensors (the others pass only their shapes).
@@ -771,9 +960,6 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   } else if (!error.empty()) {
     throw Error(error);
   }
-  ExpertsLayout layout = pm.layout;
-  if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
-  if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
   write_pretrained(pm.config, layout, pm.source_dir, spec, exported, (run / "export").string(),
                    SaveOptions{}, dist ? &world : nullptr);
   exported.clear();
