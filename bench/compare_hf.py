@@ -20,6 +20,12 @@ max_memory_allocated; CPU: the process's peak RSS, and the part of it above the 
 model was built), and the ratios AutoMoE / baseline. MFU is against the bf16/fp32 matmul
 throughput measured in the same run (large at::mm), and on GPU against the datasheet peak too.
 
+--lora R: LoRA fine-tuning on both sides — rank-R adapters (alpha 2R) on q/k/v/o_proj and on the
+routed experts (PEFT's target_parameters mlp.experts.gate_up_proj / down_proj), float32 adapters,
+the base frozen, AdamW over the adapters only. Transformers runs PEFT's own get_peft_model; AutoMoE
+runs its engine (`automoe bench --lora R`, and with --dropin PEFT's get_peft_model on the drop-in);
+AutoMoE's full fine-tune runs beside them for the memory comparison.
+
 Writes OUT/results.json, OUT/results.md and OUT/chart.png; prints the Markdown table.
 """
 
@@ -50,6 +56,9 @@ SIDE_FIELDS = (
     "mfu_datasheet", "peak_memory_bytes", "peak_memory_kind", "model_memory_bytes",
     "loss_first", "loss_last", "speedup_vs_baseline", "memory_vs_baseline", "error",
 )
+
+LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LORA_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -132,8 +141,15 @@ def run_python_side(args) -> dict:
     rss_before = _rss_now()
     torch.manual_seed(args.seed)
     model = build_python_side(args, raw).to(device)
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=args.lora, lora_alpha=2 * args.lora,
+                                                 target_modules=LORA_MODULES,
+                                                 target_parameters=LORA_EXPERTS))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
+                            weight_decay=0.01)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     g = torch.Generator().manual_seed(args.seed + 1)
@@ -164,18 +180,21 @@ def run_python_side(args) -> dict:
             optim.append((t3 - t2) * 1e3)
     f, b, o = statistics.median(fwd), statistics.median(bwd), statistics.median(optim)
     tokens = args.batch * args.seq
-    if args.python_side == "automoe" and getattr(model, "automoe_path", None) == "native":
-        impl = "automoe drop-in (native engine, loss=torch)"
+    inner = model.get_base_model() if args.lora else model
+    lora = f" + PEFT LoRA r={args.lora}" if args.lora else ""
+    if args.python_side == "automoe" and getattr(inner, "automoe_path", None) == "native":
+        impl = f"automoe drop-in (native engine, loss=torch){lora}"
     elif args.python_side == "automoe":
-        report = getattr(model, "automoe_accelerated", {})
-        impl = f"automoe drop-in ({report.get('experts')}; rms_norm {report.get('rms_norm')})"
+        report = getattr(inner, "automoe_accelerated", {})
+        impl = f"automoe drop-in ({report.get('experts')}; rms_norm {report.get('rms_norm')}){lora}"
     else:
-        impl = f"transformers {args.impl} ({hf_attention(raw['model_type'])})"
+        impl = f"transformers {args.impl} ({hf_attention(raw['model_type'])}){lora}"
     out = dict(
         side=args.python_side, impl=impl, device=args.device,
         dtype=args.dtype, batch=args.batch, seq=args.seq, tokens_per_step=tokens,
         warmup=args.warmup, steps=args.steps, fake_balanced_gate=args.fake_balanced_gate,
         num_parameters=sum(p.numel() for p in model.parameters()), forward_ms=f, backward_ms=b,
+        lora=args.lora, trainable_parameters=sum(p.numel() for p in model.parameters() if p.requires_grad),
         optimizer_ms=o, step_ms=f + b + o, tokens_per_s=tokens / ((f + b) * 1e-3),
         loss_first=losses[0], loss_last=losses[-1], threads=torch.get_num_threads(),
     )
@@ -207,10 +226,11 @@ def run_json(cmd: list[str], timeout: float) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} printed malformed JSON: {e}") from e
 
 
-def common_flags(args) -> list[str]:
+def common_flags(args, lora: bool = True) -> list[str]:
     flags = ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
              "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device,
              "--seed", str(args.seed)]
+    flags += ["--lora", str(args.lora)] if args.lora and lora else []
     return flags + (["--fake-balanced-gate"] if args.fake_balanced_gate else [])
 
 
@@ -257,6 +277,7 @@ def markdown(result: dict) -> str:
         f"**{m['model']}** · batch {m['batch']} × seq {m['seq']} · {m['dtype']} · {m['device']} "
         f"({m['machine']}) · routing {'round-robin (fake balanced gate)' if m['fake_balanced_gate'] else 'real'} "
         f"· {m['steps']} timed steps after {m['warmup']} warm-up"
+        + (f" · LoRA r={m['lora']} on q/k/v/o and the experts (baseline: Transformers + PEFT)" if m.get("lora") else "")
         + (f" (best of {m['repeat']} alternating runs per side)" if m.get("repeat", 1) > 1 else "")
         + f" · {m['date']}",
         "",
@@ -375,6 +396,7 @@ def orchestrate(args) -> dict:
     model = args.preset if not args.config else Path(args.config).name
     machine = gpu or cpu_description()
     meta = dict(model=model, batch=args.batch, seq=args.seq, dtype=args.dtype, device=args.device,
+                lora=args.lora,
                 machine=machine, warmup=args.warmup, steps=args.steps, repeat=args.repeat,
                 fake_balanced_gate=args.fake_balanced_gate, versions=versions(),
                 date=_dt.date.today().isoformat(), peak_tflops=peak_tflops,
@@ -389,6 +411,9 @@ def orchestrate(args) -> dict:
         runs = [("automoe", f"automoe (experts={b})",
                  [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
                 for b in args.automoe_experts.split(",")]
+        if args.lora:  # AutoMoE's own full fine-tune beside its LoRA: what LoRA saves
+            runs.append(("automoe", "automoe (full fine-tune)",
+                         [exe, "bench", "--config", str(config_path), *common_flags(args, lora=False)]))
         if args.dropin:
             runs.append(dropin)
     else:
@@ -409,6 +434,8 @@ def orchestrate(args) -> dict:
                 rec = dict(side=side, impl=impl, error=f"timed out after {args.timeout:.0f} s")
             except RuntimeError as e:
                 rec = dict(side=side, impl=impl, error=str(e))
+            if impl == "automoe (full fine-tune)" and not rec.get("error"):
+                rec["impl"] += ", full fine-tune"
             old = best.get(impl)
             if old is None or old.get("error") or (
                     not rec.get("error") and rec["tokens_per_s"] > old["tokens_per_s"]):
@@ -430,7 +457,8 @@ def summarize(records: list[dict], meta: dict, flops_per_token: float, peak: flo
               datasheet: float | None) -> dict:
     """Per-side figures, the baseline (fastest Transformers side) and the ratios against it."""
     sides = [finish(r, flops_per_token, peak, datasheet) for r in records]
-    hf_ok = [r for r in sides if r["side"] == "transformers" and not r.get("error")]
+    hf_ok = [r for r in sides if r["side"] == "transformers" and not r.get("error")
+             and r.get("lora", 0) == meta.get("lora", 0)]
     base = max(hf_ok, key=lambda r: r["tokens_per_s"]) if hf_ok else None
     for r in sides:
         r["is_baseline"] = r is base
@@ -461,6 +489,8 @@ def main(argv=None) -> int:
     p.add_argument("--fake-balanced-gate", action="store_true")
     p.add_argument("--impls", default=",".join(HF_IMPLS), help="Transformers experts_implementation values")
     p.add_argument("--automoe-experts", default="grouped", help="AutoMoE experts backends to run (grouped,eager)")
+    p.add_argument("--lora", type=int, default=0, help="LoRA rank: both sides fine-tune rank-R adapters "
+                   "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
     p.add_argument("--dropin", action="store_true",
                    help="Qwen3-MoE: also time the Python drop-in (automoe.AutoModelForCausalLM) on the engine")
     p.add_argument("--out", default="bench/results")

@@ -25,6 +25,7 @@
 #include "automoe/model/arch/registry.h"
 #include "automoe/model/config.h"
 #include "automoe/model/init.h"
+#include "automoe/model/lora.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
 
@@ -50,6 +51,8 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --loss NAME            fused_linear_ce | torch                        (default fused_linear_ce,
                          as automoe train)
   --fake-balanced-gate   round-robin routing (balanced experts)
+  --lora R               LoRA fine-tuning: rank-R adapters (alpha 2R) on q/k/v/o_proj and the
+                         routed experts (gate_up_proj, down_proj), float32, the base frozen
   --seed N               weights and tokens                             (default 0)
   --json FILE            also write the result there
   --print-config         print the preset's config.json and FLOPs per token, run nothing
@@ -68,6 +71,7 @@ struct Options {
   std::string experts = "grouped";
   std::string loss = "fused_linear_ce";
   bool fake_gate = false, print_config = false, peak = false, list_types = false;
+  int64_t lora = 0;  // LoRA rank; 0: full fine-tune
   std::string json_out;
 };
 
@@ -118,6 +122,8 @@ Options parse(const Args& args) {
       o.loss = value();
     else if (a == "--json")
       o.json_out = value();
+    else if (a == "--lora")
+      o.lora = to_int(a, value(), 1);
     else if (a == "--fake-balanced-gate")
       o.fake_gate = true;
     else if (a == "--print-config")
@@ -238,11 +244,26 @@ int bench(const Args& args) {
   for (size_t i = 0; i < params.size(); ++i) {
     at::Tensor& t = params[i].second;
     num_params += t.numel();
-    if (!layout[i].trainable) continue;  // buffers (the routers' correction bias)
+    if (!layout[i].trainable || o.lora > 0) continue;  // buffers; LoRA's frozen base
     t.requires_grad_(true);
     leaves.push_back(t);
   }
-  const Decoder model(spec, backend, std::move(params));
+  Decoder model(spec, backend, std::move(params));
+  if (o.lora > 0) {  // what PEFT's get_peft_model makes: float32 adapters, trained alone
+    LoraConfig c;
+    c.r = o.lora;
+    c.lora_alpha = 2.0 * static_cast<double>(o.lora);
+    c.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    c.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    std::vector<LoraSite> sites = plan_lora(spec, layout, c, /*strict=*/false);
+    init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), o.seed);
+    for (auto& site : sites) {
+      for (at::Tensor* t : {&site.a, &site.b}) leaves.push_back(t->requires_grad_(true));
+    }
+    model.set_adapters(std::move(sites));
+  }
+  int64_t trainable_params = 0;
+  for (const auto& t : leaves) trainable_params += t.numel();
   torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
 #ifdef AUTOMOE_TORCH_CUDA
   if (dev.is_cuda())
@@ -281,7 +302,10 @@ int bench(const Args& args) {
   const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
   json j = {
       {"side", "automoe"},
-      {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss + ")"},
+      {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss +
+                   (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) + ")"},
+      {"lora", o.lora},
+      {"trainable_parameters", trainable_params},
       {"device", o.device},
       {"dtype", dtype_to_name(o.dtype)},
       {"batch", o.batch},
