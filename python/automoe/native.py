@@ -160,8 +160,12 @@ class _EngineModule:
                     f"{where} is a PEFT {_describe(module)}; the AutoMoE engine runs LoRA adapters on "
                     "linear layers (target_modules) and on routed experts (target_parameters) only. "
                     "Load with force_transformers=True to run PEFT's own layers")
-            if module.disable_adapters or module.merged:
-                continue  # PEFT's forward adds nothing then (merged: it is in the weights)
+            if module.disable_adapters:
+                if module.merged:
+                    module.unmerge()  # as PEFT's forward does: the base weights without the adapter
+                continue
+            if module.merged:
+                continue  # in the weights already (PEFT's forward adds nothing either)
             active = [a for a in module.active_adapters if a in module.lora_A]
             if not active:
                 continue
@@ -184,14 +188,17 @@ class _EngineModule:
             drop = module.lora_dropout[adapter]
             dropout = float(drop.p) if isinstance(drop, nn.Dropout) else 0.0
             path = name.replace(".base_layer", "")
-            if isinstance(module, lora.ParamWrapper):
+            if isinstance(module, lora.ParamWrapper) and module.num_experts == 1:
+                # a 2-D weight (a router's, as PEFT's all-linear targets it on Transformers v5):
+                # A [r, in], B [out, r] as for a linear layer; the engine decides if it can run it
+                base = f"{self._automoe_prefix}{path}.{module.parameter_name}"
+            elif isinstance(module, lora.ParamWrapper):
                 experts = module.num_experts
-                if experts == 1 or not module._did_swap_in_out_features:
+                if not module._did_swap_in_out_features:
                     raise AutoMoEError(
                         f"{where}: target_parameters on {module.parameter_name} "
                         f"{tuple(module.get_param().shape)}; the AutoMoE engine runs parameter adapters "
-                        "on routed experts stored [experts, out, in] only (use target_modules for "
-                        "linear layers)")
+                        "on routed experts stored [experts, out, in] only")
                 r = module.r[adapter]
                 base = f"{self._automoe_prefix}{path}.{module.parameter_name}"
                 # PEFT: lora_A [E·r, in] expert-major, lora_B [out, r·E] rank-major.

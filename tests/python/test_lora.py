@@ -158,3 +158,75 @@ def test_what_the_engine_cannot_run_is_refused_by_name(ckpt):
                                                 feedforward_modules=["down_proj"]))
     with pytest.raises(automoe.AutoMoEError, match=r"self_attn.k_proj is a PEFT peft.tuners.ia3"):
         model(input_ids=ids)
+
+
+def test_transformers_trainer_with_peft_matches_transformers(ckpt, tmp_path):
+    """Trainer on get_peft_model(AutoMoE's model) against the same on Transformers' model: padded
+    batches, gradient checkpointing on, only the adapters train; then the Trainer saves the PEFT
+    adapter."""
+    from test_clients import assert_same_curve, losses, pad_collator, token_dataset, trainer_for
+
+    train = token_dataset(16, 97, seed=0)
+    runs = []
+    for model in load_pair(ckpt):
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, **BOTH))
+        trainer = trainer_for(model, tmp_path / str(len(runs)), train, None, pad_collator(0),
+                              max_steps=4, gradient_checkpointing=True, learning_rate=1e-2)
+        trainer.train()
+        runs.append(losses(trainer))
+        trainer.save_model(tmp_path / f"adapter{len(runs)}")
+        assert (tmp_path / f"adapter{len(runs)}" / "adapter_model.safetensors").exists()
+    assert_same_curve(*runs)
+
+
+@pytest.mark.parametrize("family, name", [("deepseek_v3", "qlora_groups2of1_shared1_dense1"),
+                                          ("qwen2_moe", "norm_top3_e6_mlp_only"),
+                                          ("mixtral", "sliding4_e7_top3")])
+def test_all_linear_and_experts_on_other_families_match_peft_on_transformers(family, name, tmp_path):
+    """MLA's low-rank projections, shared experts, Qwen2-MoE's shared_expert_gate [1, H] (PEFT's
+    all-linear includes it, whatever the rank), dense MLP layers and Mixtral's experts: the logits
+    and every adapter's gradient equal PEFT's on Transformers' model."""
+    import transformers
+    from test_parity_families import make_config
+
+    path = write_checkpoint(tmp_path / "ckpt", make_config(family, name), "fused", seed=7)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    models = []
+    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
+        torch.manual_seed(0)
+        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
+    ours, theirs = models
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert n1 == n2
+            if "lora_B" in n1:
+                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
+                b.copy_(a)
+    names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
+    assert any("experts" in n for n in names) and any("proj" in n for n in names)
+    ids, labels = next(batches(theirs.config.vocab_size, 1))
+    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
+    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
+    for m, o in zip((ours, theirs), out):
+        o.loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for n, p in theirs.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[n], p.grad) <= 1e-4, n
+
+
+def test_disable_adapter_after_merge_gives_the_base_model(ckpt):
+    """PEFT unmerges a merged adapter when it is disabled; the engine must see the base weights."""
+    p_ours, p_theirs = peft_pair(ckpt, BOTH)
+    ids = next(batches(97, 1))[0]
+    with torch.no_grad():
+        for m in (p_ours, p_theirs):
+            m.merge_adapter()
+        with p_ours.disable_adapter(), p_theirs.disable_adapter():
+            assert rel_err(p_ours(input_ids=ids).logits, p_theirs(input_ids=ids).logits) <= 1e-5
+        base = load_pair(ckpt)[1](input_ids=ids).logits
+        with p_ours.disable_adapter():
+            assert rel_err(p_ours(input_ids=ids).logits, base) <= 1e-5

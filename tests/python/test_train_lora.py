@@ -117,9 +117,12 @@ def test_expert_adapter_metrics_show_which_experts_trained(model_dir, tmp_path):
             assert x["update_norm"] > 0
 
 
-def test_lora_trains_with_activation_checkpointing_identically(model_dir, tmp_path):
-    plain = lora_recipe(model_dir, tmp_path, "plain")
-    ckpt = lora_recipe(model_dir, tmp_path, "ckpt")
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_lora_trains_with_activation_checkpointing_identically(model_dir, tmp_path, dropout):
+    """With dropout on the adapters, the recomputed layer replays the forward's masks."""
+    extra = dict(lora_dropout=dropout, target_parameters=[]) if dropout else {}
+    plain = lora_recipe(model_dir, tmp_path, "plain", **extra)
+    ckpt = lora_recipe(model_dir, tmp_path, "ckpt", **extra)
     ckpt["train"]["activation_checkpointing"] = True
     run_train(plain, tmp_path)
     run_train(ckpt, tmp_path)
@@ -132,7 +135,11 @@ def test_bfloat16_lora_keeps_the_base_in_bf16_and_the_loss_falls(model_dir, tmp_
     recipe = lora_recipe(model_dir, tmp_path, "run", target_modules="all-linear")
     recipe["model"]["dtype"] = "bfloat16"
     recipe["train"]["max_steps"] = 8
+    recipe["checkpoint"]["every"] = 4
     run_train(recipe, tmp_path)
+    # The checkpoint holds float32 adapters and no base weight (those stay bf16, frozen, unsaved).
+    saved = load_tensors(tmp_path / "run" / "step-4" / "model.safetensors")
+    assert all(".lora_" in k and t.dtype == torch.float32 for k, t in saved.items())
     recs = metrics(tmp_path / "run")
     assert recs[8]["loss"] < recs[1]["loss"]
     cfg = json.loads((tmp_path / "run" / "export" / "adapter_config.json").read_text())

@@ -110,10 +110,11 @@ void Decoder::set_adapters(std::vector<LoraSite> sites) {
                       params_[s.slot].first == s.base(),
                   "LoRA: adapter for ", s.base(), " does not name a weight of this model");
     AUTOMOE_CHECK(of[s.slot] < 0, "LoRA: two adapters on ", s.base());
-    AUTOMOE_CHECK(lora_targets_[s.slot] == (s.experts ? 2 : 1),
+    const int8_t kind = lora_targets_[s.slot];
+    AUTOMOE_CHECK(s.experts ? kind == 2 : (kind == 1 || kind == 3),
                   "LoRA: the AutoMoE engine does not run an adapter on ", s.base(),
-                  " (adapters go on attention, MLP and shared-expert linear layers and on the routed "
-                  "experts' tensors; not on routers, norms, embeddings or the LM head)");
+                  " (adapters go on attention, MLP and shared-expert linear layers, the routed "
+                  "experts' tensors and the routers' weights; not on norms, embeddings or the LM head)");
     const at::Tensor& w = params_[s.slot].second;
     AUTOMOE_CHECK(w.dim() == (s.experts ? 3 : 2), "LoRA: ", s.base(), " is ", w.sizes(),
                   s.experts ? "; expected routed experts [E, O, K]" : "; expected a linear weight [O, K]");
@@ -144,11 +145,20 @@ at::Tensor Decoder::linear(const at::Tensor& x, int64_t w, int64_t bias, bool tr
   at::Tensor y = at::linear(x, p(w), opt_param(params_, bias));
   const LoraSite* s = adapter(w);
   if (!s) return y;
-  // PEFT's lora.Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling, the factors in the compute
-  // dtype (autocast's, when on, as torch.autocast runs an nn.Linear).
+  // PEFT's lora.Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling with x cast to the
+  // adapter's dtype (float32 adapters on a bf16 base compute in float32; under torch.autocast the
+  // linears take autocast's dtype, as there), the sum back in the base output's dtype.
   const at::Tensor xd = s->dropout > 0 && training ? at::dropout(x, s->dropout, true) : x;
-  const auto dt = y.scalar_type();
-  return y + at::linear(at::linear(xd.to(dt), s->a.to(dt)), s->b.to(dt)) * s->scaling;
+  const at::Tensor l = at::linear(at::linear(xd.to(s->a.scalar_type()), s->a), s->b.to(s->a.scalar_type()));
+  return (y + l * s->scaling).to(y.scalar_type());
+}
+
+at::Tensor Decoder::router_weight(const MoESlots& M) const {
+  const LoraSite* s = adapter(M.router);
+  if (!s) return p(M.router);
+  // PEFT's ParamWrapper on the router's weight: W + (B·A)·s in W's dtype, a small [E, H] tensor.
+  const at::Tensor& w = p(M.router);
+  return w + (at::mm(s->b, s->a) * s->scaling).to(w.scalar_type());
 }
 
 at::Tensor Decoder::mlp(const at::Tensor& x, const MlpSlots& m, bool training) const {
@@ -616,13 +626,14 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
     const std::optional<at::Tensor> bias =
         M.correction_bias >= 0 ? std::optional<at::Tensor>(p(M.correction_bias)) : std::nullopt;
     moe::Routing routing;
+    const at::Tensor w_router = router_weight(M);
     if (backend_.fake_balanced_gate) {
-      routing = moe::route_round_robin(x_TH, p(M.router), spec_.moe.top_k);
+      routing = moe::route_round_robin(x_TH, w_router, spec_.moe.top_k);
     } else if (fixed_idx) {
-      routing = moe::route_given(x_TH, p(M.router), bias, router_, *fixed_idx, ops_.router,
+      routing = moe::route_given(x_TH, w_router, bias, router_, *fixed_idx, ops_.router,
                                  ops_.router_fused, opt_param(params_, M.router_bias));
     } else {
-      routing = moe::route(x_TH, p(M.router), bias, router_, ops_.router,
+      routing = moe::route(x_TH, w_router, bias, router_, ops_.router,
                            opt_param(params_, M.router_bias));
     }
     y_TH = spec_.moe.gpt_oss

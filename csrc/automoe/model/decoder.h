@@ -158,6 +158,8 @@ class Decoder {
   // x·Wᵀ (+ bias) for the linear weight in slot `w`, plus its LoRA adapter when it has one
   // (dropout on the adapter's input in training).
   at::Tensor linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const;
+  // The router's weight, with its LoRA adapter merged in when it has one.
+  at::Tensor router_weight(const MoESlots& M) const;
   // down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
   at::Tensor mlp(const at::Tensor& x, const MlpSlots& m, bool training) const;
   const LoraSite* adapter(int64_t slot) const {

@@ -91,9 +91,9 @@ const char* refused_what(Kind k) {
   }
 }
 
-// PEFT's get_pattern_key: the first key k with name matching (.*\.)?(k)$.
-template <class Map>
-typename Map::const_iterator pattern_of(const Map& patterns, const std::string& name) {
+// PEFT's get_pattern_key: the first key k (in the config's order) with name matching (.*\.)?(k)$.
+template <class Patterns>
+typename Patterns::const_iterator pattern_of(const Patterns& patterns, const std::string& name) {
   for (auto it = patterns.begin(); it != patterns.end(); ++it) {
     try {
       if (std::regex_match(name, std::regex("(.*\\.)?(" + it->first + ")"))) return it;
@@ -113,6 +113,7 @@ std::vector<int8_t> lora_targets(const ModelSpec& spec) {
   for (const Candidate& c : candidates(spec, layout)) {
     if (c.kind == Kind::kLinear) out[c.index] = 1;
     if (c.kind == Kind::kExperts && !spec.moe.gpt_oss) out[c.index] = 2;
+    if (c.kind == Kind::kRouter) out[c.index] = 3;
   }
   return out;
 }
@@ -177,11 +178,32 @@ std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDe
         ++param_hits[t];
       }
     }
+    // PEFT (0.21.2) on Transformers v5 converts target_modules named as the Transformers v4
+    // experts (gate_proj / up_proj / down_proj) into the fused experts of these types, so it would
+    // load an adapter on a dense or shared-expert MLP of that name onto the experts instead. Its
+    // all-linear skips those MLPs for the same reason; named ones are refused.
+    const std::string leaf = c.module.substr(c.module.rfind('.') + 1);
+    const bool peft_reads_as_experts =
+        c.kind == Kind::kLinear && (leaf == "gate_proj" || leaf == "up_proj" || leaf == "down_proj") &&
+        (spec.model_type == "qwen3_moe" || spec.model_type == "deepseek_v3" ||
+         spec.model_type == "glm4_moe" || spec.model_type == "olmoe");
+    if (by_module && peft_reads_as_experts) {
+      const bool named = !all_linear || (module_regex && std::regex_match(c.module, *module_regex));
+      AUTOMOE_CHECK(!strict || !named, "LoRA: target_modules selects ", c.module,
+                    " (a dense or shared-expert MLP); PEFT on Transformers v5 reads target_modules \"",
+                    leaf, "\" of a ", spec.model_type, " model as its routed experts, so it could not "
+                    "load that adapter. Target attention with target_modules and the experts with "
+                    "target_parameters (all-linear skips these MLPs, as PEFT's does)");
+      if (!by_param) continue;
+    }
     if (!by_module && !by_param) continue;
-    if (c.kind == Kind::kRouter || c.kind == Kind::kEmbedding || c.kind == Kind::kLmHead) {
+    if (c.kind == Kind::kRouter && by_param && !by_module) {
+      // PEFT's target_parameters on the router's weight: accepted (lora_targets kind 3).
+    } else if (c.kind == Kind::kRouter || c.kind == Kind::kEmbedding || c.kind == Kind::kLmHead) {
       fail("LoRA: ", by_module ? "target_modules" : "target_parameters", " selects ", c.module, " (",
            refused_what(c.kind), "); AutoMoE puts adapters on attention, MLP, shared-expert and "
-           "routed-expert weights only. Narrow the pattern");
+           "routed-expert weights", c.kind == Kind::kRouter ? " and, through target_parameters "
+           "(\"mlp.gate.weight\"), on routers" : "", " only. Narrow the pattern");
     }
     if (by_param && c.kind == Kind::kLinear) {
       fail("LoRA: target_parameters selects ", param_key, ", a linear layer's weight; target linear "
@@ -215,7 +237,12 @@ std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDe
     if (auto it = pattern_of(config.alpha_pattern, key); it != config.alpha_pattern.end()) {
       s.alpha = it->second;
     }
-    AUTOMOE_CHECK(s.r >= 1 && s.r <= std::min(s.in, s.out), "LoRA: rank ", s.r, " on ", key,
+    AUTOMOE_CHECK(s.r >= 1, "LoRA: rank ", s.r, " on ", key, " must be at least 1");
+    // PEFT accepts a rank above a weight's smaller dimension (the update cannot use it). A weight
+    // the config names is checked (a mistaken rank); all-linear's tiny ones are not (Qwen2-MoE's
+    // shared_expert_gate is [1, H]), as in PEFT.
+    const bool named = by_param || !all_linear || (module_regex && std::regex_match(c.module, *module_regex));
+    AUTOMOE_CHECK(!strict || !named || s.r <= std::min(s.in, s.out), "LoRA: rank ", s.r, " on ", key,
                   " (", s.out, " x ", s.in, s.experts ? " per expert" : "",
                   ") must be between 1 and the smaller dimension, ", std::min(s.in, s.out));
     s.scaling = config.use_rslora ? s.alpha / std::sqrt(static_cast<double>(s.r))
@@ -262,7 +289,8 @@ void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, u
 
 std::string peft_adapter_config(const LoraConfig& config, const std::vector<LoraSite>& sites,
                                 const std::string& base_model) {
-  json rank_pattern = json::object(), alpha_pattern = json::object();
+  nlohmann::ordered_json rank_pattern = nlohmann::ordered_json::object(),
+                         alpha_pattern = nlohmann::ordered_json::object();
   for (const auto& [k, v] : config.rank_pattern) rank_pattern[k] = v;
   for (const auto& [k, v] : config.alpha_pattern) alpha_pattern[k] = v;
   if (config.moe_rank_scaling) {
@@ -273,7 +301,7 @@ std::string peft_adapter_config(const LoraConfig& config, const std::vector<Lora
       if (pattern_of(config.rank_pattern, s.base()) == config.rank_pattern.end()) rank_pattern[key] = s.r;
     }
   }
-  json target_modules;
+  nlohmann::ordered_json target_modules;
   if (!config.target_modules_regex.empty()) {
     target_modules = config.target_modules_regex;
   } else if (config.target_modules.size() == 1 && config.target_modules[0] == "all-linear") {
@@ -285,7 +313,7 @@ std::string peft_adapter_config(const LoraConfig& config, const std::vector<Lora
   } else if (!config.target_modules.empty()) {
     target_modules = config.target_modules;
   }
-  json j = {{"peft_type", "LORA"},
+  nlohmann::ordered_json j = {{"peft_type", "LORA"},
             {"peft_version", kPeftVersion},
             {"task_type", "CAUSAL_LM"},
             {"base_model_name_or_path", base_model},
@@ -294,8 +322,9 @@ std::string peft_adapter_config(const LoraConfig& config, const std::vector<Lora
             {"lora_dropout", config.lora_dropout},
             {"use_rslora", config.use_rslora},
             {"target_modules", target_modules},
-            {"target_parameters", config.target_parameters.empty() ? json(nullptr)
-                                                                   : json(config.target_parameters)},
+            {"target_parameters", config.target_parameters.empty()
+                                      ? nlohmann::ordered_json(nullptr)
+                                      : nlohmann::ordered_json(config.target_parameters)},
             {"rank_pattern", rank_pattern},
             {"alpha_pattern", alpha_pattern},
             {"bias", "none"},
@@ -312,7 +341,8 @@ std::string peft_adapter_config(const LoraConfig& config, const std::vector<Lora
   return j.dump(2) + "\n";
 }
 
-LoraConfig lora_config_from_peft(const json& j, const std::string& origin) {
+LoraConfig lora_config_from_peft(const nlohmann::ordered_json& j, const std::string& origin) {
+  using json = nlohmann::ordered_json;
   AUTOMOE_CHECK(j.is_object(), origin, ": expected a JSON object");
   const std::string type = j.value("peft_type", std::string("LORA"));
   AUTOMOE_CHECK(type == "LORA", origin, ": peft_type \"", type,
@@ -351,10 +381,10 @@ LoraConfig lora_config_from_peft(const json& j, const std::string& origin) {
       c.target_parameters = j["target_parameters"].get<std::vector<std::string>>();
     }
     if (j.contains("rank_pattern") && j["rank_pattern"].is_object()) {
-      c.rank_pattern = j["rank_pattern"].get<std::map<std::string, int64_t>>();
+      for (const auto& [k, v] : j["rank_pattern"].items()) c.rank_pattern.emplace_back(k, v.get<int64_t>());
     }
     if (j.contains("alpha_pattern") && j["alpha_pattern"].is_object()) {
-      c.alpha_pattern = j["alpha_pattern"].get<std::map<std::string, double>>();
+      for (const auto& [k, v] : j["alpha_pattern"].items()) c.alpha_pattern.emplace_back(k, v.get<double>());
     }
   } catch (const json::exception& e) {
     fail(origin, ": a field has the wrong type (", e.what(), ")");
@@ -390,13 +420,13 @@ std::vector<LoraSite> read_peft_adapter(const std::string& dir, const ModelSpec&
                                         LoraConfig* config_out) {
   const fs::path cfg_path = fs::path(dir) / "adapter_config.json";
   AUTOMOE_CHECK(fs::exists(cfg_path), dir, ": no adapter_config.json (not a PEFT adapter directory)");
-  json j;
+  nlohmann::ordered_json j;  // rank_pattern's order decides between overlapping keys
   {
     std::ifstream f(cfg_path);
     std::stringstream ss;
     ss << f.rdbuf();
     try {
-      j = json::parse(ss.str());
+      j = nlohmann::ordered_json::parse(ss.str());
     } catch (const json::exception& e) {
       fail(cfg_path.string(), ": not valid JSON (", e.what(), ")");
     }

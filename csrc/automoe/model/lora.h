@@ -38,9 +38,10 @@ struct LoraConfig {
   // Routed experts' tensors ("mlp.experts.gate_up_proj"): "module.param" equals or ends with
   // "." + entry.
   std::vector<std::string> target_parameters;
-  // PEFT's per-weight overrides: the first key k such that the name matches (.*\.)?(k)$.
-  std::map<std::string, int64_t> rank_pattern;
-  std::map<std::string, double> alpha_pattern;
+  // PEFT's per-weight overrides, in the config file's order: the first key k such that the name
+  // matches (.*\.)?(k)$.
+  std::vector<std::pair<std::string, int64_t>> rank_pattern;
+  std::vector<std::pair<std::string, double>> alpha_pattern;
   // AutoMoE: the routed experts' rank is r / top_k (each token passes through top_k experts, so
   // the adapter capacity a token sees stays r). Exported as a rank_pattern entry, so that PEFT and
   // the merge compute exactly the same scaling.
@@ -78,7 +79,9 @@ std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDe
                                 const LoraConfig& config, bool strict);
 
 // Per parameter of a model of `spec` (parameter_layout order), whether the forward runs an adapter
-// on it: 0 no, 1 a linear layer (attention, dense MLP, shared experts), 2 a routed-experts tensor.
+// on it: 0 no, 1 a linear layer (attention, dense MLP, shared experts), 2 a routed-experts tensor,
+// 3 a router's weight (PEFT's target_parameters "mlp.gate.weight": the router runs on W + s·B·A,
+// a small [E, H] tensor, as PEFT's ParamWrapper computes it).
 std::vector<int8_t> lora_targets(const ModelSpec& spec);
 
 // PEFT's initialisation: A uniform in ±1/sqrt(K) (nn.Linear's kaiming_uniform, a = sqrt(5)), B zero.
@@ -90,7 +93,7 @@ std::string peft_adapter_config(const LoraConfig& config, const std::vector<Lora
                                 const std::string& base_model);
 // The LoraConfig of a PEFT adapter_config.json (`origin` names it in errors); features the engine
 // does not run (DoRA, lora_bias, layer selection, modules_to_save, ...) are refused by name.
-LoraConfig lora_config_from_peft(const nlohmann::json& j, const std::string& origin);
+LoraConfig lora_config_from_peft(const nlohmann::ordered_json& j, const std::string& origin);
 
 // Writes `dir`/adapter_config.json and adapter_model.safetensors (factors in `dtype`), atomically.
 void write_peft_adapter(const std::string& dir, const LoraConfig& config,

@@ -315,6 +315,12 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   if (lora) {
     AUTOMOE_CHECK(mesh.ep == 1, "peft: LoRA under expert parallelism (parallel.ep = ", mesh.ep,
                   ") is not supported yet; use parallel.ep: 1 (data parallelism)");
+    AUTOMOE_CHECK(rc.router.bias_update_rate == 0, "router.bias_update_rate: ",
+                  rc.router.bias_update_rate, " with peft: the routers' correction bias would train "
+                  "beside the adapters, but the PEFT adapter export cannot carry it (PEFT would load "
+                  "the adapter onto the untrained bias); use 0 with LoRA");
+    // Dropout masks differ between data-parallel ranks (each its own batch), reproducibly.
+    if (rc.peft.lora_dropout > 0) at::manual_seed(rc.train.seed + static_cast<uint64_t>(world.rank));
     try {
       lora_sites = plan_lora(spec, parameter_layout(spec), lora_config, /*strict=*/true);
     } catch (const Error& e) {
@@ -364,7 +370,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
     // (LoRA: the adapters are small; every rank keeps their whole state.)
     const bool zero = dist && rc.parallel.zero >= 1 && !lora;
-    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero, /*full_state=*/!zero);
+    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero && !lora,
+             /*full_state=*/!zero);
   }
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
   AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
@@ -372,7 +379,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                 "model.router_aux_loss_coef: ", spec.model_type,
                 " trains without a load-balancing loss (as in Transformers); remove the key, or use "
                 "router.bias_update_rate for DeepSeek-V3's auxiliary-loss-free balancing");
-  const bool mixed = compute != at::kFloat;
+  // bf16 compute: the forward reads bf16 copies of the masters. LoRA's adapters compute in float32
+  // (their masters themselves), as PEFT's float32 adapters on a bf16 base do.
+  const bool mixed = compute != at::kFloat && !lora;
   std::vector<at::Tensor> model_params;  // what the forward reads (requires grad)
   for (size_t i = 0; i < opt.names.size(); ++i) {
     at::Tensor p = mixed ? opt.master[i].to(compute) : opt.master[i];
@@ -435,12 +444,14 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       rc.log.peak_tflops > 0 ? rc.log.peak_tflops
                              : measure_matmul_peak(dev, compute, dev.is_cuda() ? 0 : 512).tflops;
   TrainerState st;
-  const json recipe_json = json::parse(rc.to_json());
+  // What a LoRA run's checkpoints depend on (export_merged only changes the export).
+  json peft_identity = json::parse(rc.to_json()).value("peft", json(nullptr));
+  if (peft_identity.is_object()) peft_identity.erase("export_merged");
   const json run_identity = {{"model_path", rc.model.path},
                              {"train_data", data.train_key},
                              {"train_documents", train_set.num_docs()},
                              {"train_tokens", train_set.num_tokens()},
-                             {"peft", lora ? recipe_json["peft"] : json(nullptr)}};
+                             {"peft", lora ? peft_identity : json(nullptr)}};
   if (has_latest) {
     opt.materialize();  // ZeRO-1: full tensors to load into, then this rank's slices of them
     const json saved = load_checkpoint(run, opt, buffers, st, own.begin, [&](const json& state) {
@@ -453,6 +464,11 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     });
     opt.absorb();
     opt.release();
+    AUTOMOE_CHECK(!lora || !saved.contains("model_path") || saved["model_path"] == rc.model.path,
+                  "cannot resume ", run.string(), ": its LoRA adapters were trained on ",
+                  saved["model_path"].get<std::string>(), ", and model.path is now ", rc.model.path,
+                  " (the adapters only make sense on the base they were trained on); use another "
+                  "checkpoint.dir, or the model.path it started from");
     if (saved.contains("model_path") && saved["model_path"] != rc.model.path) {
       std::cerr << "automoe train: note: resuming a run that started from "
                 << saved["model_path"].get<std::string>() << "; its weights come from the "
