@@ -176,8 +176,8 @@ def test_load_state_dict_reads_either_experts_layout(pair, tmp_path):
 
 
 def test_peft_adapters_and_submodule_hooks_are_refused_by_name(pair):
-    """The engine computes with the model's own weights: a PEFT adapter on it (the LoRA issue's to
-    build) or a hook on a submodule would be silently skipped, so both are refused."""
+    """A hook on a submodule would be silently skipped by the engine, and so would a PEFT feature it
+    does not run (DoRA here; plain LoRA runs: test_lora.py): both are refused by name."""
     from peft import LoraConfig, get_peft_model
 
     ours, _, path = pair
@@ -186,8 +186,9 @@ def test_peft_adapters_and_submodule_hooks_are_refused_by_name(pair):
     with pytest.raises(AutoMoEError, match=r"model\.layers\.0\.mlp .*has a hook registered"):
         ours(ids)
     handle.remove()
-    peft_model = get_peft_model(ours, LoraConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(AutoMoEError, match=r"q_proj\.weight is gone.*peft.*force_transformers=True"):
+    fresh = automoe.AutoModelForCausalLM.from_pretrained(path)
+    peft_model = get_peft_model(fresh, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    with pytest.raises(AutoMoEError, match=r"q_proj: DoRA \(use_dora\).*force_transformers=True"):
         peft_model(input_ids=ids)
     # The fallback path is Transformers' own model: PEFT works there.
     fallback = automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=True)
