@@ -46,16 +46,23 @@ else
 fi
 
 step "CUDA op tests (tests/python/test_ops.py: every op on cpu and cuda vs float64 references)"
-timeout 240 $PY -m pytest -q -p no:cacheprovider tests/python/test_ops.py > "$OUT/test_ops.log" 2>&1
+# Our CUDA kernels are not the default until they have passed here (ops/cuda_status.h): run them.
+AUTOMOE_CUDA_KERNELS=all timeout 240 $PY -m pytest -q -p no:cacheprovider tests/python/test_ops.py \
+  --junitxml "$OUT/test_ops.xml" > "$OUT/test_ops.log" 2>&1
 tail -15 "$OUT/test_ops.log"
 
 step "op benchmark: fused ops vs references, qwen3-30b-a3b layer and cpu-small, bf16 on $DEVICE"
-timeout 200 $PY bench/ops_bench.py --preset qwen3-30b-a3b --dtype bf16 --device "$DEVICE" \
+AUTOMOE_CUDA_KERNELS=all timeout 200 $PY bench/ops_bench.py --preset qwen3-30b-a3b --dtype bf16 --device "$DEVICE" \
   --reps 5 --quick-refs --json "$OUT/ops-qwen3-30b-a3b.json" --markdown "$OUT/ops-qwen3-30b-a3b.md" | tail -25 \
   || echo "ops_bench (qwen3-30b-a3b) failed or ran out of time"
-timeout 60 $PY bench/ops_bench.py --preset cpu-small --dtype bf16 --device "$DEVICE" \
+AUTOMOE_CUDA_KERNELS=all timeout 60 $PY bench/ops_bench.py --preset cpu-small --dtype bf16 --device "$DEVICE" \
   --reps 5 --json "$OUT/ops-cpu-small.json" --markdown "$OUT/ops-cpu-small.md" | tail -20 \
   || echo "ops_bench (cpu-small) failed or ran out of time"
+
+step "CUDA kernels table (docs/ops.md): harness results and speed against ATen, per kernel"
+$PY bench/cuda_kernels.py --junit "$OUT/test_ops.xml" --ops "$OUT/ops-qwen3-30b-a3b.json" \
+  --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || echo "$DEVICE")" \
+  --json "$OUT/cuda_kernels.json" | tee "$OUT/cuda_kernels.md" || echo "cuda_kernels.py failed"
 
 step "engine matmul peak on $DEVICE"
 "$PKG/automoe/bin/automoe" bench --peak --device "$DEVICE" --json "$OUT/peak.json" | tail -12

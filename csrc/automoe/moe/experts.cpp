@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include "automoe/core/error.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::moe {
@@ -92,6 +93,9 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+  if (x_TH.is_cuda() && !ops::use_cuda_kernel("grouped_gemm")) {  // ops/cuda_status.h
+    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+  }
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor x_NH = ops::permute(x_TH, plan);
   const at::Tensor h_NI =
@@ -198,6 +202,10 @@ at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
     return grouped_mm(ops::swiglu_reference(gu), w_down_GHI, ends, down_of(lora));
   }
   AUTOMOE_CHECK(backend == "grouped", "experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
+  if (x_NH.is_cuda() && !ops::use_cuda_kernel("grouped_gemm")) {  // ops/cuda_status.h
+    return experts_on_rows("torch_mm", x_NH, offsets_G1, w_gate_up_GIH, w_down_GHI, fused_swiglu,
+                           lora);
+  }
   return grouped(swiglu(grouped(x_NH, w_gate_up_GIH, offsets_G1, gate_up_of(lora))), w_down_GHI,
                  offsets_G1, down_of(lora));
 }

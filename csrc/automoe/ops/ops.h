@@ -36,6 +36,8 @@ struct PermutePlan {
   at::Tensor src_token;  // [T*K] int64 token of each permuted row, -1 past offsets[E]
 };
 PermutePlan permute_plan(const at::Tensor& idx_TK, int64_t num_experts);
+// The same plan from ATen ops (a stable sort by expert): what CUDA runs until our kernel has run.
+PermutePlan permute_plan_reference(const at::Tensor& idx_TK, int64_t num_experts);
 at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan);
 at::Tensor permute_reference(const at::Tensor& x_TH, const PermutePlan& plan);
 // out[t] = sum_k weights[t, k] * y[slot_pos[t, k]], float32 accumulation, in y's dtype.

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -124,6 +125,9 @@ at::Tensor grouped_gemm_lora(const at::Tensor& x_NK, const at::Tensor& w_GOK,
   const at::Tensor offsets = offsets_in.contiguous();
   check_grouped(x_NK, w_GOK, offsets);
   check_lora(x_NK, w_GOK, a_GRK, b_GOR);
+  if (x_NK.is_cuda() && !use_cuda_kernel("grouped_gemm")) {
+    return grouped_gemm_lora_reference(x_NK, w_GOK, a_GRK, b_GOR, offsets, scaling);
+  }
   return GroupedGemmLoraFn::apply(x_NK, w_GOK, a_GRK, b_GOR, offsets, scaling);
 }
 
@@ -139,6 +143,8 @@ at::Tensor grouped_gemm_lora_reference(const at::Tensor& x_NK, const at::Tensor&
 at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets_in) {
   const at::Tensor offsets = offsets_in.contiguous();  // checked and used: the same tensor
   check_grouped(x_NK, w_GOK, offsets);
+  if (x_NK.is_cuda() && !use_cuda_kernel("grouped_gemm"))
+    return grouped_gemm_reference(x_NK, w_GOK, offsets);
   return GroupedGemmFn::apply(x_NK, w_GOK, offsets);
 }
 

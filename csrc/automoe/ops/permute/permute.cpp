@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -86,8 +87,28 @@ PermutePlan permute_plan(const at::Tensor& idx_TK, int64_t num_experts) {
                   ": indices must be in [-1, ", num_experts, "), got [", lo.item<int64_t>(), ", ",
                   hi.item<int64_t>(), "]");
   }
+  if (idx.is_cuda() && !use_cuda_kernel("permute")) return permute_plan_reference(idx, num_experts);
   auto [offsets, slot_pos, src] = AUTOMOE_KERNEL(permute_plan, idx, idx, num_experts);
   return {offsets, slot_pos, src};
+}
+
+PermutePlan permute_plan_reference(const at::Tensor& idx_TK, int64_t num_experts) {
+  // A stable sort by expert (dropped slots, index -1, sorted past every expert) keeps each
+  // expert's slots in order t*K + k, as the kernel's single pass does.
+  const at::Tensor idx = idx_TK.to(at::kLong).reshape({-1});
+  const int64_t N = idx.numel(), K = std::max<int64_t>(idx_TK.size(1), 1);
+  const at::Tensor valid = idx.ge(0);
+  const at::Tensor key = at::where(valid, idx, num_experts);
+  const at::Tensor order =
+      std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const at::Tensor counts = at::bincount(key, {}, num_experts + 1).narrow(0, 0, num_experts);
+  const at::Tensor offsets = at::cat({at::zeros({1}, counts.options()), counts.cumsum(0)});
+  const at::Tensor rows = at::arange(N, idx.options());
+  const at::Tensor kept = rows.lt(offsets.narrow(0, num_experts, 1));  // rows before offsets[E]
+  at::Tensor slot_pos =
+      at::empty({N}, idx.options()).index_put_({order}, at::where(kept, rows, -1));
+  at::Tensor src = at::where(kept, at::div(order, K, "floor"), -1);
+  return {offsets, slot_pos.view(idx_TK.sizes()), src};
 }
 
 at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan_in) {
@@ -96,6 +117,7 @@ at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan_in) {
   detail::check_float(op, "x", x_TH);
   detail::check_dim(op, "x", x_TH, 2);
   check_plan(op, x_TH, plan, x_TH.size(0), plan.slot_pos.size(0), "x rows");
+  if (x_TH.is_cuda() && !use_cuda_kernel("permute")) return permute_reference(x_TH, plan);
   return PermuteFn::apply(x_TH, plan.src_token, plan.slot_pos);
 }
 
@@ -118,6 +140,8 @@ at::Tensor unpermute(const at::Tensor& y_NH, const PermutePlan& plan_in,
                     weights_TK.scalar_type() == y_NH.scalar_type(),
                 op, ": weights must be float32 or y's dtype (", y_NH.scalar_type(), "), got ",
                 weights_TK.scalar_type());
+  if (y_NH.is_cuda() && !use_cuda_kernel("permute"))
+    return unpermute_reference(y_NH, plan, weights_TK);
   return UnpermuteFn::apply(y_NH, plan.slot_pos, weights_TK);
 }
 

@@ -1,8 +1,11 @@
 // rmsnorm: autograd layer (the reference is rmsnorm_reference.cpp).
+#include "automoe/ops/rmsnorm/rmsnorm.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -40,6 +43,7 @@ at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   AUTOMOE_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), op,
                 ": weight must be [", x.dim() ? x.size(-1) : 0, "] (x's last dimension), got ",
                 weight.sizes());
+  if (x.is_cuda() && !use_cuda_kernel("rmsnorm")) return rms_norm_reference(x, weight, eps);
   return RmsNormFn::apply(x, weight, eps);
 }
 

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -52,6 +53,9 @@ at::Tensor rope(const at::Tensor& x_BSND, const at::Tensor& cos_BSh, const at::T
   AUTOMOE_CHECK(!(at::GradMode::is_enabled() && (cos_BSh.requires_grad() || sin_BSh.requires_grad())),
                 "automoe.rope: cos and sin must not require gradients (the fused op differentiates "
                 "x only; use automoe.rope_reference for learnable tables)");
+  if (x_BSND.is_cuda() && !use_cuda_kernel("rope")) {
+    return rope_reference(x_BSND, cos_BSh, sin_BSh, interleaved).to(x_BSND.scalar_type());
+  }
   return RopeFn::apply(x_BSND, cos_BSh, sin_BSh, interleaved);
 }
 

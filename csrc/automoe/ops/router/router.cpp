@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -92,6 +93,8 @@ at::Tensor topk_lower_index_first(const at::Tensor& v, int64_t k) {
 RouterResult router(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
                     const RouterParams& p) {
   check_router(logits_TE, bias_E, p);
+  if (logits_TE.is_cuda() && !use_cuda_kernel("router"))
+    return router_reference(logits_TE, bias_E, p);
   const auto out = RouterFn::apply(logits_TE, bias_E, p);
   return {out[0], out[1], out[2]};
 }

@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -40,6 +41,7 @@ void check_swiglu(const at::Tensor& gate_up) {
 
 at::Tensor swiglu(const at::Tensor& gate_up, const SwigluParams& p) {
   check_swiglu(gate_up);
+  if (gate_up.is_cuda() && !use_cuda_kernel("swiglu")) return swiglu_reference(gate_up, p);
   return SwigluFn::apply(gate_up, p);
 }
 
