@@ -61,7 +61,9 @@ def best_time(fn, device, reps, warmup=True):
 
 
 def fwd_bwd(fn, inputs):
-    """A closure running fn(*inputs) and a backward of every float output with ones."""
+    """A closure running fn(*inputs) and a backward of every float output with ones. The upstream
+    gradients are made once, outside the timed closure (they are not the op's work)."""
+    ones: list[torch.Tensor] = []
 
     def run():
         for t in inputs:
@@ -70,7 +72,9 @@ def fwd_bwd(fn, inputs):
         out = fn(*inputs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         tensors = [o for o in outs if o.requires_grad]
-        torch.autograd.backward(tensors, [torch.ones_like(o) for o in tensors])
+        if len(ones) != len(tensors) or any(g.shape != o.shape for g, o in zip(ones, tensors)):
+            ones[:] = [torch.ones_like(o) for o in tensors]
+        torch.autograd.backward(tensors, ones)
 
     return run
 
@@ -152,7 +156,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
 
     idx, wts = routing(T, K, E, device)
     plan = OPS.moe_permute_plan(idx, E)
-    add("permute plan", lambda: OPS.moe_permute_plan(idx, E), None, bytes_=3 * T * K * 8)
+    add("permute plan", lambda: OPS.moe_permute_plan(idx, E),
+        lambda: OPS.moe_permute_plan_reference(idx, E), bytes_=3 * T * K * 8)
     add("permute", fwd_bwd(lambda a: OPS.permute(a, *plan), [x]),
         fwd_bwd(lambda a: OPS.permute_reference(a, *plan), [x]), bytes_=4 * T * K * H * es)
     y = leaf(mk(T * K, H))
@@ -246,6 +251,8 @@ def ce_rows(p, T, dtype, device, reps, hidden=None):
         cmd = [sys.executable, __file__, "--ce-child", kind, "--ce-shape", f"{T},{H},{V}",
                "--dtype", {v: k for k, v in DTYPES.items()}[dtype], "--device", device,
                "--reps", str(reps)]
+        paths = OPS._cpu_kernel_paths()  # the parent's forced paths, if any
+        cmd += ["--cpu-isa", paths["isa"], "--cpu-gemm", paths["gemm_bf16"]]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
         res[kind] = json.loads(out.strip().splitlines()[-1])
     dname = {v: k for k, v in DTYPES.items()}[dtype]
@@ -259,13 +266,26 @@ def ce_rows(p, T, dtype, device, reps, hidden=None):
     return [row]
 
 
+def kernel_paths(device):
+    """The kernel paths the fused ops ran: CPU instruction-set level and GEMM path, or on CUDA
+    whether our kernels or ATen's (ops/cuda_status.h, AUTOMOE_CUDA_KERNELS)."""
+    if str(device).startswith("cuda"):
+        return {"cuda_kernels": os.environ.get("AUTOMOE_CUDA_KERNELS", "validated table (default)")}
+    return dict(OPS._cpu_kernel_paths())
+
+
+def kernel_paths_text(r):
+    return ", ".join(f"{k} = {v}" for k, v in sorted(r.get("kernel_paths", {}).items()))
+
+
 def markdown(result):
     r = result
     pk = r["peaks"]
     lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
              f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
              f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
-             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s.", "",
+             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s; {r['threads']} threads. "
+             f"Kernel paths: {kernel_paths_text(r)}; malloc: {r.get('allocator', 'glibc')}.", "",
              "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
              "|---|---:|---:|---:|---|"]
     for row in r["rows"]:
@@ -304,9 +324,24 @@ def main(argv=None):
     ap.add_argument("--layer-refs", default="eager,torch_mm",
                     help="experts backends compared with grouped")
     ap.add_argument("--only-ce", action="store_true", help="only the cross-entropy rows")
+    ap.add_argument("--cpu-isa", default="",
+                    help="cap the CPU kernels' instruction-set level (baseline, avx2, avx512, ...)")
+    ap.add_argument("--cpu-gemm", default="",
+                    help="force the CPU GEMM path (generic, avx2, avx512, brgemm)")
+    ap.add_argument("--allocator", choices=["jemalloc", "system"], default="jemalloc",
+                    help="malloc for the whole run: jemalloc as the engine's CLI uses it, or glibc's")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     a = ap.parse_args(argv)
+    OPS._set_cpu_paths(a.cpu_isa, a.cpu_gemm)
+    if a.allocator == "jemalloc" and argv is None and not os.environ.get("AUTOMOE_OPS_BENCH_ALLOC"):
+        # Run under the allocator the engine runs with (python/automoe/cli.py), fused and
+        # reference alike: with glibc's malloc every large output page-faults in afresh.
+        from automoe.cli import allocator_env
+
+        env = allocator_env({**os.environ, "AUTOMOE_OPS_BENCH_ALLOC": "1"})
+        if "libjemalloc" in env.get("LD_PRELOAD", ""):
+            os.execve(sys.executable, [sys.executable, *sys.argv], env)
     if a.ce_child:
         T, H, V = (int(v) for v in a.ce_shape.split(","))
         ce_child(a.ce_child, T, H, V, DTYPES[a.dtype], a.device, a.reps)
@@ -317,14 +352,16 @@ def main(argv=None):
     dtype = DTYPES[a.dtype]
     torch.manual_seed(0)
     peaks = measure_peaks(a.device, dtype, a.reps)
-    print(json.dumps({"peaks": peaks}), flush=True)
+    print(json.dumps({"peaks": peaks, "kernel_paths": kernel_paths(a.device)}), flush=True)
     rows = [] if a.only_ce else op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs,
                                         a.quick_refs, a.layer_refs.split(","))
     rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
                     max(1, a.reps - 1), a.ce_hidden)
     result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,
               "reps": a.reps, "quick_refs": a.quick_refs,
-              "threads": torch.get_num_threads(), "peaks": peaks, "rows": rows}
+              "threads": torch.get_num_threads(), "kernel_paths": kernel_paths(a.device),
+              "allocator": "jemalloc" if "libjemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc",
+              "peaks": peaks, "rows": rows}
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
     if a.markdown:

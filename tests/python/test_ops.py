@@ -24,6 +24,37 @@ import automoe  # noqa: F401  (registers torch.ops.automoe)
 OPS = torch.ops.automoe
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+ISA_LEVELS = ["baseline", "avx2", "avx512", "avx512_bf16", "amx"]
+
+
+def cpu_variants() -> list[str]:
+    """Every other CPU kernel path this CPU can run, as "cpu:<isa>[+<gemm>]": each lower
+    instruction-set level, and each GEMM path the CPU's own level does not choose by default
+    (brgemm below AMX), deduplicated by the kernels they select."""
+    seen, out = set(), []
+
+    def add(isa: str, gemm: str = ""):
+        OPS._set_cpu_paths(isa, gemm)
+        paths = dict(OPS._cpu_kernel_paths())
+        key = tuple(sorted((k, v) for k, v in paths.items()
+                           if k not in ("isa", "cpu_isa", "gemm_measured")))
+        if key not in seen:
+            seen.add(key)
+            out.append(f"cpu:{isa}" + (f"+{gemm}" if gemm else ""))
+
+    try:
+        cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+        add(cpu_isa)  # the default path ("cpu")
+        for gemm in OPS._cpu_gemm_paths():
+            add(cpu_isa, gemm)
+        for isa in ISA_LEVELS[: ISA_LEVELS.index(cpu_isa)]:
+            add(isa)
+    finally:
+        OPS._set_cpu_paths("", "")
+    return out[1:]
+
+
+CPU_VARIANTS = cpu_variants()
 
 
 @pytest.fixture(autouse=True)
@@ -101,9 +132,10 @@ def test_permute_plan_matches_a_stable_sort():
     for T, K, E, pattern in ROUTINGS:
         idx = routing(g, T, K, E, pattern)
         for device in DEVICES:
-            got = OPS.moe_permute_plan(idx.to(device), E)
-            for a, b in zip(got, plan_reference(idx, E)):
-                assert torch.equal(a.cpu(), b), (T, K, E, pattern, device)
+            for op in (OPS.moe_permute_plan, OPS.moe_permute_plan_reference):
+                got = op(idx.to(device), E)
+                for a, b in zip(got, plan_reference(idx, E)):
+                    assert torch.equal(a.cpu(), b), (op, T, K, E, pattern, device)
 
 
 def test_permute_plan_rejects_out_of_range_experts():
@@ -245,6 +277,13 @@ CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *per
 
 
 def run_case(case: Case, dtype, device):
+    if device.startswith("cpu:"):  # another CPU kernel path, forced for this case
+        isa, _, gemm = device[4:].partition("+")
+        OPS._set_cpu_paths(isa, gemm)
+        try:
+            return run_case(case, dtype, "cpu")
+        finally:
+            OPS._set_cpu_paths("", "")
     g = torch.Generator().manual_seed(1234)
     base = case.make(g)
     # Inputs as the fused op sees them (the test dtype), and the same values in float64.
@@ -278,7 +317,7 @@ def run_case(case: Case, dtype, device):
         assert err <= tol, f"{case.name} grad of input {i}: relative error {err:.2e} > {tol:.0e}"
 
 
-@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("device", DEVICES + CPU_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_fused_op_matches_float64_reference(case, dtype, device):
@@ -373,6 +412,35 @@ def test_non_contiguous_inputs_give_the_contiguous_result(device):
                        OPS.grouped_gemm(x, wg, strided.contiguous()))
 
 
+@pytest.mark.skipif("brgemm" not in OPS._cpu_gemm_paths(), reason="no AVX-512 brgemm here")
+def test_brgemm_packing_matches_the_float32_engine_element_by_element():
+    """The brgemm path packs bf16 operands itself (rows, transposed rows, VNNI pairs; SIMD blocks of
+    16 x 32 plus scalar tails). Every product of two bf16 is exact in float32, so the forward, dX
+    and dW must agree with the float32 micro-kernel path to accumulation-order rounding at every
+    element — a norm-based tolerance could hide a few misplaced elements."""
+    g = torch.Generator().manual_seed(11)
+    for N, K, O, sizes in [(300, 300, 260, [0, 290, 10]), (97, 67, 83, [64, 33]),
+                           (48, 32, 16, [48])]:
+        offsets = torch.tensor([0] + sizes).cumsum(0)
+        x0 = randn(g, N, K).bfloat16()
+        w0 = randn(g, len(sizes), O, K, scale=0.2).bfloat16()
+        up = randn(g, N, O).bfloat16()
+        outs = {}
+        for path in ("generic", "brgemm"):
+            OPS._set_cpu_paths("", path)
+            try:
+                x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+                y = OPS.grouped_gemm(x, w, offsets)
+                y.backward(up)
+                outs[path] = [y.float(), x.grad.float(), w.grad.float()]
+            finally:
+                OPS._set_cpu_paths("", "")
+        for name, a, b in zip(("y", "dx", "dw"), outs["generic"], outs["brgemm"]):
+            # both round one float32 sum to bf16: at most one bf16 ulp apart
+            close = (a - b).abs() <= a.abs().clamp_min(1e-3) * 2 ** -7
+            assert close.all(), f"N{N} K{K} O{O} {name}: {int((~close).sum())} elements differ"
+
+
 def test_experts_backends_agree_with_an_empty_expert_and_dropped_slots():
     g = torch.Generator().manual_seed(7)
     T, K, E, H, I = 11, 2, 5, 16, 12
@@ -451,3 +519,61 @@ def test_bad_inputs_name_the_op_and_tensor():
     ang = torch.zeros(1, 2, 2, requires_grad=True)
     with pytest.raises(Exception, match=r"automoe.rope: cos and sin must not require gradients"):
         OPS.rope(torch.randn(1, 2, 1, 4), ang.cos(), ang.sin())
+
+
+# ---- kernel paths -------------------------------------------------------------------------------
+
+
+def test_cpu_paths_refuse_a_level_above_the_cpu_and_unknown_names():
+    cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+    try:
+        with pytest.raises(automoe.AutoMoEError, match="unknown CPU instruction-set level \"avx9\""):
+            OPS._set_cpu_paths("avx9", "")
+        with pytest.raises(automoe.AutoMoEError, match="unknown GEMM path \"fast\""):
+            OPS._set_cpu_paths("", "fast")
+        if cpu_isa != "amx":
+            with pytest.raises(automoe.AutoMoEError, match=f"this CPU only has {cpu_isa}"):
+                OPS._set_cpu_paths("amx", "")
+        OPS._set_cpu_paths("baseline", "")
+        assert dict(OPS._cpu_kernel_paths()) == {
+            "isa": "baseline", "cpu_isa": cpu_isa, "gemm_bf16": "generic", "gemm_fp32": "aten",
+            "lm_head_bf16": "generic", "elementwise": "baseline",
+            "gemm_measured": "not measured (no choice needed at this level)"}
+        with pytest.raises(automoe.AutoMoEError, match="\"avx2\" GEMM path does not run on this CPU at "
+                                               "the baseline level"):
+            OPS._set_cpu_paths("baseline", "avx2")
+    finally:
+        OPS._set_cpu_paths("", "")
+
+
+def test_AUTOMOE_CPU_ISA_caps_the_level_and_rejects_what_the_cpu_lacks():
+    import subprocess
+    import sys
+    code = "import torch, automoe; print(dict(torch.ops.automoe._cpu_kernel_paths())['isa'])"
+    import os
+    from pathlib import Path
+    pkg = str(Path(automoe.__file__).resolve().parents[1])
+    env = {**os.environ, "AUTOMOE_CPU_ISA": "avx2",
+           "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+    cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if cpu_isa == "baseline":
+        assert out.returncode != 0 and "AUTOMOE_CPU_ISA=avx2: this CPU only has baseline" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["avx2"]
+
+
+def test_cuda_kernels_table_in_docs_matches_the_engine():
+    """docs/ops.md's "CUDA kernels" table names every CUDA kernel family, and the ones it marks as
+    the default are exactly those the engine runs by default (ops/cuda_status.cpp)."""
+    from pathlib import Path
+    names, validated, _ = OPS._cuda_kernels()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "ops.md").read_text()
+    table = text.split("## CUDA kernels: which run by default", 1)[1]
+    rows = [line.split("|")[1:-1] for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| CUDA kernel")]
+    doc_names = [r[0].strip().split()[0] for r in rows]
+    assert doc_names == list(names)
+    doc_default = [r[0].strip().split()[0] for r in rows if not r[-1].strip().startswith("ATen")]
+    assert sorted(doc_default) == sorted(validated)

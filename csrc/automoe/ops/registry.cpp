@@ -7,6 +7,9 @@
 #include <torch/library.h>
 
 #include "automoe/core/error.h"
+#include "automoe/ops/cpu/isa.h"
+#include "automoe/ops/cuda_status.h"
+#include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/ops.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
@@ -33,8 +36,9 @@ Tensor3 router_op(const Tensor& logits, int64_t top_k, std::string score_func,
   return {r.weights_TK, r.idx_TK, r.scores_TE};
 }
 
+template <PermutePlan (*Fn)(const Tensor&, int64_t)>
 Tensor3 permute_plan_op(const Tensor& indices, int64_t num_experts) {
-  const PermutePlan p = permute_plan(indices, num_experts);
+  const PermutePlan p = Fn(indices, num_experts);
   return {p.offsets, p.slot_pos, p.src_token};
 }
 
@@ -73,6 +77,36 @@ std::tuple<Tensor, Tensor> lce_reference_op(const Tensor& x, const Tensor& w, co
   return {r.sum, r.count};
 }
 
+c10::Dict<std::string, std::string> cpu_kernel_paths_op() {
+  c10::Dict<std::string, std::string> d;
+  for (const auto& [k, v] : cpu::kernel_paths()) d.insert(k, v);
+  return d;
+}
+
+// Caps the CPU instruction-set level ("" = what the CPU has) and forces a GEMM path ("" = the
+// level's choice): the op tests run every path this CPU has.
+void set_cpu_paths_op(std::string isa, std::string gemm) {
+  cpu::force_gemm_path("");
+  cpu::set_isa(isa.empty() ? cpu::detected_isa() : cpu::parse_isa(isa));
+  cpu::force_gemm_path(gemm);
+}
+
+std::vector<std::string> cpu_gemm_paths_op() {
+  std::vector<std::string> out;
+  for (const cpu::GemmPath p : cpu::gemm_paths_available()) out.push_back(cpu::gemm_path_name(p));
+  return out;
+}
+
+// (all CUDA kernel families, those validated on a GPU, those CUDA tensors run now)
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>>
+cuda_kernels_op() {
+  std::vector<std::string> on;
+  for (const auto& n : cuda_kernel_names()) {
+    if (use_cuda_kernel(n.c_str())) on.push_back(n);
+  }
+  return {cuda_kernel_names(), validated_cuda_kernels(), on};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(automoe, m) {
@@ -82,9 +116,12 @@ TORCH_LIBRARY(automoe, m) {
       "float routed_scaling_factor=1.0) -> (Tensor weights, Tensor indices, Tensor scores)";
   m.def((std::string("router") + router_args).c_str(), TORCH_FN(router_op<router>));
   m.def((std::string("router_reference") + router_args).c_str(), TORCH_FN(router_op<router_reference>));
-  m.def("moe_permute_plan(Tensor indices, int num_experts) -> "
-        "(Tensor offsets, Tensor slot_pos, Tensor src_token)",
-        TORCH_FN(permute_plan_op));
+  const char* plan_args =
+      "(Tensor indices, int num_experts) -> (Tensor offsets, Tensor slot_pos, Tensor src_token)";
+  m.def((std::string("moe_permute_plan") + plan_args).c_str(),
+        TORCH_FN(permute_plan_op<permute_plan>));
+  m.def((std::string("moe_permute_plan_reference") + plan_args).c_str(),
+        TORCH_FN(permute_plan_op<permute_plan_reference>));
   const char* permute_args = "(Tensor x, Tensor offsets, Tensor slot_pos, Tensor src_token) -> Tensor";
   m.def((std::string("permute") + permute_args).c_str(), TORCH_FN(permute_op<permute>));
   m.def((std::string("permute_reference") + permute_args).c_str(), TORCH_FN(permute_op<permute_reference>));
@@ -116,6 +153,11 @@ TORCH_LIBRARY(automoe, m) {
   m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
   m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
+  m.def("_cpu_kernel_paths() -> Dict(str, str)", TORCH_FN(cpu_kernel_paths_op));
+  m.def("_set_cpu_paths(str isa=\"\", str gemm=\"\") -> ()", TORCH_FN(set_cpu_paths_op));
+  m.def("_cpu_gemm_paths() -> str[]", TORCH_FN(cpu_gemm_paths_op));
+  m.def("_cuda_kernels() -> (str[] names, str[] validated, str[] enabled)",
+        TORCH_FN(cuda_kernels_op));
 }
 
 }  // namespace automoe::ops

@@ -1,9 +1,9 @@
-// Row primitives of the CPU kernels: float32 math on contiguous rows. Each is compiled twice
-// (x86-64 with AVX2+FMA, and the baseline) through GCC's target_clones and picked at load time,
-// so the loops vectorise where the CPU allows without requiring AVX2 to run. exp is a
-// Cephes-style polynomial (relative error ~2e-7), which keeps the loops free of library calls.
-// The kernels widen bf16 rows into float buffers with load(), compute here, and round back once
-// with store() (round to nearest even, as c10::BFloat16).
+// Row primitives of the CPU kernels: float32 math on contiguous rows. Each is compiled three times
+// (x86-64 with AVX-512, with AVX2+FMA, and the baseline) and picked at each call from the active
+// instruction-set level (ops/cpu/isa.h), so the loops use what the CPU has without requiring it.
+// exp is a Cephes-style polynomial (relative error ~2e-7), which keeps the loops free of library
+// calls. The kernels widen bf16 rows into float buffers with load(), compute here, and round back
+// once with store() (round to nearest even, as c10::BFloat16).
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -11,6 +11,9 @@
 #include <cstdint>
 
 namespace automoe::ops::cpu::vec {
+
+// The copy the row primitives run at the active level: "avx512", "avx2" or "baseline".
+const char* path_name();
 
 void load(const void* src, c10::ScalarType dtype, float* dst, int64_t n);
 void store(const float* src, void* dst, c10::ScalarType dtype, int64_t n);
@@ -33,11 +36,15 @@ void rms_dx(const float* g, const float* w, const float* x, float k, float m, fl
 // acc += a * x
 void axpy(float* acc, float a, const float* x, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
+// The same with x as raw bf16 (no widened copy of the row).
+void axpy_bf16(float* acc, float a, const uint16_t* x, int64_t n);
+float dot_bf16(const float* a, const uint16_t* b, int64_t n);
 // y = a * x
 void scale(const float* x, float a, float* y, int64_t n);
 
-// Rotation of pairs (xa[i], xb[i]) by (c[i], sign * s[i]).
-void rotate(const float* xa, const float* xb, const float* c, const float* s, float sign,
-            float* ya, float* yb, int64_t n);
+// Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
+// row by the angles (c[i], sign * s[i]).
+void rotate_heads(const float* x, const float* c, const float* s, float sign, float* y,
+                  int64_t heads, int64_t h);
 
 }  // namespace automoe::ops::cpu::vec

@@ -4,13 +4,14 @@
 //   backward: vocabulary chunks; p = exp(x · W_vᵀ - lse) - onehot(label), scaled by the incoming
 //             gradient on rows that carry loss; dW_v = pᵀ · x (complete, written once in W's
 //             dtype), dx += p · W_v (float32 [N, H] accumulator: N·H is small next to V·H)
-// The chunk GEMMs run on our CPU gemm engine for bf16 on CPU, on at::mm otherwise.
+// The chunk GEMMs run on our CPU gemm engine or at::mm, whichever is faster on the CPU (below).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cpu/isa.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/ops.h"
@@ -27,9 +28,15 @@ cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_st
   return {t.const_data_ptr(), t.scalar_type(), row_stride, col_stride};
 }
 
-// bf16 on CPU: our GEMM engine (ATen's bf16 CPU GEMMs lack fast paths on CPUs without native
-// bf16); float32 / float64 and CUDA: at::mm (MKL / cuBLAS).
-bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && t.scalar_type() == at::kBFloat16; }
+// On CPU, chosen by what the CPU has (ops/cpu/isa.h): bf16 on at::mm where ATen's bf16 GEMM is
+// native (oneDNN with AVX-512-BF16 or AMX: as fast as our engine's best path or faster), on our
+// engine below that (without native bf16 ATen's bf16 GEMM crawls); float32 on whichever of ATen's
+// BLAS and our engine measured faster here (gemm_cpu.h). float64 and CUDA: at::mm.
+bool use_cpu_engine(const at::Tensor& t) {
+  if (!t.is_cpu()) return false;
+  if (t.scalar_type() == at::kBFloat16) return cpu::active_isa() < cpu::Isa::kAvx512Bf16;
+  return t.scalar_type() == at::kFloat && !cpu::aten_faster_fp32();
+}
 
 // a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N]. Off the CPU engine the
 // GEMM runs in the inputs' dtype (cuBLAS bf16 tensor cores) and the result is widened, the same

@@ -1,14 +1,23 @@
 // The CPU GEMM engine behind grouped_gemm and the fused cross-entropy: many independent problems
 // C_p = A_p · B_p (+ C_p) with arbitrary strides, run as one parallel loop over (problem, row
 // tile, column tile) work units so that small problems (experts with few tokens) do not leave
-// threads idle. Inside a unit, BLIS-style: operands are packed into float32 micro-panels (bf16 is
-// widened while packing), and a 6x16 AVX2/FMA micro-kernel accumulates in float32; the result is
-// rounded once to C's dtype. float64 problems (finite-difference tests) use a plain loop.
+// threads idle. Inside a unit, by the path the CPU allows (ops/cpu/isa.h):
+//   brgemm   bf16 operands on AMX CPUs, and on AVX-512-BF16 CPUs where it measures faster than
+//            avx512 (gemm_cpu.cpp): A packed to bf16 rows, B to VNNI pairs (AVX-512 packing and
+//            transposes), and ATen's batch-reduce GEMM (oneDNN's ukernel: AMX tiles, or
+//            vdpbf16ps) accumulates in float32;
+//   avx512   BLIS-style: operands packed into float32 micro-panels (bf16 widened while packing)
+//            and a 6x32 AVX-512 FMA micro-kernel;
+//   avx2     the same with a 6x16 AVX2/FMA micro-kernel;
+//   generic  the same with a plain loop.
+// The result is rounded once to C's dtype. float64 problems (finite-difference tests) use a plain
+// loop.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace automoe::ops::cpu {
@@ -29,6 +38,25 @@ struct GemmProblem {
   int64_t ldc = 0;
   bool accumulate = false;  // C += A·B instead of C = A·B (C must then be float32 or float64)
 };
+
+enum class GemmPath { kGeneric = 0, kAvx2 = 1, kAvx512 = 2, kBrgemm = 3 };
+const char* gemm_path_name(GemmPath path);
+// The path gemm_batch takes for a batch (`bf16_operands`: every A and B is bf16) at the active
+// instruction-set level, or the one forced by force_gemm_path.
+GemmPath gemm_path(bool bf16_operands);
+// The paths that run on this CPU at the active level (the op tests run each).
+std::vector<GemmPath> gemm_paths_available();
+// Forces a path by name for every batch it can run ("" restores the choice by instruction set);
+// a path this CPU cannot run is an automoe::Error. brgemm applies to all-bf16 batches only.
+void force_gemm_path(const std::string& name);
+
+// float32: whether ATen's BLAS (at::mm, one task per thread) beats gemm_batch on this CPU —
+// measured once per process and instruction-set level (gemm_cpu.cpp). The grouped GEMM and the
+// fused cross-entropy run float32 on the faster one.
+bool aten_faster_fp32();
+// What the measured choices found, e.g. "brgemm 610 vs avx512 300 GFLOP/s (one thread); aten
+// 170 vs avx512 320 GFLOP/s" (for `automoe bench` and the op benchmark).
+std::string gemm_choices();
 
 // Runs every problem (K = 0 writes zeros, or leaves C when accumulating). Thread-parallel with
 // at::parallel_for; deterministic (each C element is reduced by one thread in a fixed order).

@@ -1,11 +1,13 @@
 // CPU grouped GEMM: one gemm_batch over all groups, so that (group, tile) work units share the
 // threads whatever the group sizes. float32 groups go to ATen's (MKL) GEMM instead, one group per
-// task in a parallel loop (MKL runs single-threaded inside it): MKL's float32 kernels beat our
-// micro-kernel, while for bfloat16 ATen has no fast CPU path without native bf16 instructions.
+// task in a parallel loop (MKL runs single-threaded inside it), on CPUs where that measured faster
+// (gemm_cpu.h: aten_faster_fp32; MKL wins on Intel, our AVX-512 kernel on AMD Zen 5). bfloat16
+// always runs on our engine: its brgemm path is oneDNN's bf16 kernel without ATen's per-call
+// overheads, and below native bf16 ATen has no fast path.
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/kernels.h"
@@ -28,7 +30,8 @@ void zero_tail(at::Tensor& out, int64_t rows_used) {
   if (rows_used < out.size(0)) out.narrow(0, rows_used, out.size(0) - rows_used).zero_();
 }
 
-bool use_aten(const at::Tensor& t) { return t.scalar_type() == at::kFloat; }
+// float32 groups: ATen's BLAS where it measured faster than our engine on this CPU.
+bool use_aten(const at::Tensor& t) { return t.scalar_type() == at::kFloat && aten_faster_fp32(); }
 
 // fn(g) for every non-empty group, largest groups first (balances the parallel loop).
 template <typename Fn>
@@ -40,7 +43,11 @@ void for_groups(const int64_t* off, int64_t G, Fn fn) {
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return off[a + 1] - off[a] > off[b + 1] - off[b];
   });
+  // The workers call ATen ops: they run under the caller's thread-local state (grad mode,
+  // dispatch keys), as the caller's own calls would.
+  const at::ThreadLocalState state;
   at::parallel_for(0, static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    const at::ThreadLocalStateGuard guard(state);
     for (int64_t i = begin; i < end; ++i) fn(order[i]);
   });
 }

@@ -70,14 +70,17 @@ at::Tensor permute_bwd(const at::Tensor& grad_NH, const at::Tensor& slot_pos_TK)
     char* o = static_cast<char*>(out.data_ptr());
     const int64_t es = grad_NH.element_size();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> acc(H), row(H);
+      std::vector<float> acc(H);
       for (int64_t t = begin; t < end; ++t) {
         std::fill(acc.begin(), acc.end(), 0.f);
         for (int64_t k = 0; k < K; ++k) {
           const int64_t r = pos[t * K + k];
           if (r < 0) continue;
-          vec::load(g + r * H * es, dtype, row.data(), H);
-          vec::axpy(acc.data(), 1.f, row.data(), H);
+          if (dtype == at::kBFloat16) {  // acc += row, read straight from the bf16 row
+            vec::axpy_bf16(acc.data(), 1.f, reinterpret_cast<const uint16_t*>(g + r * H * es), H);
+          } else {
+            vec::axpy(acc.data(), 1.f, reinterpret_cast<const float*>(g + r * H * es), H);
+          }
         }
         vec::store(acc.data(), o + t * H * es, dtype, H);
       }
@@ -194,14 +197,18 @@ void unpermute_rows_vec(const at::Tensor& y_NH, const at::Tensor& slot_pos_TK,
   const int64_t* pos = slot_pos_TK.const_data_ptr<int64_t>();
   char* o = static_cast<char*>(out.data_ptr());
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(H), row(H);
+    std::vector<float> acc(H);
     for (int64_t t = begin; t < end; ++t) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t r = pos[t * K + k];
         if (r < 0) continue;
-        vec::load(y + r * H * es, dtype, row.data(), H);
-        vec::axpy(acc.data(), weight_at(weights_TK, t * K + k), row.data(), H);
+        const float wk = weight_at(weights_TK, t * K + k);
+        if (dtype == at::kBFloat16) {
+          vec::axpy_bf16(acc.data(), wk, reinterpret_cast<const uint16_t*>(y + r * H * es), H);
+        } else {
+          vec::axpy(acc.data(), wk, reinterpret_cast<const float*>(y + r * H * es), H);
+        }
       }
       vec::store(acc.data(), o + t * H * es, dtype, H);
     }
@@ -231,15 +238,16 @@ void unpermute_rows_bwd_vec(const at::Tensor& grad_TH, const at::Tensor& y_NH,
     }
   });
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> gt(H), row(H), out(H);
+    std::vector<float> gt(H), out(H);
     for (int64_t t = begin; t < end; ++t) {
       vec::load(g + t * H * es, dtype, gt.data(), H);
       for (int64_t k = 0; k < K; ++k) {
         const int64_t r = pos[t * K + k];
         float dw = 0.f;
         if (r >= 0) {
-          vec::load(y + r * H * es, dtype, row.data(), H);
-          dw = vec::dot(gt.data(), row.data(), H);
+          dw = dtype == at::kBFloat16
+                   ? vec::dot_bf16(gt.data(), reinterpret_cast<const uint16_t*>(y + r * H * es), H)
+                   : vec::dot(gt.data(), reinterpret_cast<const float*>(y + r * H * es), H);
           vec::scale(gt.data(), weight_at(weights_TK, t * K + k), out.data(), H);
           vec::store(out.data(), gy + r * H * es, dtype, H);
         }

@@ -27,15 +27,13 @@ at::Tensor rope_apply(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
     const int64_t es = x_BSND.element_size();
     const float sign = inverse ? -1.f : 1.f;
     at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> xr(D), yr(D);
+      // All N heads of a position at once: three row calls per position, not per head.
+      std::vector<float> xr(N * D), yr(N * D);
       for (int64_t bs = begin; bs < end; ++bs) {
-        for (int64_t n = 0; n < N; ++n) {
-          const int64_t off = (bs * N + n) * D * es;
-          vec::load(x + off, dtype, xr.data(), D);
-          vec::rotate(xr.data(), xr.data() + h, c + bs * h, s + bs * h, sign, yr.data(),
-                      yr.data() + h, h);
-          vec::store(yr.data(), o + off, dtype, D);
-        }
+        const int64_t off = bs * N * D * es;
+        vec::load(x + off, dtype, xr.data(), N * D);
+        vec::rotate_heads(xr.data(), c + bs * h, s + bs * h, sign, yr.data(), N, h);
+        vec::store(yr.data(), o + off, dtype, N * D);
       }
     });
     return y;
