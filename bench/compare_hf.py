@@ -14,7 +14,8 @@ timed steps. Transformers runs with attn_implementation="sdpa" and each experts_
 --impls that runs; the best of them is the baseline.
 
 Reported per side: tokens/s = tokens / (forward + loss + backward) (NeMo AutoModel's definition),
-forward/backward/optimizer ms (medians over timed steps), TFLOP/s and MFU from one analytic FLOPs
+step tokens/s = tokens / (forward + backward + optimizer) (the whole training step; AutoMoE's is
+the trainer's own step: fused AdamW over float32 masters), forward/backward/optimizer ms (medians over timed steps), TFLOP/s and MFU from one analytic FLOPs
 formula (csrc/automoe/train/flops.h, the same number for both sides; Qwen3-MoE only), peak memory (GPU:
 max_memory_allocated; CPU: the process's peak RSS, and the part of it above the RSS before the
 model was built), and the ratios AutoMoE / baseline. MFU is against the bf16/fp32 matmul
@@ -54,7 +55,8 @@ SIDE_FIELDS = (
     "fake_balanced_gate", "num_parameters", "forward_ms", "backward_ms", "optimizer_ms",
     "step_ms", "tokens_per_s", "train_flops_per_token", "tflops", "mfu_measured",
     "mfu_datasheet", "peak_memory_bytes", "peak_memory_kind", "model_memory_bytes",
-    "loss_first", "loss_last", "speedup_vs_baseline", "memory_vs_baseline", "error",
+    "loss_first", "loss_last", "speedup_vs_baseline", "step_time_vs_baseline",
+    "memory_vs_baseline", "cpu_kernels", "allocator", "error",
 )
 
 LORA_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -211,8 +213,25 @@ def run_python_side(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The orchestrator
 # ---------------------------------------------------------------------------------------------
-def run_json(cmd: list[str], timeout: float) -> dict:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+def side_env(jemalloc: bool) -> dict:
+    """The environment a side runs in: AutoMoE's engine with the allocator `automoe` gives it
+    (jemalloc keeping freed pages, python/automoe/cli.py); Transformers with glibc's malloc, as a
+    user runs it, unless --hf-allocator jemalloc."""
+    env = dict(os.environ)
+    if not jemalloc:
+        return env
+    sys.path.insert(0, str(REPO / "python"))
+    from automoe.cli import allocator_env
+
+    return allocator_env(env)
+
+
+def allocator_of(env: dict) -> str:
+    return "jemalloc" if "libjemalloc" in env.get("LD_PRELOAD", "") else "glibc"
+
+
+def run_json(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
         why = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
         tail = proc.stderr.strip()[-2000:]
@@ -286,20 +305,28 @@ def markdown(result: dict) -> str:
         f"fp32 {fmt(m['peak_tflops'].get('float32'), '.3f')} TFLOP/s"
         + (f"; datasheet bf16 {m['datasheet_bf16_tflops']} TFLOP/s" if m.get("datasheet_bf16_tflops") else ""),
         "",
-        "| side | tokens/s | fwd ms | bwd ms | optim ms | TFLOP/s | MFU (measured peak) | peak memory | model memory | tokens/s vs baseline | memory vs baseline |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    kernels = next((r["cpu_kernels"] for r in result["sides"] if r.get("cpu_kernels")), None)
+    if kernels and m["device"] == "cpu":
+        allocs = ", ".join(f"{r['impl']} {r['allocator']}" for r in result["sides"] if r.get("allocator"))
+        lines += ["AutoMoE's CPU kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kernels.items()))
+                  + (f". malloc: {allocs}" if allocs else ""), ""]
+    lines += [
+        "| side | tokens/s | step tokens/s | fwd ms | bwd ms | optim ms | TFLOP/s | MFU (measured peak) | peak memory | model memory | tokens/s vs baseline | step time vs baseline | memory vs baseline |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["sides"]:
         if r.get("error"):
-            lines.append(f"| {r['impl']} | failed: {r['error'].splitlines()[0][:100]} |" + " |" * 9)
+            lines.append(f"| {r['impl']} | failed: {r['error'].splitlines()[0][:100]} |" + " |" * 11)
             continue
         gib = lambda b: fmt(None if b is None else b / 2**30, ".2f", " GiB")  # noqa: E731
         lines.append(
             f"| {r['impl']}{' (baseline)' if r.get('is_baseline') else ''} | {r['tokens_per_s']:.1f} | "
-            f"{r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | "
+            f"{r['tokens_per_step'] / (r['step_ms'] * 1e-3):.1f} | {r['forward_ms']:.1f} | {r['backward_ms']:.1f} | {r['optimizer_ms']:.1f} | "
             f"{fmt(r['tflops'], '.4f')} | {fmt(None if r['mfu_measured'] is None else 100 * r['mfu_measured'], '.1f', ' %')} | "
             f"{gib(r['peak_memory_bytes'])} | {gib(r['model_memory_bytes'])} | "
-            f"{fmt(r['speedup_vs_baseline'], '.2f', '×')} | {fmt(r['memory_vs_baseline'], '.2f', '×')} |"
+            f"{fmt(r['speedup_vs_baseline'], '.2f', '×')} | {fmt(r.get('step_time_vs_baseline'), '.2f', '×')} | "
+            f"{fmt(r['memory_vs_baseline'], '.2f', '×')} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -428,8 +455,12 @@ def orchestrate(args) -> dict:
     result: dict = {}
     for _ in range(args.repeat):
         for side, impl, cmd in runs:
+            # the engine binary gets `automoe`'s allocator; Python sides (Transformers, the
+            # drop-in) the user's unless --hf-allocator jemalloc
+            env = side_env(cmd[0] != sys.executable or args.hf_allocator == "jemalloc")
             try:
-                rec = run_json(cmd, args.timeout)
+                rec = run_json(cmd, args.timeout, env)
+                rec["allocator"] = allocator_of(env)
             except subprocess.TimeoutExpired:
                 rec = dict(side=side, impl=impl, error=f"timed out after {args.timeout:.0f} s")
             except RuntimeError as e:
@@ -464,6 +495,7 @@ def summarize(records: list[dict], meta: dict, flops_per_token: float, peak: flo
         r["is_baseline"] = r is base
         if base and not r.get("error"):
             r["speedup_vs_baseline"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r["step_time_vs_baseline"] = r["step_ms"] / base["step_ms"]
             if r["model_memory_bytes"] and base["model_memory_bytes"]:
                 r["memory_vs_baseline"] = r["model_memory_bytes"] / base["model_memory_bytes"]
     # Table order: the Transformers sides, then AutoMoE.
@@ -493,6 +525,9 @@ def main(argv=None) -> int:
                    "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
     p.add_argument("--dropin", action="store_true",
                    help="Qwen3-MoE: also time the Python drop-in (automoe.AutoModelForCausalLM) on the engine")
+    p.add_argument("--hf-allocator", default="system", choices=["system", "jemalloc"],
+                   help="the Transformers sides' malloc (AutoMoE's engine runs with the one `automoe` "
+                        "gives it: jemalloc where installed)")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")

@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev)
+debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev libjemalloc2)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -54,6 +54,9 @@ def test_compare_hf_runs_both_sides_and_writes_every_field(tmp_path):
         assert r["train_flops_per_token"] == hand_count_train_flops(12)
         assert abs(r["tokens_per_s"] - 24 / ((r["forward_ms"] + r["backward_ms"]) / 1e3)) < 1e-6 * r["tokens_per_s"]
     assert sides["transformers"]["speedup_vs_baseline"] == 1.0
+    assert sides["transformers"]["step_time_vs_baseline"] == 1.0
+    assert sides["automoe"]["step_time_vs_baseline"] == (
+        sides["automoe"]["step_ms"] / sides["transformers"]["step_ms"])
     assert result["meta"]["peak_tflops"]["float32"] > 0
     # the same model on both sides
     assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
@@ -94,3 +97,44 @@ def test_compare_hf_runs_a_fallback_type_through_the_drop_in(tmp_path):
     assert "AutoMoE fused experts (2 modules)" in sides["automoe"]["impl"]
     assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
     assert sides["automoe"]["tokens_per_s"] > 0 and sides["automoe"]["tflops"] is None
+
+
+def test_bench_times_the_trainers_step_and_names_the_cpu_kernels(tmp_path):
+    """`automoe bench` runs the trainer's step (train/step.h): float32 masters, fused AdamW; it
+    reports tokens/s both as NeMo counts them (forward + backward) and per whole step, and the CPU
+    kernel paths that ran."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    out = subprocess.run([str(AUTOMOE_BIN), "bench", "--config", str(cfg), "--batch", "2", "--seq",
+                          "12", "--warmup", "0", "--steps", "2", "--dtype", "bfloat16"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["optimizer_ms"] > 0
+    step_ms = r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]
+    assert abs(r["tokens_per_s_step"] - 24 / (step_ms / 1e3)) < 1e-6 * r["tokens_per_s_step"]
+    assert r["tokens_per_s"] > r["tokens_per_s_step"]
+    assert r["trainable_parameters"] == r["num_parameters"]  # every weight has a float32 master
+    assert {"isa", "cpu_isa", "gemm_bf16", "gemm_fp32", "elementwise"} <= set(r["cpu_kernels"])
+
+
+def test_the_automoe_command_runs_the_engine_on_jemalloc_and_reports_it(tmp_path):
+    """`automoe` preloads jemalloc (keeping freed pages: glibc's malloc returns every tensor above
+    32 MiB to the kernel and the next step page-faults it in again) where it is installed;
+    AUTOMOE_ALLOCATOR=system keeps glibc's; another value is refused by name."""
+    from automoe.cli import find_jemalloc
+
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    args = [sys.executable, "-m", "automoe.cli", "bench", "--config", str(cfg), "--batch", "1",
+            "--seq", "8", "--warmup", "0", "--steps", "1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "AUTOMOE_ALLOCATOR")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
+    for choice, want in (("jemalloc", "jemalloc" if find_jemalloc() else "glibc"), ("system", "glibc")):
+        out = subprocess.run(args, capture_output=True, text=True, timeout=300,
+                             env={**env, "AUTOMOE_ALLOCATOR": choice})
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout[out.stdout.find("{"):])["allocator"] == want
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60,
+                         env={**env, "AUTOMOE_ALLOCATOR": "tcmalloc"})
+    assert out.returncode != 0 and "AUTOMOE_ALLOCATOR='tcmalloc'" in out.stderr

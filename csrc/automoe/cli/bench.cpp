@@ -1,13 +1,16 @@
 // `automoe bench`: the AutoMoE side of the side-by-side benchmark (bench/compare_hf.py runs the
-// Transformers side). Builds a random model from a preset or a native type's config.json, runs warm-up then
-// timed training steps (forward + loss, backward, AdamW) and reports times, tokens/s and peak
-// memory as JSON. `--peak` measures the machine's matmul throughput (large at::mm) instead.
+// Transformers side). Builds a random model from a preset or a native type's config.json, runs
+// warm-up then timed training steps — the trainer's own step (train/step.h: forward + loss,
+// backward into float32 accumulators, clipping, fused AdamW over float32 masters) — and reports
+// times, tokens/s (forward + backward, as NeMo AutoModel counts, and per whole step) and peak
+// memory as JSON, with the CPU kernel paths that ran. `--peak` measures the machine's matmul
+// throughput (large at::mm) instead.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <dlfcn.h>
 #include <sys/resource.h>
 #include <torch/cuda.h>
-#include <torch/optim/adamw.h>
 #include <torch/version.h>
 
 #include <algorithm>
@@ -26,8 +29,10 @@
 #include "automoe/model/config.h"
 #include "automoe/model/init.h"
 #include "automoe/model/lora.h"
+#include "automoe/ops/cpu/isa.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/peak.h"
+#include "automoe/train/step.h"
 
 #ifdef AUTOMOE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -195,6 +200,12 @@ json measure_peak(const c10::Device& dev) {
 
 }  // namespace
 
+// The malloc behind the CPU allocations: jemalloc when `automoe` preloads it
+// (python/automoe/cli.py), else the C library's.
+static std::string allocator_name() {
+  return dlsym(RTLD_DEFAULT, "mallctl") != nullptr ? "jemalloc" : "glibc";
+}
+
 int bench(const Args& args) {
   const Options o = parse(args);
   const c10::Device dev(o.device == "cuda" ? c10::kCUDA : c10::kCPU);
@@ -205,6 +216,7 @@ int bench(const Args& args) {
   if (o.peak) {
     emit({{"device", o.device},
           {"threads", at::get_num_threads()},
+          {"cpu_kernels", ops::cpu::kernel_paths()},
           {"matmul_peak", measure_peak(dev)}},
          o.json_out);
     return 0;
@@ -238,33 +250,27 @@ int bench(const Args& args) {
                               "automoe bench");
   backend.fake_balanced_gate = o.fake_gate;
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
-  std::vector<at::Tensor> leaves;
   int64_t num_params = 0;
-  const std::vector<ParamDecl> layout = parameter_layout(spec);
-  for (size_t i = 0; i < params.size(); ++i) {
-    at::Tensor& t = params[i].second;
-    num_params += t.numel();
-    if (!layout[i].trainable || o.lora > 0) continue;  // buffers; LoRA's frozen base
-    t.requires_grad_(true);
-    leaves.push_back(t);
-  }
+  for (const auto& [n, t] : params) num_params += t.numel();
   Decoder model(spec, backend, std::move(params));
+  std::vector<LoraSite> sites;
   if (o.lora > 0) {  // what PEFT's get_peft_model makes: float32 adapters, trained alone
     LoraConfig c;
     c.r = o.lora;
     c.lora_alpha = 2.0 * static_cast<double>(o.lora);
     c.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
     c.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
-    std::vector<LoraSite> sites = plan_lora(spec, layout, c, /*strict=*/false);
+    sites = plan_lora(spec, parameter_layout(spec), c, /*strict=*/false);
     init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), o.seed);
-    for (auto& site : sites) {
-      for (at::Tensor* t : {&site.a, &site.b}) leaves.push_back(t->requires_grad_(true));
-    }
-    model.set_adapters(std::move(sites));
   }
+  // The trainer's own state and step (train/step.h): float32 masters, the forward on compute-dtype
+  // copies, gradients accumulated in float32, the fused AdamW, clipping at the recipe default.
+  train::TrainState ts = train::make_train_state(model, o.dtype, dev, std::move(sites));
   int64_t trainable_params = 0;
-  for (const auto& t : leaves) trainable_params += t.numel();
-  torch::optim::AdamW opt(leaves, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+  for (const auto& t : ts.opt.master) trainable_params += t.numel();
+  train::OptimizerSection optim_cfg;
+  optim_cfg.lr = 1e-4;
+  optim_cfg.weight_decay = 0.01;
 #ifdef AUTOMOE_TORCH_CUDA
   if (dev.is_cuda())
     c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index() < 0 ? 0 : dev.index());
@@ -276,18 +282,21 @@ int bench(const Args& args) {
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
     sync(dev);
     auto t0 = Clock::now();
-    const ForwardResult r =
-        model.forward(ForwardArgs{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true});
+    ForwardArgs a{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true};
+    a.training = true;
+    const ForwardResult r = model.forward(a);
     const at::Tensor loss = *r.loss;
     sync(dev);
     const double f = ms_since(t0);
     t0 = Clock::now();
-    loss.backward();
+    train::backward_micro_batch(ts, loss, /*last=*/true);
     sync(dev);
     const double b = ms_since(t0);
     t0 = Clock::now();
-    opt.step();
-    opt.zero_grad(/*set_to_none=*/true);
+    train::adopt_gradients(ts);
+    train::clip_gradients(ts, ts.opt.grad_norm(), optim_cfg.max_grad_norm);
+    train::update_weights(ts, optim_cfg, optim_cfg.lr);
+    train::release_gradients(ts);
     sync(dev);
     const double s = ms_since(t0);
     losses.push_back(loss.item<double>());
@@ -319,11 +328,14 @@ int bench(const Args& args) {
       {"backward_ms", bwd_ms},
       {"optimizer_ms", opt_ms},
       {"step_ms", fwd_ms + bwd_ms + opt_ms},
-      {"tokens_per_s", tokens / ((fwd_ms + bwd_ms) * 1e-3)},
+      {"tokens_per_s", tokens / ((fwd_ms + bwd_ms) * 1e-3)},  // NeMo's: forward + backward
+      {"tokens_per_s_step", tokens / ((fwd_ms + bwd_ms + opt_ms) * 1e-3)},  // the whole step
       {"train_flops_per_token", flops_per_token},
       {"loss_first", losses.front()},
       {"loss_last", losses.back()},
       {"threads", at::get_num_threads()},
+      {"cpu_kernels", ops::cpu::kernel_paths()},
+      {"allocator", allocator_name()},
       {"torch_version", TORCH_VERSION},
   };
   if (dev.is_cuda()) {

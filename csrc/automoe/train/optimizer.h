@@ -45,6 +45,7 @@ struct AdamW {
   void shard(const parallel::World& world, std::vector<at::Tensor>& params, int64_t stage,
              int64_t bucket_bytes = 32 << 20);
   bool sharded() const { return !zero_.empty(); }
+  int64_t stage() const { return stage_; }  // ZeRO's stage (0: not sharded)
   // Around each backward pass (ZeRO): `last`, the step's last backward on this rank.
   void begin_backward(bool last);
   void end_backward();

@@ -17,22 +17,23 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <nlohmann/json.hpp>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/io/safetensors.h"
 #include "automoe/model/checkpoint.h"
 #include "automoe/model/config.h"
 #include "automoe/model/lora.h"
-#include "automoe/io/safetensors.h"
-#include "automoe/train/dataset.h"
 #include "automoe/train/bias_balance.h"
+#include "automoe/train/dataset.h"
 #include "automoe/train/flops.h"
-#include "automoe/train/peak.h"
 #include "automoe/train/optimizer.h"
+#include "automoe/train/peak.h"
 #include "automoe/train/state.h"
+#include "automoe/train/step.h"
 #include "automoe/train/tensorboard.h"
 
 namespace automoe::train {
@@ -334,64 +335,23 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     init_lora(lora_sites, at::TensorOptions().dtype(at::kFloat).device(dev), rc.train.seed);
   }
-  AdamW opt;
-  // Buffers saved with the weights (the routers' correction bias): float32 on the device, never
-  // touched by the optimizer; the bias update below moves them.
-  NamedTensors buffers;
-  {
-    NamedTensors masters;
-    const auto& trainable = pm.decoder->trainable();
-    const NamedTensors& params = pm.decoder->named_parameters();
-    for (size_t i = 0; i < params.size(); ++i) {
-      const auto& [n, t] = params[i];
-      if (lora && trainable[i]) {  // frozen, as loaded (no copy when already the compute dtype)
-        pm.decoder->set_parameter(n, t.to(dev, compute));
-        continue;
-      }
-      at::Tensor f32 = t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-      if (trainable[i]) {
-        masters.emplace_back(n, std::move(f32));
-      } else {
-        pm.decoder->set_parameter(n, f32);
-        buffers.emplace_back(n, std::move(f32));
-      }
-    }
-    std::vector<bool> routed;
-    std::vector<ParamDecl> layout = parameter_layout(pm.decoder->spec());
-    for (size_t i = 0; i < params.size(); ++i) {
-      if (trainable[i] && !lora) routed.push_back(layout[i].routed_expert);
-    }
-    for (const auto& site : lora_sites) {
-      masters.emplace_back(site.a_name(), site.a);
-      masters.emplace_back(site.b_name(), site.b);
-      routed.insert(routed.end(), {false, false});
-    }
-    if (lora) pm.decoder->set_adapters(lora_sites);
-    // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
-    // (LoRA: the adapters are small; every rank keeps their whole state.)
-    const bool zero = dist && rc.parallel.zero >= 1 && !lora;
-    opt.init(masters, routed, /*own_grads=*/compute != at::kFloat && !zero && !lora,
-             /*full_state=*/!zero);
-  }
+  // float32 masters (or LoRA's adapters) and the compute copies the forward reads (train/step.h).
+  // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
+  // (LoRA: the adapters are small; every rank keeps their whole state.)
+  const bool zero = dist && rc.parallel.zero >= 1 && !lora;
+  TrainState ts = make_train_state(*pm.decoder, compute, dev, lora_sites, zero);
+  AdamW& opt = ts.opt;
+  NamedTensors& buffers = ts.buffers;
+  std::vector<at::Tensor>& model_params = ts.model_params;
   BiasBalance bias_balance(*pm.decoder, rc.router.bias_update_rate);  // router.bias_update_rate
-  AUTOMOE_CHECK(!rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 ||
-                    spec.moe.aux_loss,
-                "model.router_aux_loss_coef: ", spec.model_type,
-                " trains without a load-balancing loss (as in Transformers); remove the key, or use "
-                "router.bias_update_rate for DeepSeek-V3's auxiliary-loss-free balancing");
-  // bf16 compute: the forward reads bf16 copies of the masters. LoRA's adapters compute in float32
-  // (their masters themselves), as PEFT's float32 adapters on a bf16 base do.
-  const bool mixed = compute != at::kFloat && !lora;
-  std::vector<at::Tensor> model_params;  // what the forward reads (requires grad)
-  for (size_t i = 0; i < opt.names.size(); ++i) {
-    at::Tensor p = mixed ? opt.master[i].to(compute) : opt.master[i];
-    p.set_requires_grad(true);
-    pm.decoder->set_parameter(opt.names[i], p);
-    model_params.push_back(p);
-  }
+  AUTOMOE_CHECK(
+      !rc.model.router_aux_loss_coef || *rc.model.router_aux_loss_coef == 0 || spec.moe.aux_loss,
+      "model.router_aux_loss_coef: ", spec.model_type,
+      " trains without a load-balancing loss (as in Transformers); remove the key, or use "
+      "router.bias_update_rate for DeepSeek-V3's auxiliary-loss-free balancing");
   // ZeRO-1: from here each rank keeps only its slice of the optimizer state of shared tensors;
   // the forward's weights become views of one buffer per class (re-bound here).
-  if (dist && rc.parallel.zero >= 1 && !lora) {
+  if (zero) {
     opt.shard(world, model_params, rc.parallel.zero,
               static_cast<int64_t>(rc.parallel.bucket_mb * (1 << 20)));
     for (size_t i = 0; i < opt.names.size(); ++i) pm.decoder->set_parameter(opt.names[i], model_params[i]);
@@ -493,9 +453,6 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     opt.publish(model_params);
   }
   if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
-  // Gradients move into the optimizer's float32 accumulators after each micro-batch (bf16
-  // compute, or ZeRO-1's flat buffers); float32 without ZeRO reads autograd's own.
-  const bool own_grads = mixed || opt.sharded();
   auto checkpoint = [&] {
     opt.materialize();
     save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world, own.begin);
@@ -667,18 +624,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       // Each micro-batch's aux loss counts with its share of the window's loss tokens, so the
       // aux term's scale does not depend on how the window is split.
       a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / window_loss_tokens;
-      const ForwardResult r = pm.decoder->forward(a);
       // Under ZeRO the gradients leave for their buckets during the backward (see AdamW::shard).
-      if (opt.sharded()) opt.begin_backward(m + 1 == mbs.size());
-      r.loss->backward();
-      if (opt.sharded() && rc.parallel.zero == 2) {  // ZeRO-2 waits for its reductions here
-        const auto t_sync = Clock::now();
-        opt.end_backward();
-        sync();
-        win.grad_sync_s += seconds_since(t_sync);
-      } else if (opt.sharded()) {
-        opt.end_backward();
-      }
+      const ForwardResult r =
+          train_micro_batch(ts, *pm.decoder, a, m + 1 == mbs.size(), sync, &win.grad_sync_s);
       const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
       const double total = r.loss->item<double>();
       ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
@@ -691,33 +639,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         for (size_t l = 0; l < r.expert_counts.size(); ++l) win.expert_counts[l] += r.expert_counts[l];
         bias_balance.add_counts(r.expert_counts);
       }
-      if (own_grads) {  // move the gradients into the fp32 accumulators at once
-        at::NoGradGuard no_grad;
-        for (size_t i = 0; i < model_params.size(); ++i) {
-          at::Tensor& g = model_params[i].mutable_grad();
-          if (g.defined()) {
-            opt.grad[i].add_(g);
-            g = at::Tensor();
-          }
-        }
-      }
     }
-    if (!own_grads) {  // float32: the optimizer reads the gradients autograd accumulated, no copy
-      for (size_t i = 0; i < model_params.size(); ++i) {
-        at::Tensor& g = model_params[i].mutable_grad();
-        if (!g.defined()) g = at::zeros_like(model_params[i]);
-        opt.grad[i] = g;
-      }
-    }
-    // Gradients are released after the step (set to none), as torch.optim's zero_grad does.
-    auto release_grads = [&] {
-      if (own_grads) {
-        opt.zero_grads();
-      } else {
-        for (auto& p : model_params) p.mutable_grad() = at::Tensor();
-        for (auto& g : opt.grad) g = at::Tensor();
-      }
-    };
+    adopt_gradients(ts);  // float32: the optimizer reads the gradients autograd accumulated
+    auto release_grads = [&] { release_gradients(ts); };
     step_tokens = all_tokens;
     step_flops = all_flops;
     if (dist) {
@@ -770,18 +694,15 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     } else {
       st.consecutive_nonfinite = 0;
       if (window_loss_tokens > 0) {
-        if (rc.optimizer.max_grad_norm > 0 && norm > rc.optimizer.max_grad_norm) {
-          opt.scale_grads(rc.optimizer.max_grad_norm / (norm + 1e-6));
-        }
+        clip_gradients(ts, norm, rc.optimizer.max_grad_norm);
         expert_adapters.add_gradients(opt);
         // The logged step's update of the experts' adapters (a copy of their masters, then).
         if (!expert_adapters.sites.empty() &&
             ((st.step) % rc.log.every == 0 || st.step == total_steps)) {
           expert_adapters_before = expert_adapters.snapshot(opt);
         }
-        opt.update(rc.optimizer, lr);
+        update_weights(ts, rc.optimizer, lr);
         bias_balance.apply();
-        opt.publish(model_params);
       }
       release_grads();
       win.ce_sum += ce_sum;

@@ -1,0 +1,119 @@
+#include "automoe/train/step.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <utility>
+
+#include "automoe/model/components.h"
+
+namespace automoe::train {
+
+TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10::Device& dev,
+                            std::vector<LoraSite> lora_sites, bool zero) {
+  TrainState s;
+  s.lora = !lora_sites.empty();
+  NamedTensors masters;
+  const auto& trainable = decoder.trainable();
+  const NamedTensors params = decoder.named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& [n, t] = params[i];
+    if (s.lora && trainable[i]) {  // frozen, as loaded (no copy when already the compute dtype)
+      decoder.set_parameter(n, t.to(dev, compute));
+      continue;
+    }
+    at::Tensor f32 = t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    if (trainable[i]) {
+      masters.emplace_back(n, std::move(f32));
+    } else {
+      decoder.set_parameter(n, f32);
+      s.buffers.emplace_back(n, std::move(f32));
+    }
+  }
+  std::vector<bool> routed;
+  const std::vector<ParamDecl> layout = parameter_layout(decoder.spec());
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (trainable[i] && !s.lora) routed.push_back(layout[i].routed_expert);
+  }
+  for (const auto& site : lora_sites) {
+    masters.emplace_back(site.a_name(), site.a);
+    masters.emplace_back(site.b_name(), site.b);
+    routed.insert(routed.end(), {false, false});
+  }
+  if (s.lora) decoder.set_adapters(std::move(lora_sites));
+  // LoRA's adapters compute in float32 (their masters themselves), as PEFT's float32 adapters on
+  // a bf16 base do; ZeRO makes the moments and accumulators slice-sized later.
+  const bool sharded = zero && !s.lora;
+  s.mixed = compute != at::kFloat && !s.lora;
+  s.own_grads = s.mixed && !sharded;
+  s.opt.init(masters, routed, s.own_grads, /*full_state=*/!sharded);
+  for (size_t i = 0; i < s.opt.names.size(); ++i) {
+    at::Tensor p = s.mixed ? s.opt.master[i].to(compute) : s.opt.master[i];
+    p.set_requires_grad(true);
+    decoder.set_parameter(s.opt.names[i], p);
+    s.model_params.push_back(p);
+  }
+  return s;
+}
+
+ForwardResult train_micro_batch(TrainState& s, Decoder& decoder, const ForwardArgs& a, bool last,
+                                const std::function<void()>& device_sync, double* wait_s) {
+  ForwardResult r = decoder.forward(a);
+  backward_micro_batch(s, *r.loss, last, device_sync, wait_s);
+  return r;
+}
+
+void backward_micro_batch(TrainState& s, const at::Tensor& loss, bool last,
+                          const std::function<void()>& device_sync, double* wait_s) {
+  if (s.opt.sharded()) s.opt.begin_backward(last);
+  loss.backward();
+  if (s.opt.sharded()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    s.opt.end_backward();
+    if (s.opt.stage() == 2) {  // ZeRO-2 waits for its reductions here
+      if (device_sync) device_sync();
+      if (wait_s) {
+        *wait_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+    }
+  }
+  if (s.own_grads || s.opt.sharded()) {  // into the float32 accumulators at once
+    at::NoGradGuard no_grad;
+    for (size_t i = 0; i < s.model_params.size(); ++i) {
+      at::Tensor& g = s.model_params[i].mutable_grad();
+      if (g.defined()) {
+        s.opt.grad[i].add_(g);
+        g = at::Tensor();
+      }
+    }
+  }
+}
+
+void adopt_gradients(TrainState& s) {
+  if (s.own_grads || s.opt.sharded()) return;
+  for (size_t i = 0; i < s.model_params.size(); ++i) {
+    at::Tensor& g = s.model_params[i].mutable_grad();
+    if (!g.defined()) g = at::zeros_like(s.model_params[i]);
+    s.opt.grad[i] = g;
+  }
+}
+
+void clip_gradients(TrainState& s, double norm, double max_norm) {
+  if (max_norm > 0 && norm > max_norm) s.opt.scale_grads(max_norm / (norm + 1e-6));
+}
+
+void update_weights(TrainState& s, const OptimizerSection& o, double lr) {
+  s.opt.update(o, lr);
+  s.opt.publish(s.model_params);
+}
+
+void release_gradients(TrainState& s) {
+  if (s.own_grads || s.opt.sharded()) {
+    s.opt.zero_grads();
+  } else {
+    for (auto& p : s.model_params) p.mutable_grad() = at::Tensor();
+    for (auto& g : s.opt.grad) g = at::Tensor();
+  }
+}
+
+}  // namespace automoe::train
