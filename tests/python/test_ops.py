@@ -564,6 +564,28 @@ def test_AUTOMOE_CPU_ISA_caps_the_level_and_rejects_what_the_cpu_lacks():
         assert out.stdout.split() == ["avx2"]
 
 
+def test_the_gemm_engine_choice_does_not_move_the_global_generator():
+    """The once-per-process timings that pick the float32 and bf16 GEMM paths must not draw from
+    torch's generator: a seeded run would otherwise depend on which op ran first."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import torch, automoe\n"
+            "torch.manual_seed(0)\n"
+            "x, w = torch.ones(4, 8), torch.ones(2, 3, 8)\n"
+            "torch.ops.automoe.grouped_gemm(x, w, torch.tensor([0, 2, 4]))\n"
+            "torch.ops.automoe.grouped_gemm(x.bfloat16(), w.bfloat16(), torch.tensor([0, 2, 4]))\n"
+            "print(dict(torch.ops.automoe._cpu_kernel_paths())['gemm_measured'])\n"
+            "print(torch.randn(4).tolist())\n")
+    pkg = str(Path(automoe.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    torch.manual_seed(0)
+    assert out.stdout.splitlines()[-1] == str(torch.randn(4).tolist())
+
+
 def test_cuda_kernels_table_in_docs_matches_the_engine():
     """docs/ops.md's "CUDA kernels" table names every CUDA kernel family, and the ones it marks as
     the default are exactly those the engine runs by default (ops/cuda_status.cpp)."""
