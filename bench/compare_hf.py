@@ -220,10 +220,14 @@ def side_env(jemalloc: bool) -> dict:
     env = dict(os.environ)
     if not jemalloc:
         return env
-    sys.path.insert(0, str(REPO / "python"))
-    from automoe.cli import allocator_env
+    # automoe/cli.py alone (the stdlib only): importing the package would load its extension,
+    # which this script does not need to run an engine binary.
+    import importlib.util
 
-    return allocator_env(env)
+    spec = importlib.util.spec_from_file_location("_automoe_cli", REPO / "python" / "automoe" / "cli.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli.allocator_env(env)
 
 
 def allocator_of(env: dict) -> str:

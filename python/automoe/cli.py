@@ -38,18 +38,19 @@ def find_jemalloc() -> str | None:
 
 def allocator_env(env: dict) -> dict:
     """`env` with jemalloc preloaded as the engine's allocator, unless AUTOMOE_ALLOCATOR=system,
-    jemalloc is already preloaded, or it is not installed (then glibc's malloc runs, slower)."""
+    the user preloads something already (their allocator, or a sanitizer that must come first),
+    or jemalloc is not installed (then glibc's malloc runs, slower)."""
     choice = env.get("AUTOMOE_ALLOCATOR", "jemalloc")
     if choice not in ("jemalloc", "system"):
         raise SystemExit(f"automoe: AUTOMOE_ALLOCATOR={choice!r}: expected 'jemalloc' or 'system'")
-    preload = env.get("LD_PRELOAD", "")
-    if choice == "system" or "libjemalloc" in preload:
+    preload = env.get("LD_PRELOAD", "").strip()
+    if choice == "system" or preload:
         return env
     lib = find_jemalloc()
     if lib is None:
         return env
     env = dict(env)
-    env["LD_PRELOAD"] = os.pathsep.join(p for p in (lib, preload) if p)
+    env["LD_PRELOAD"] = lib
     env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
     return env
 

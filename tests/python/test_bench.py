@@ -138,3 +138,13 @@ def test_the_automoe_command_runs_the_engine_on_jemalloc_and_reports_it(tmp_path
     out = subprocess.run(args, capture_output=True, text=True, timeout=60,
                          env={**env, "AUTOMOE_ALLOCATOR": "tcmalloc"})
     assert out.returncode != 0 and "AUTOMOE_ALLOCATOR='tcmalloc'" in out.stderr
+
+
+def test_the_allocator_leaves_a_users_preload_alone():
+    """A sanitizer must come first in LD_PRELOAD and a user's own allocator must win: with any
+    preload set, `automoe` adds nothing; AUTOMOE_ALLOCATOR=system adds nothing either."""
+    from automoe.cli import allocator_env
+
+    env = allocator_env({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"})
+    assert env == {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"}
+    assert allocator_env({"AUTOMOE_ALLOCATOR": "system"}) == {"AUTOMOE_ALLOCATOR": "system"}

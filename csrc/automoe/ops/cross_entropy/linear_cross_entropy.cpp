@@ -34,7 +34,10 @@ cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_st
 // BLAS and our engine measured faster here (gemm_cpu.h). float64 and CUDA: at::mm.
 bool use_cpu_engine(const at::Tensor& t) {
   if (!t.is_cpu()) return false;
-  if (t.scalar_type() == at::kBFloat16) return cpu::active_isa() < cpu::Isa::kAvx512Bf16;
+  if (t.scalar_type() == at::kBFloat16) {  // ATen's native bf16 GEMM is oneDNN's
+    return cpu::active_isa() < cpu::Isa::kAvx512Bf16 || !at::hasMKLDNN() ||
+           !at::globalContext().userEnabledMkldnn();
+  }
   return t.scalar_type() == at::kFloat && !cpu::aten_faster_fp32();
 }
 

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 #include "automoe/core/error.h"
@@ -583,6 +584,16 @@ bool available(GemmPath p) {
   return false;
 }
 
+// The micro-kernel path the instruction set gives float32 problems (no forcing, no measurement).
+GemmPath best_float_path() {
+  if (available(GemmPath::kAvx512)) return GemmPath::kAvx512;
+  if (available(GemmPath::kAvx2)) return GemmPath::kAvx2;
+  return GemmPath::kGeneric;
+}
+
+// gemm_batch on a given path (gemm_batch itself takes gemm_path's).
+void run_batch(const std::vector<GemmProblem>& problems, std::optional<GemmPath> path);
+
 // ---- engine choices the instruction set does not settle: measured once per process ----------
 //
 // Two choices depend on more than cpuid: on an AVX-512-BF16 CPU without AMX, whether the native
@@ -707,13 +718,16 @@ bool aten_faster_fp32() {
       }
     });
   };
-  auto run_engine = [&] { gemm_batch(problems); };
+  // Our engine on the path the instruction set gives it, whatever a test has forced meanwhile:
+  // the choice is cached per level.
+  const GemmPath engine = best_float_path();
+  auto run_engine = [&] { run_batch(problems, engine); };
   const auto [t_aten, t_eng] = best_alternating(run_aten, run_engine);
   const double gf = 2.0 * M * N * K * T * 1e-9;
   pr.decided[level] = t_aten > 1.15 * t_eng ? 0 : 1;
   pr.summary[level] = "aten " + std::to_string(static_cast<int>(gf / t_aten)) + " vs " +
-                      gemm_path_name(gemm_path(false)) + " " +
-                      std::to_string(static_cast<int>(gf / t_eng)) + " GFLOP/s";
+                      gemm_path_name(engine) + " " + std::to_string(static_cast<int>(gf / t_eng)) +
+                      " GFLOP/s";
   return pr.decided[level] == 1;
 }
 
@@ -739,9 +753,7 @@ GemmPath gemm_path(bool bf16_operands) {
              (active_isa() >= Isa::kAmx || brgemm_measured_faster())) {
     return GemmPath::kBrgemm;
   }
-  if (available(GemmPath::kAvx512)) return GemmPath::kAvx512;
-  if (available(GemmPath::kAvx2)) return GemmPath::kAvx2;
-  return GemmPath::kGeneric;
+  return best_float_path();
 }
 
 std::vector<GemmPath> gemm_paths_available() {
@@ -768,7 +780,11 @@ void force_gemm_path(const std::string& name) {
   fail("unknown GEMM path \"", name, "\" (expected generic, avx2, avx512 or brgemm)");
 }
 
-void gemm_batch(const std::vector<GemmProblem>& problems) {
+void gemm_batch(const std::vector<GemmProblem>& problems) { run_batch(problems, std::nullopt); }
+
+namespace {
+
+void run_batch(const std::vector<GemmProblem>& problems, std::optional<GemmPath> path_override) {
   std::vector<Unit> units;
   bool all_bf16 = true;
   for (int64_t p = 0; p < static_cast<int64_t>(problems.size()); ++p) {
@@ -792,7 +808,7 @@ void gemm_batch(const std::vector<GemmProblem>& problems) {
     }
   }
   if (units.empty()) return;
-  const GemmPath path = gemm_path(all_bf16);
+  const GemmPath path = path_override ? *path_override : gemm_path(all_bf16);
   at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
     thread_local Workspace ws;
     ws.a16_problem = nullptr;  // a packed A panel is only reused within this batch
@@ -819,4 +835,5 @@ void gemm_batch(const std::vector<GemmProblem>& problems) {
   });
 }
 
+}  // namespace
 }  // namespace automoe::ops::cpu
