@@ -5,6 +5,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/Exception.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -27,6 +28,8 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/core/fault.h"
+#include "automoe/core/log.h"
 
 namespace automoe {
 
@@ -339,6 +342,7 @@ at::Tensor tensor_over(const std::shared_ptr<MappedFile>& map, char* ptr, uint64
 }
 
 void write_all(int fd, const std::string& path, const void* data, size_t n) {
+  fault_point("write", path);
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     ssize_t w = ::write(fd, p, std::min<size_t>(n, size_t{1} << 30));
@@ -368,8 +372,10 @@ void write_atomic(const std::string& path, const std::function<void(int fd)>& bo
   if (fd.get() < 0) fail_write(path, "create temporary file", errno);
   try {
     body(fd.get());
+    fault_point("fsync", tmp);
     if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
     if (::close(fd.release()) != 0) fail_write(path, "close", errno);
+    fault_point("rename", path);
     if (::rename(tmp.c_str(), path.c_str()) != 0) fail_write(path, "rename", errno);
   } catch (...) {
     if (fd.get() >= 0) ::close(fd.release());
@@ -379,18 +385,21 @@ void write_atomic(const std::string& path, const std::function<void(int fd)>& bo
   fsync_dir(path);
 }
 
-std::string format_shard_name(size_t i, size_t n) {
+// Shard i of n: model-0000i-of-0000n.safetensors, or (`alt`) model-0000i-of-0000n.alt.safetensors,
+// the names an in-place save uses when the standard ones hold the checkpoint it replaces.
+std::string format_shard_name(size_t i, size_t n, bool alt) {
   char buf[64];
-  std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu.safetensors", i, n);
+  std::snprintf(buf, sizeof(buf), "model-%05zu-of-%05zu%s.safetensors", i, n, alt ? ".alt" : "");
   return buf;
 }
 
 // What a Hugging Face save owns in a directory: model.safetensors, model-00001-of-00003.safetensors
-// and the index (not, say, a user's model_ema.safetensors).
+// (.alt) and the index (not, say, a user's model_ema.safetensors).
 bool is_checkpoint_file(const std::string& name) {
-  static const std::regex kShard(R"(model-\d{5}-of-\d{5}\.safetensors)");
+  static const std::regex kShard(R"(model-\d{5}-of-\d{5}(\.alt)?\.safetensors)");
   return name == kIndexFile || name == kSingleFile || std::regex_match(name, kShard);
 }
+
 
 void check_unique_names(const std::string& where,
                         const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
@@ -529,6 +538,7 @@ at::Tensor contiguous_cpu(const std::string& path, const std::string& name, cons
 }
 
 void pwrite_all(int fd, const std::string& path, const void* data, size_t n, uint64_t offset) {
+  fault_point("write", path);
   const char* p = static_cast<const char*>(data);
   while (n > 0) {
     ssize_t w = ::pwrite(fd, p, std::min<size_t>(n, size_t{1} << 30), static_cast<off_t>(offset));
@@ -540,6 +550,17 @@ void pwrite_all(int fd, const std::string& path, const void* data, size_t n, uin
     n -= static_cast<size_t>(w);
     offset += static_cast<uint64_t>(w);
   }
+}
+
+// The weight files the index in `dir` names (empty without a readable index).
+std::set<std::string> indexed_files(const std::string& dir) {
+  std::set<std::string> out;
+  try {
+    const Json index = Json::parse(read_text_file((fs::path(dir) / kIndexFile).string()));
+    for (const auto& [name, file] : index.at("weight_map").items()) out.insert(file.get<std::string>());
+  } catch (const std::exception&) {
+  }
+  return out;
 }
 
 }  // namespace
@@ -565,6 +586,31 @@ void save_safetensors(const std::string& path,
       write_all(fd, path, c.data_ptr(), c.nbytes());
     }
   });
+}
+
+bool process_alive(int64_t pid) {
+  return pid > 0 && (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM);
+}
+
+std::vector<std::string> remove_dead_temporaries(const std::string& dir) {
+  static const std::regex kTemp(R"(.+\.(tmp\.|pending-)(\d{1,9}))");
+  std::vector<std::string> removed;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    std::smatch m;
+    if (!std::regex_match(name, m, kTemp) || !entry.is_regular_file(ec)) continue;
+    if (process_alive(std::stoll(m[2].str()))) continue;
+    std::error_code rm;
+    fs::remove(entry.path(), rm);
+    if (rm) {
+      log_info("warning: could not remove \"", entry.path().string(),
+               "\", left by a killed save: ", rm.message());
+    } else {
+      removed.push_back(entry.path().string());
+    }
+  }
+  return removed;
 }
 
 std::vector<std::string> save_sharded(
@@ -611,9 +657,14 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
     total_bytes += nbytes;
   }
   if (shards.empty()) shards.emplace_back();
-  std::vector<std::string> files;
-  for (size_t i = 0; i < shards.size(); ++i) {
-    files.push_back(shards.size() == 1 ? kSingleFile : format_shard_name(i + 1, shards.size()));
+  // The standard shard names, unless the checkpoint being replaced (a save into the directory it
+  // was loaded from) holds them: then the .alt names, so that it stays whole until the switch.
+  bool alt = false;
+  if (g.lead && shards.size() > 1) {
+    const std::set<std::string> held = indexed_files(dir);
+    for (size_t i = 0; i < shards.size() && !alt; ++i) {
+      alt = held.count(format_shard_name(i + 1, shards.size(), false)) > 0;
+    }
   }
 
   // Shards are written under temporary names first (the lead creates each with its header and
@@ -632,9 +683,15 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
     mix(sl.name + "|" + std::to_string(static_cast<int>(sl.dtype)));
     for (int64_t d : sl.shape) mix("," + std::to_string(d));
   }
-  const std::vector<std::string> starts =
-      g.gather(std::to_string(::getpid()) + " " + std::to_string(digest), "save (start)");
-  const std::string lead_pid = starts.front().substr(0, starts.front().find(' '));
+  const std::vector<std::string> starts = g.gather(
+      std::to_string(::getpid()) + ":" + (alt ? "1" : "0") + " " + std::to_string(digest),
+      "save (start)");
+  const std::string lead_pid = starts.front().substr(0, starts.front().find(':'));
+  alt = starts.front().substr(starts.front().find(':') + 1, 1) == "1";  // the lead's choice
+  std::vector<std::string> files;
+  for (size_t i = 0; i < shards.size(); ++i) {
+    files.push_back(shards.size() == 1 ? kSingleFile : format_shard_name(i + 1, shards.size(), alt));
+  }
   for (size_t r = 0; r < starts.size(); ++r) {
     AUTOMOE_CHECK(
         starts[r].substr(starts[r].find(' ')) == starts.front().substr(starts.front().find(' ')),
@@ -679,6 +736,7 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
     if (g.lead) {
       fs::create_directories(dir, ec);
       AUTOMOE_CHECK(!ec, "cannot create directory \"", dir, "\": ", ec.message());
+      remove_dead_temporaries(dir);
     }
     for (size_t i = 0; i < shards.size(); ++i) {
       std::vector<TensorMeta> metas;
@@ -692,8 +750,12 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
       Fd fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
       if (fd.get() < 0) fail_write(path, "create", errno);
       write_all(fd.get(), path, prefix.data(), prefix.size());
-      if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0)
-        fail_write(path, "ftruncate", errno);
+      // Reserve the blocks now: a full disk fails here, not as a hole that reads back as zeros.
+      if (const int err = ::posix_fallocate(fd.get(), 0, static_cast<off_t>(size)); err != 0) {
+        if (err != EOPNOTSUPP && err != EINVAL) fail_write(path, "allocate", err);
+        if (::ftruncate(fd.get(), static_cast<off_t>(size)) != 0) fail_write(path, "ftruncate", errno);
+      }
+      fault_point("fsync", path);
       if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
       if (::close(fd.release()) != 0) fail_write(path, "close", errno);
     }
@@ -736,6 +798,7 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
                 std::to_string(s.shape.empty() ? 1 : c.size(0)) + ";";
       }
       if (fd.get() >= 0) {
+        fault_point("fsync", path);
         if (::fsync(fd.get()) != 0) fail_write(path, "fsync", errno);
         if (::close(fd.release()) != 0) fail_write(path, "close", errno);
       }
@@ -779,18 +842,21 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
     }
   }
 
+  // The switch, so that the directory loads as the old checkpoint or the new one at every instant
+  // (a kill anywhere leaves one of them whole; loaders prefer model.safetensors over the index, as
+  // Transformers does): the new shards are renamed in under names the old checkpoint does not use,
+  // then the index is replaced in one rename (the switch), then an old model.safetensors (which
+  // would win over the index) and the old shards are removed. A single-file save is one rename.
   error = attempt([&] {
     if (!g.lead) return;
-    if (shards.size() > 1) {
-      fs::remove(fs::path(dir) / kIndexFile, ec);
-      AUTOMOE_CHECK(!ec, "cannot remove old index in \"", dir, "\": ", ec.message());
-    }
+    const fs::path d(dir);
     for (size_t i = 0; i < files.size(); ++i) {
-      const fs::path from = pending_path(i), to = fs::path(dir) / files[i];
+      const fs::path from = pending_path(i), to = d / files[i];
+      fault_point("rename", to.string());
       AUTOMOE_CHECK(::rename(from.c_str(), to.c_str()) == 0, "cannot rename \"", from.string(),
                     "\" to \"", to.string(), "\": ", errno_text(errno));
     }
-    fsync_dir((fs::path(dir) / files.front()).string());
+    fsync_dir((d / files.front()).string());
     std::set<std::string> keep(files.begin(), files.end());
     if (shards.size() > 1) {
       Json weight_map = Json::object();  // std::map-backed: keys come out sorted
@@ -798,18 +864,32 @@ std::vector<std::string> save_sharded(const std::string& dir, const std::vector<
         for (size_t k : shards[i]) weight_map[slots[k].name] = files[i];
       }
       Json index = {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}};
-      write_file_atomic((fs::path(dir) / kIndexFile).string(), index.dump(2) + "\n");
+      write_file_atomic((d / kIndexFile).string(), index.dump(2) + "\n");
       keep.insert(kIndexFile);
+      if (fs::exists(d / kSingleFile, ec)) {
+        fault_point("remove", (d / kSingleFile).string());
+        fs::remove(d / kSingleFile, ec);
+        AUTOMOE_CHECK(!ec, "cannot remove the replaced \"", (d / kSingleFile).string(), "\": ",
+                      ec.message());
+      }
+    } else if (fs::exists(d / kIndexFile, ec)) {  // the old index first: then its shards
+      fault_point("remove", (d / kIndexFile).string());
+      fs::remove(d / kIndexFile, ec);
+      AUTOMOE_CHECK(!ec, "cannot remove the replaced \"", (d / kIndexFile).string(), "\": ",
+                    ec.message());
     }
-    // Only now that the new files are in place: drop what an earlier save left behind (a shard
-    // count that changed, or an index next to what is now a single file).
+    fsync_dir((d / files.front()).string());
+    // Only now that the new checkpoint is the one the directory holds: drop what an earlier save
+    // left behind (the replaced shards, a shard count that changed).
     for (const auto& entry : fs::directory_iterator(dir, ec)) {
       const std::string name = entry.path().filename().string();
       if (!is_checkpoint_file(name) || keep.count(name) || entry.is_directory(ec)) continue;
-      fs::remove(entry.path(), ec);
-      AUTOMOE_CHECK(!ec, "cannot remove stale \"", entry.path().string(), "\": ", ec.message());
+      fault_point("remove", entry.path().string());
+      std::error_code rm;
+      fs::remove(entry.path(), rm);  // the save is complete: a leftover is only disk space
+      if (rm) log_info("warning: saved \"", dir, "\", but could not remove the replaced \"",
+                       entry.path().string(), "\": ", rm.message());
     }
-    AUTOMOE_CHECK(!ec, "cannot list directory \"", dir, "\": ", ec.message());
   });
   agree(error, "renaming the files into place");
   return files;
@@ -827,7 +907,15 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
   // Which file the index says holds each tensor (empty without an index).
   std::map<std::string, std::string> claimed;
   std::vector<std::string> file_names;
-  if (fs::exists(index_path, ec)) {
+  // model.safetensors wins over an index beside it, as in Transformers (which loads the single
+  // file): the same directory must never be two different models to the two of us.
+  const bool single = fs::exists(single_path, ec);
+  if (single && fs::exists(index_path, ec)) {
+    log_info("warning: \"", dir, "\" holds both ", kSingleFile, " and ", kIndexFile,
+             "; loading ", kSingleFile, " as Transformers does (the index and the shards it names "
+             "are ignored; remove the one you do not mean)");
+  }
+  if (!single && fs::exists(index_path, ec)) {
     const std::string where = "index \"" + index_path.string() + "\"";
     Json index;
     try {
@@ -842,6 +930,12 @@ SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir)
     for (const auto& [name, file] : index["weight_map"].items()) {
       AUTOMOE_CHECK(file.is_string(), where, ": weight_map value of \"", name,
                     "\" must be a file name string (found ", file.type_name(), ")");
+      // A downloaded checkpoint must not make us open files outside its directory.
+      const std::string f = file.get<std::string>();
+      AUTOMOE_CHECK(!f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+                        f.find('\\') == std::string::npos && f.find('\0') == std::string::npos,
+                    where, ": weight_map value of \"", name, "\" is \"", f,
+                    "\", which is not a file name inside the checkpoint directory");
       claimed.emplace(name, file.get<std::string>());
       if (unique.insert(file.get<std::string>()).second)
         file_names.push_back(file.get<std::string>());

@@ -71,8 +71,10 @@ void save_safetensors(const std::string& path,
 // Writes `tensors` into `dir` as Hugging Face does: a single `model.safetensors` when everything
 // fits in `max_shard_bytes`, otherwise `model-0000i-of-0000n.safetensors` shards plus
 // `model.safetensors.index.json` ({"metadata": {"total_size": ...}, "weight_map": {...}}).
-// A tensor larger than the limit gets a shard of its own. Stale shards/index of an earlier save
-// into the same directory are removed after the new files are in place. Returns the file names.
+// A tensor larger than the limit gets a shard of its own. Saving over a checkpoint (the directory
+// it was loaded from) is crash-safe: the directory holds the old checkpoint or the new one, whole,
+// at every instant (new shards take the .alt names where the old ones hold the standard names;
+// the index is the switch); the replaced files are removed last. Returns the file names.
 std::vector<std::string> save_sharded(
     const std::string& dir, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
     uint64_t max_shard_bytes = 5ull << 30);
@@ -105,9 +107,10 @@ struct WriteGroup {
 std::vector<std::string> save_sharded(const std::string& dir, const std::vector<TensorSlot>& slots,
                                       uint64_t max_shard_bytes, const WriteGroup* group);
 
-// The tensors of a Hugging Face checkpoint directory: reads `model.safetensors.index.json` when
-// present (checking that every file it names exists and holds the tensors it claims), otherwise
-// `model.safetensors`. Maps each tensor name to its file.
+// The tensors of a Hugging Face checkpoint directory: `model.safetensors` when present (as in
+// Transformers; a warning when an index lies beside it), otherwise `model.safetensors.index.json`
+// (checking that every file it names is a plain file name in the directory, exists and holds the
+// tensors it claims). Maps each tensor name to its file.
 class SafetensorsCheckpoint {
  public:
   explicit SafetensorsCheckpoint(const std::string& dir);
@@ -128,5 +131,13 @@ class SafetensorsCheckpoint {
 
 // Writes `text` to `path` atomically (temporary file, fsync, rename, directory fsync).
 void write_file_atomic(const std::string& path, const std::string& text);
+
+// Whether `pid` names a live process on this machine.
+bool process_alive(int64_t pid);
+
+// Removes what a killed save left in `dir`: "<file>.tmp.<pid>" (write_file_atomic,
+// save_safetensors) and "<file>.pending-<pid>" (save_sharded) whose process is gone. Returns
+// the paths removed; one that cannot be removed is reported and skipped.
+std::vector<std::string> remove_dead_temporaries(const std::string& dir);
 
 }  // namespace automoe
