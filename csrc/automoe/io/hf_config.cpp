@@ -40,6 +40,11 @@ bool ConfigReader::get_flag(const std::string& key, bool fallback) const {
 int64_t ConfigReader::get_int(const std::string& key) const {
   const json* v = find(key);
   if (!v || !v->is_number_integer()) fail_key(key, "an integer");
+  // Every integer a model config holds (sizes, counts, token ids) is far below 2^31; bounding them
+  // here keeps every product of two of them inside int64.
+  const bool fits = v->is_number_unsigned() ? v->get<uint64_t>() <= uint64_t{INT32_MAX}
+                                            : v->get<int64_t>() >= INT32_MIN && v->get<int64_t>() <= INT32_MAX;
+  if (!fits) fail_key(key, "an integer of magnitude below 2^31");
   return v->get<int64_t>();
 }
 

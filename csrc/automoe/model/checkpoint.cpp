@@ -20,6 +20,20 @@ namespace fs = std::filesystem;
 
 ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
                             const Architecture& arch) {
+  // config.json's layer count against the layers the tensors hold, before it sizes anything.
+  int64_t held = 0;
+  for (const std::string& name : ckpt.names()) {
+    const size_t at = name.find("layers.");
+    if (at == std::string::npos || (at > 0 && name[at - 1] != '.')) continue;
+    const size_t digits = at + 7;
+    size_t end = digits;
+    while (end < name.size() && end - digits < 9 && std::isdigit(static_cast<unsigned char>(name[end]))) ++end;
+    if (end > digits) held = std::max<int64_t>(held, std::stoll(name.substr(digits, end - digits)) + 1);
+  }
+  AUTOMOE_CHECK(held >= spec.num_layers, (fs::path(ckpt.dir()) / "config.json").string(),
+                ": num_hidden_layers is ", spec.num_layers, ", but the checkpoint's tensors hold ",
+                held, " layer(s)", held > 0 ? " (layers.0 .. layers." + std::to_string(held - 1) + ")" : "",
+                "; the config does not belong to these weights");
   if (arch.per_expert_rules.empty()) return ExpertsLayout::kFused;
   for (const auto& decl : parameter_layout(spec)) {
     std::string prefix;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -381,7 +382,12 @@ LoraConfig lora_config_from_peft(const nlohmann::ordered_json& j, const std::str
       c.target_parameters = j["target_parameters"].get<std::vector<std::string>>();
     }
     if (j.contains("rank_pattern") && j["rank_pattern"].is_object()) {
-      for (const auto& [k, v] : j["rank_pattern"].items()) c.rank_pattern.emplace_back(k, v.get<int64_t>());
+      for (const auto& [k, v] : j["rank_pattern"].items()) {
+        AUTOMOE_CHECK(v.is_number_integer() && v.get<int64_t>() > 0 && v.get<int64_t>() <= INT32_MAX,
+                      origin, ": rank_pattern[\"", k, "\"] must be a positive integer rank, found ",
+                      v.dump());
+        c.rank_pattern.emplace_back(k, v.get<int64_t>());
+      }
     }
     if (j.contains("alpha_pattern") && j["alpha_pattern"].is_object()) {
       for (const auto& [k, v] : j["alpha_pattern"].items()) c.alpha_pattern.emplace_back(k, v.get<double>());

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <nlohmann/json.hpp>
 #include <optional>
 
@@ -10,14 +11,26 @@
 namespace automoe::arch {
 
 int64_t positive(const ConfigReader& cfg, const std::string& key) {
+  // (at most 2^31 - 1: any product of two sizes then fits in int64)
   const int64_t v = cfg.get_int(key);
-  if (v <= 0) cfg.fail_key(key, "a positive integer");
+  if (v <= 0 || v > INT32_MAX) cfg.fail_key(key, "a positive integer below 2^31");
   return v;
 }
 
 int64_t positive(const ConfigReader& cfg, const std::string& key, int64_t fallback) {
   return cfg.has(key) ? positive(cfg, key) : fallback;
 }
+
+namespace {
+
+// A size no real model comes near: beyond it a value is damage, refused before it sizes anything.
+int64_t bounded(const ConfigReader& cfg, const std::string& key, int64_t max) {
+  const int64_t v = positive(cfg, key);
+  if (v > max) cfg.fail_key(key, "a positive integer up to " + std::to_string(max));
+  return v;
+}
+
+}  // namespace
 
 void reject_unsupported(const ConfigReader& cfg) {
   if (cfg.has("quantization_config")) {
@@ -33,9 +46,9 @@ void reject_unsupported(const ConfigReader& cfg) {
 }
 
 void parse_decoder_basics(const ConfigReader& cfg, const Defaults& d, ModelSpec* s) {
-  s->vocab_size = positive(cfg, "vocab_size");
-  s->hidden_size = positive(cfg, "hidden_size");
-  s->num_layers = positive(cfg, "num_hidden_layers");
+  s->vocab_size = bounded(cfg, "vocab_size", int64_t{1} << 24);
+  s->hidden_size = bounded(cfg, "hidden_size", int64_t{1} << 18);
+  s->num_layers = bounded(cfg, "num_hidden_layers", kMaxLayers);
   s->max_position_embeddings = positive(cfg, "max_position_embeddings", d.max_position_embeddings);
   s->rms_norm_eps = cfg.get_double("rms_norm_eps", d.rms_norm_eps);
   if (s->rms_norm_eps < 0) cfg.fail_key("rms_norm_eps", "a non-negative number");
@@ -157,7 +170,7 @@ RopeSpec parse_rope(const ConfigReader& cfg, int64_t rope_head_dim, const std::s
 void parse_deepseek_moe(const ConfigReader& cfg, const Defaults& d, ModelSpec* s) {
   MoESpec& m = s->moe;
   const std::string experts_key = cfg.first_present({"n_routed_experts", "num_local_experts"});
-  m.num_experts = positive(cfg, experts_key);
+  m.num_experts = bounded(cfg, experts_key, int64_t{1} << 16);
   m.top_k = cfg.get_int("num_experts_per_tok");
   if (m.top_k < 1 || m.top_k > m.num_experts) {
     cfg.fail_key("num_experts_per_tok",
@@ -211,6 +224,7 @@ void parse_softmax_moe(const ConfigReader& cfg, const std::string& experts_key,
                        ModelSpec* s) {
   MoESpec& m = s->moe;
   m.num_experts = cfg.get_int(experts_key);
+  if (m.num_experts > (int64_t{1} << 16)) cfg.fail_key(experts_key, "at most 65536 experts");
   if (m.num_experts < 0) cfg.fail_key(experts_key, "a non-negative integer");
   const int64_t sparse_step = cfg.get_int("decoder_sparse_step", 1);
   if (sparse_step < 1) cfg.fail_key("decoder_sparse_step", "an integer >= 1");

@@ -13,6 +13,9 @@
 namespace automoe::arch {
 
 // cfg[key] as an integer > 0 (an error naming the key otherwise); `fallback` when absent, if given.
+// The most decoder layers a config.json may declare (the largest MoE models have ~100).
+inline constexpr int64_t kMaxLayers = 4096;
+
 int64_t positive(const ConfigReader& cfg, const std::string& key);
 int64_t positive(const ConfigReader& cfg, const std::string& key, int64_t fallback);
 
