@@ -4,6 +4,8 @@
 #include <gtest/gtest.h>
 
 #include "automoe/moe/experts.h"
+#include "automoe/ops/cpu/isa.h"
+#include "automoe/ops/grouped_gemm/gemm_cpu.h"
 
 namespace automoe::moe {
 namespace {
@@ -64,3 +66,19 @@ INSTANTIATE_TEST_SUITE_P(AwkwardRoutings, ExpertsBackends,
 
 }  // namespace
 }  // namespace automoe::moe
+
+// A resumed run adopts the GEMM paths the run it continues measured (see gemm_cpu.h).
+TEST(GemmDecisions, AdoptedDecisionsAreReportedBackAndForeignOnesRefused) {
+  namespace cpu = automoe::ops::cpu;
+  const std::string isa = cpu::isa_name(cpu::active_isa());
+  EXPECT_FALSE(cpu::adopt_gemm_decisions("garbage"));
+  EXPECT_FALSE(cpu::adopt_gemm_decisions(isa + ":2:0"));
+  const std::string other = isa == "amx" ? "avx2" : "amx";
+  EXPECT_FALSE(cpu::adopt_gemm_decisions(other + ":1:1"));
+  ASSERT_TRUE(cpu::adopt_gemm_decisions(isa + ":0:1"));
+  EXPECT_EQ(cpu::gemm_decisions(), isa + ":0:1");
+  EXPECT_TRUE(cpu::aten_faster_fp32());  // adopted, not measured
+  ASSERT_TRUE(cpu::adopt_gemm_decisions(isa + ":-:0"));
+  EXPECT_EQ(cpu::gemm_decisions(), isa + ":0:0");  // "-" leaves a choice as it was
+  if (cpu::active_isa() >= cpu::Isa::kAvx2) EXPECT_FALSE(cpu::aten_faster_fp32());
+}

@@ -741,6 +741,35 @@ std::string gemm_choices() {
   return out.empty() ? "not measured (no choice needed at this level)" : out;
 }
 
+std::string gemm_decisions() {
+  const int level = static_cast<int>(active_isa());
+  std::string out = isa_name(active_isa());
+  for (Probe* p : {&brgemm_probe(), &aten_fp32_probe()}) {
+    std::lock_guard<std::mutex> lock(p->mu);
+    out += p->decided[level] < 0 ? ":-" : p->decided[level] ? ":1" : ":0";
+  }
+  return out;
+}
+
+bool adopt_gemm_decisions(const std::string& decisions) {
+  const int level = static_cast<int>(active_isa());
+  const std::string isa = isa_name(active_isa());
+  if (decisions.size() != isa.size() + 4 || decisions.compare(0, isa.size(), isa) != 0) return false;
+  Probe* probes[] = {&brgemm_probe(), &aten_fp32_probe()};
+  for (int i = 0; i < 2; ++i) {
+    const char c = decisions[isa.size() + 1 + 2 * i];
+    if (decisions[isa.size() + 2 * i] != ':' || (c != '0' && c != '1' && c != '-')) return false;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const char c = decisions[isa.size() + 1 + 2 * i];
+    if (c == '-') continue;
+    std::lock_guard<std::mutex> lock(probes[i]->mu);
+    probes[i]->decided[level] = c == '1';
+    probes[i]->summary[level] = "adopted from the resumed run";
+  }
+  return true;
+}
+
 const char* gemm_path_name(GemmPath p) { return kPathNames[static_cast<int>(p)]; }
 
 GemmPath gemm_path(bool bf16_operands) {

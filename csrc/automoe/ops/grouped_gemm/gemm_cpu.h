@@ -57,6 +57,13 @@ bool aten_faster_fp32();
 // What the measured choices found, e.g. "brgemm 610 vs avx512 300 GFLOP/s (one thread); aten
 // 170 vs avx512 320 GFLOP/s" (for `automoe bench` and the op benchmark).
 std::string gemm_choices();
+// The measured choices at the active instruction-set level, as "<isa>:<brgemm>:<aten_fp32>"
+// (each 1, 0, or - when not measured), and their adoption: a resumed training run adopts the
+// choices of the run it continues, so that it computes exactly as that run would have (a fresh
+// measurement near the margin could pick the other path, whose sums round differently).
+// Choices recorded at another level are ignored; adopting returns whether they applied.
+std::string gemm_decisions();
+bool adopt_gemm_decisions(const std::string& decisions);
 
 // Runs every problem (K = 0 writes zeros, or leaves C when accumulating). Thread-parallel with
 // at::parallel_for; deterministic (each C element is reduced by one thread in a fixed order).
