@@ -237,14 +237,55 @@ def _write(path: Path, docs_ids: list[np.ndarray], docs_mask: list[np.ndarray], 
         offs = new
     text = json.dumps(dict(header, **offs)).encode()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(CACHE_FORMAT.encode() + len(text).to_bytes(8, "little") + text)
-        for at, arr in ((offs["offsets_at"], offsets), (offs["tokens_at"], tokens), (offs["mask_at"], mask)):
-            f.write(b"\0" * (at - f.tell()))
-            f.write(arr.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(CACHE_FORMAT.encode() + len(text).to_bytes(8, "little") + text)
+            for at, arr in ((offs["offsets_at"], offsets), (offs["tokens_at"], tokens), (offs["mask_at"], mask)):
+                f.write(b"\0" * (at - f.tell()))
+                f.write(arr.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write the tokenised data {path}: {e.strerror or e} (data.cache_dir: free "
+                        "space there, or choose another directory)") from None
+
+
+def remove_dead_temporaries(cache: Path) -> None:
+    """Removes the hidden `.NAME.tmp-PID` files a killed tokenisation left in the cache."""
+    import re
+
+    for p in cache.glob(".*.tmp-*"):
+        m = re.fullmatch(r"\..+\.tmp-(\d+)", p.name)
+        if not m or int(m.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # a live process (ours or not): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        p.unlink(missing_ok=True)
+
+
+def _no_lone_surrogates(value) -> None:
+    """JSON's \\ud800 escapes decode to strings that are not Unicode text: refuse them here, not
+    inside the tokenizer."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"a lone surrogate \\u{ord(value[e.start]):04x} in a string (not valid "
+                             "Unicode text)") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _no_lone_surrogates(k)
+            _no_lone_surrogates(v)
+    elif isinstance(value, list):
+        for v in value:
+            _no_lone_surrogates(v)
 
 
 def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
@@ -258,7 +299,11 @@ def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train
             raise DataError(f"{what}: {f}: no such file")
         paths.append(p)
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.cache_dir: cannot create {cache}: {e.strerror or e}") from None
+    remove_dead_temporaries(cache)
     key = cache_key(paths, model_path, fmt, train_on, on_error)
     out = cache / f"{key}.amds"
     stats_path = cache / f"{key}.json"
@@ -270,20 +315,21 @@ def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train
     enc = Encoder(tokenizer, fmt, train_on)
     ids_list, mask_list, skipped, short = [], [], [], 0
     for p in paths:
-        with open(p, encoding="utf-8", errors="strict") as fh:
+        with open(p, "rb") as fh:  # decoded line by line, so that a bad byte names its own line
             lineno = 0
-            while True:
-                try:
-                    line = fh.readline()
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{p}:{lineno + 1}: not UTF-8 text ({e.reason})") from None
-                if not line:
-                    break
+            for raw in fh:
                 lineno += 1
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DataError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line: "
+                                    f"{e.reason})") from None
                 if not line.strip():
                     continue
                 try:
-                    ids, mask = enc(json.loads(line))
+                    row = json.loads(line)
+                    _no_lone_surrogates(row)
+                    ids, mask = enc(row)
                 except DataError:
                     raise
                 except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
@@ -315,8 +361,13 @@ def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train
     _write(out, ids_list, mask_list, {"key": key, "format": fmt, "train_on": train_on, **{
         k: stats[k] for k in ("documents", "tokens", "loss_tokens")}})
     tmp = stats_path.with_name(f".{stats_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(stats, indent=2) + "\n")
-    os.replace(tmp, stats_path)
+    try:
+        tmp.write_text(json.dumps(stats, indent=2) + "\n")
+        os.replace(tmp, stats_path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DataError(f"cannot write {stats_path}: {e.strerror or e} (data.cache_dir: free space there, "
+                        "or choose another directory)") from None
     stats["reused"] = False
     return Dataset(out, key, stats)
 

@@ -18,13 +18,35 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...] [--nproc-per-node N]
+                     [--resume-from step-N]
 
 Fine-tunes model.path on data.train and exports a Hugging Face checkpoint to
 <checkpoint.dir>/export; re-running on the same checkpoint.dir resumes. Overrides use YAML
 values: train.max_steps=100 optimizer.lr=2e-5 data.packing=false. See docs/recipes.md.
 --nproc-per-node N runs N processes on this machine (torchrun); under torchrun or Slurm each
 process is one rank. The recipe's `parallel` section sets ep and dp (docs/parallelism.md).
+--resume-from step-N resumes from that checkpoint of checkpoint.dir instead of the latest
+(checkpoint.resume_from). SIGTERM, SIGINT or SIGHUP stop the run after its current step with a
+checkpoint (exit status 4); a second signal stops it at once.
 """
+
+
+def split_resume_from(argv: list[str]) -> list[str]:
+    """argv with `--resume-from step-N` (or `--resume-from=step-N`) turned into the override
+    checkpoint.resume_from=step-N."""
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--resume-from" or a.startswith("--resume-from="):
+            value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
+            if not value:
+                raise RecipeError("--resume-from: expected a checkpoint name, e.g. --resume-from step-100")
+            out.append(f"checkpoint.resume_from={value}")
+            i += 1 if "=" in a else 2
+            continue
+        out.append(a)
+        i += 1
+    return out
 
 
 class RecipeError(ValueError):
@@ -56,7 +78,32 @@ def _yaml_loader():
                    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
         list("-+0123456789."))
     Loader.add_constructor("tag:yaml.org,2002:int", lambda loader, node: int(loader.construct_scalar(node), 10))
+
+    def construct_mapping(self, node, deep=False):
+        # YAML forbids a key twice in one mapping; PyYAML keeps the last silently (a section
+        # written twice would lose the first one's values).
+        first = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                line = first.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if line != key_node.start_mark.line + 1:
+                raise DuplicateKey(key, line, key_node.start_mark.line + 1)
+        return yaml.SafeLoader.construct_mapping(self, node, deep=deep)
+
+    Loader.construct_mapping = construct_mapping
     return Loader
+
+
+class DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(f"key {key!r} appears twice (lines {first} and {again}); YAML forbids "
+                         "duplicate keys, and the first one's values would be lost: merge them")
+        self.line = again
 
 
 def yaml_load(text: str):
@@ -73,6 +120,10 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
         raise RecipeError(f"{path}: no such recipe file")
     try:
         doc = yaml_load(p.read_text(encoding="utf-8"))
+    except DuplicateKey as e:
+        raise RecipeError(f"{path}:{e.line}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise RecipeError(f"{path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     except yaml.YAMLError as e:
         raise RecipeError(f"{path}: not valid YAML: {e}") from None
     if doc is None:
@@ -85,6 +136,8 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
             raise RecipeError(f"override \"{ov}\": expected section.key=value")
         try:
             parsed = yaml_load(value) if value else ""
+        except DuplicateKey as e:
+            raise RecipeError(f"override \"{ov}\": {e}") from None
         except yaml.YAMLError as e:
             raise RecipeError(f"override \"{ov}\": bad value: {e}") from None
         node = doc
@@ -158,7 +211,7 @@ def main(argv: list[str]) -> None:
     from automoe import cli, data, distributed
 
     try:
-        nproc, argv = distributed.split_nproc(argv)
+        nproc, argv = distributed.split_nproc(split_resume_from(argv))
         if not argv:
             print(USAGE, file=sys.stderr, end="")
             raise SystemExit(2)
@@ -173,6 +226,10 @@ def main(argv: list[str]) -> None:
     except (RecipeError, data.DataError, ValueError, OSError) as e:
         print(f"automoe train: error: {e}", file=sys.stderr)
         raise SystemExit(1)
+    except KeyboardInterrupt:  # Ctrl-C while tokenising: nothing trained yet, nothing to save
+        print("\nautomoe train: interrupted while preparing the data; nothing was trained",
+              file=sys.stderr)
+        raise SystemExit(130)
     sys.stderr.flush()
     # The engine validates the recipe again and records it as <checkpoint.dir>/recipe.json.
     cli.exec_engine(["train", "--recipe-text", json.dumps(recipe), "--origin", argv[0], *engine_args])

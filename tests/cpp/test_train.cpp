@@ -213,6 +213,42 @@ TEST(TokenDataset, RejectsCorruptFilesWithTheirName) {
   fs::remove(bad);
 }
 
+TEST(TokenDataset, RefusesNonIntegerHeaderFieldsAndUnmapsWhatItRefuses) {
+  const std::string good = write_amds({{1, 2, 3}}, {{0, 1, 1}});
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  uint64_t hlen = 0;
+  std::memcpy(&hlen, bytes.data() + 8, 8);
+  json header = json::parse(bytes.substr(16, hlen));
+  const std::string bad = good + ".bad";
+  // Floats in the header were converted silently (1.0 as 1; out of range, undefined behaviour).
+  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
+           {"n_docs", 1.0}, {"tokens_at", 1.99e20}, {"offsets_at", -1024}}) {
+    json h = header;
+    h[key] = value;
+    std::string text = h.dump();
+    ASSERT_LE(text.size(), 1024u - 16);
+    std::string crafted = bytes;
+    const uint64_t n = text.size();
+    std::memcpy(crafted.data() + 8, &n, 8);
+    std::memcpy(crafted.data() + 16, text.data(), n);
+    std::ofstream(bad, std::ios::binary) << crafted;
+    EXPECT_THROW(TokenDataset{bad}, Error) << key << " = " << value.dump();
+  }
+  // A refused file is unmapped (the destructor of a constructor that throws never runs).
+  std::ofstream(bad, std::ios::binary) << "AMDS9999" + bytes.substr(8);
+  for (int i = 0; i < 3; ++i) EXPECT_THROW(TokenDataset{bad}, Error);
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    EXPECT_EQ(line.find(bad), std::string::npos) << line;
+  }
+  fs::remove(good);
+  fs::remove(bad);
+}
+
 TEST(Batcher, PacksWholeDocumentsWithRestartingPositionsAndNoLossOnFirstTokens) {
   // Documents of 3, 4, 2 and 6 tokens; rows of 8.
   const std::string path = write_amds({{10, 11, 12}, {20, 21, 22, 23}, {30, 31}, {1, 2, 3, 4, 5, 6}},

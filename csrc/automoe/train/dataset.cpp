@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -31,6 +33,13 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   map_ = ::mmap(nullptr, map_size_, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
   AUTOMOE_CHECK(map_ != MAP_FAILED, path, ": mmap failed: ", std::strerror(errno));
+  // A failed check below throws out of the constructor, so the destructor never runs: unmap here.
+  struct Unmap {
+    TokenDataset* self;
+    ~Unmap() {
+      if (self) ::munmap(self->map_, self->map_size_);
+    }
+  } unmap_on_error{this};
   const auto* base = static_cast<const char*>(map_);
   AUTOMOE_CHECK(std::memcmp(base, "AMDS0001", 8) == 0, path,
                 ": not an AutoMoE dataset (bad magic; delete it to re-tokenise)");
@@ -41,11 +50,19 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   nlohmann::json h;
   try {
     h = nlohmann::json::parse(header_);
-    n_docs_ = h.at("n_docs").get<int64_t>();
-    n_tokens_ = h.at("n_tokens").get<int64_t>();
-    const auto off_at = h.at("offsets_at").get<uint64_t>();
-    const auto tok_at = h.at("tokens_at").get<uint64_t>();
-    const auto mask_at = h.at("mask_at").get<uint64_t>();
+    // get<>() would convert a float (undefined behaviour when out of range): integers only.
+    auto integer = [&](const char* key) {
+      const nlohmann::json& v = h.at(key);
+      AUTOMOE_CHECK(
+          v.is_number_integer() && !(v.is_number_unsigned() && v.get<uint64_t>() > INT64_MAX), path,
+          ": header field \"", key, "\" must be an integer, found ", v.dump());
+      return v.get<int64_t>();
+    };
+    n_docs_ = integer("n_docs");
+    n_tokens_ = integer("n_tokens");
+    const auto off_at = static_cast<uint64_t>(integer("offsets_at"));  // negative: out of range
+    const auto tok_at = static_cast<uint64_t>(integer("tokens_at"));
+    const auto mask_at = static_cast<uint64_t>(integer("mask_at"));
     AUTOMOE_CHECK(n_docs_ >= 0 && n_tokens_ >= 0, path, ": negative sizes in header");
     // Counts, not byte products, are compared: a crafted header cannot overflow the check.
     auto fits = [&](uint64_t at, uint64_t count, uint64_t elem) {
@@ -67,6 +84,7 @@ TokenDataset::TokenDataset(const std::string& path) : path_(path) {
   for (int64_t d = 0; d < n_docs_; ++d) {
     AUTOMOE_CHECK(offsets_[d + 1] > offsets_[d], path, ": document ", d, " is empty or misordered");
   }
+  unmap_on_error.self = nullptr;
 }
 
 TokenDataset::~TokenDataset() {
@@ -141,10 +159,26 @@ void Batcher::advance(DataPosition& pos, std::vector<std::vector<int64_t>>* rows
   }
 }
 
-MicroBatch Batcher::next(DataPosition& pos) const {
+Truncation truncation_at(const TokenDataset& data, int64_t seq_len) {
+  Truncation t;
+  for (int64_t d = 0; d < data.num_docs(); ++d) {
+    const int64_t full = data.doc_length(d), len = std::min(full, seq_len);
+    t.documents += full > len;
+    t.tokens += full - len;
+    const uint8_t* m = data.doc_mask(d);
+    // (the first token of a document never carries loss: see Batcher)
+    const bool kept = std::find(m + std::min<int64_t>(1, len), m + len, 1) != m + len;
+    if (kept) continue;
+    t.documents_without_loss += 1;
+    t.documents_cut_to_no_loss += std::find(m + len, m + full, 1) != m + full;
+  }
+  return t;
+}
+
+MicroBatch Batcher::next(DataPosition& pos, bool tensors) const {
   std::vector<std::vector<int64_t>> rows;
   advance(pos, &rows);
-  return build(rows);
+  return build(rows, tensors);
 }
 
 int64_t Batcher::count_until(DataPosition pos, double epochs) const {
@@ -179,7 +213,7 @@ std::vector<MicroBatch> Batcher::all_in_order() const {
   return out;
 }
 
-MicroBatch Batcher::build(const std::vector<std::vector<int64_t>>& rows_docs) const {
+MicroBatch Batcher::build(const std::vector<std::vector<int64_t>>& rows_docs, bool tensors) const {
   const auto R = static_cast<int64_t>(rows_docs.size());
   int64_t L = 1;
   for (const auto& row : rows_docs) {
@@ -188,6 +222,20 @@ MicroBatch Batcher::build(const std::vector<std::vector<int64_t>>& rows_docs) co
     L = std::max(L, n);
   }
   MicroBatch mb;
+  mb.rows = R;
+  mb.length = L;
+  for (const auto& row : rows_docs) {  // the counts (all a step's plan needs)
+    for (int64_t d : row) {
+      const int64_t full = data_.doc_length(d), len = std::min(full, seq_len_);
+      mb.truncated += full > len;
+      mb.truncated_tokens += full - len;
+      mb.documents += 1;
+      mb.real_tokens += len;
+      const uint8_t* m = data_.doc_mask(d);
+      for (int64_t i = 1; i < len; ++i) mb.loss_tokens += m[i] != 0;
+    }
+  }
+  if (!tensors) return mb;
   const auto opts = at::TensorOptions().dtype(at::kLong);
   mb.input_ids = at::full({R, L}, pad_, opts);
   mb.position_ids = at::zeros({R, L}, opts);
@@ -200,22 +248,16 @@ MicroBatch Batcher::build(const std::vector<std::vector<int64_t>>& rows_docs) co
   for (int64_t r = 0; r < R; ++r) {
     int64_t at_col = 0, local_doc = 0;
     for (int64_t d : rows_docs[r]) {
-      const int64_t full = data_.doc_length(d), len = std::min(full, seq_len_);
-      mb.truncated += full > len;
-      mb.documents += 1;
+      const int64_t len = std::min(data_.doc_length(d), seq_len_);
       const int32_t* tok = data_.doc_tokens(d);
       const uint8_t* m = data_.doc_mask(d);
       for (int64_t i = 0; i < len; ++i) {
         ids[r][at_col + i] = tok[i];
         pos[r][at_col + i] = i;
         doc_ids[r][at_col + i] = local_doc;
-        if (i > 0 && m[i]) {
-          labels[r][at_col + i] = tok[i];
-          mb.loss_tokens += 1;
-        }
+        if (i > 0 && m[i]) labels[r][at_col + i] = tok[i];
       }
       at_col += len;
-      mb.real_tokens += len;
       local_doc += 1;
     }
     // Padding continues the positions of a document of its own (id -1), so that it attends only

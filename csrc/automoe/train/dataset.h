@@ -63,7 +63,17 @@ struct MicroBatch {
   int64_t real_tokens = 0;  // non-padding tokens
   int64_t documents = 0;
   int64_t truncated = 0;    // documents cut at seq_len
+  int64_t truncated_tokens = 0;  // the tokens cut off them
+  int64_t rows = 0, length = 0;  // R and L (also without tensors)
 };
+
+// What cutting every document at seq_len does to a dataset (one pass over its documents).
+struct Truncation {
+  int64_t documents = 0, tokens = 0;  // documents cut, and the tokens cut off them
+  int64_t documents_without_loss = 0; // documents with no loss token left within seq_len
+  int64_t documents_cut_to_no_loss = 0;  // ... of which had loss tokens past seq_len
+};
+Truncation truncation_at(const TokenDataset& data, int64_t seq_len);
 
 // Packs or pads documents into micro-batches of `rows` x (up to) `seq_len`, in an order fixed by
 // (seed, epoch): the same position always yields the same batch, which is what makes resuming
@@ -77,7 +87,8 @@ class Batcher {
   Batcher(const TokenDataset& data, int64_t rows, int64_t seq_len, bool packing, bool shuffle,
           uint64_t seed, int64_t pad_token_id);
 
-  MicroBatch next(DataPosition& pos) const;
+  // The micro-batch at `pos`, moving `pos` past it; `tensors` false: its counts only (cheap).
+  MicroBatch next(DataPosition& pos, bool tensors = true) const;
   // How many next() calls from `pos` until the stream has consumed `epochs` epochs (a fraction
   // counts documents); depends on each epoch's order when packing.
   int64_t count_until(DataPosition pos, double epochs) const;
@@ -88,7 +99,7 @@ class Batcher {
   const std::vector<int64_t>& order(int64_t epoch) const;
   // Moves `pos` past one micro-batch's documents, collecting them per row when asked.
   void advance(DataPosition& pos, std::vector<std::vector<int64_t>>* rows_docs) const;
-  MicroBatch build(const std::vector<std::vector<int64_t>>& rows_docs) const;
+  MicroBatch build(const std::vector<std::vector<int64_t>>& rows_docs, bool tensors = true) const;
 
   const TokenDataset& data_;
   int64_t rows_, seq_len_;

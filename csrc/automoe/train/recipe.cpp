@@ -6,6 +6,7 @@
 #include <set>
 
 #include "automoe/core/error.h"
+#include "automoe/train/run_dir.h"
 #include "automoe/model/backend.h"
 
 namespace automoe::train {
@@ -59,7 +60,7 @@ class Section {
     return def;
   }
 
-  int64_t integer(const std::string& k, int64_t def, int64_t min) {
+  int64_t integer(const std::string& k, int64_t def, int64_t min, int64_t max = INT64_MAX) {
     if (const json* v = raw(k)) {
       const bool integral = v->is_number_integer() ||
                             (v->is_number_float() && std::floor(v->get<double>()) == v->get<double>());
@@ -73,6 +74,7 @@ class Section {
       def = v->is_number_float() ? static_cast<int64_t>(v->get<double>()) : v->get<int64_t>();
     }
     AUTOMOE_CHECK(def >= min, where(k), "expected >= ", min, ", got ", def);
+    AUTOMOE_CHECK(def <= max, where(k), "expected <= ", max, ", got ", def);
     return def;
   }
 
@@ -183,7 +185,7 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.data.validation = d.paths("validation");
   r.data.format =
       d.str("format", r.data.format, {"auto", "chat", "prompt_completion", "alpaca", "text"});
-  r.data.seq_len = d.integer("seq_len", r.data.seq_len, 2);
+  r.data.seq_len = d.integer("seq_len", r.data.seq_len, 2, kMaxSeqLen);
   r.data.packing = d.boolean("packing", r.data.packing);
   r.data.train_on = d.str("train_on", r.data.train_on, {"completion", "all"});
   r.data.on_error = d.str("on_error", r.data.on_error, {"fail", "skip"});
@@ -192,10 +194,17 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   d.finish();
 
   Section t(root, "train", origin);
-  r.train.micro_batch_size = t.integer("micro_batch_size", 1, 1);
+  // Bounds on what sizes memory and threads, so that a typo is refused before anything is
+  // allocated (micro-batches are built one at a time, so a long accumulation costs time only).
+  r.train.micro_batch_size = t.integer("micro_batch_size", 1, 1, kMaxMicroBatchTokens);
+  AUTOMOE_CHECK(r.train.micro_batch_size * r.data.seq_len <= kMaxMicroBatchTokens,
+                t.where("micro_batch_size"), r.train.micro_batch_size, " rows of data.seq_len ",
+                r.data.seq_len, " tokens is more than ", kMaxMicroBatchTokens,
+                " tokens in one forward; use gradient accumulation (train.global_batch_size)");
   const bool has_accum = t.has("grad_accumulation_steps");
-  r.train.grad_accumulation_steps = t.integer("grad_accumulation_steps", 1, 1);
-  r.train.global_batch_size = t.integer("global_batch_size", 0, 0);
+  r.train.grad_accumulation_steps = t.integer("grad_accumulation_steps", 1, 1, kMaxAccumulation);
+  r.train.global_batch_size =
+      t.integer("global_batch_size", 0, 0, kMaxAccumulation * r.train.micro_batch_size);
   if (r.train.global_batch_size > 0) {
     const int64_t mb = r.train.micro_batch_size;
     AUTOMOE_CHECK(r.train.global_batch_size % mb == 0, t.where("global_batch_size"),
@@ -223,7 +232,7 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
                      dev.find_first_not_of("0123456789", 5) == std::string::npos);
     AUTOMOE_CHECK(ok, t.where("device"), "expected auto, cpu, cuda or cuda:N, got \"", dev, "\"");
   }
-  r.train.threads = t.integer("threads", 0, 0);
+  r.train.threads = t.integer("threads", 0, 0, kMaxThreads);
   t.finish();
 
   Section o(root, "optimizer", origin);
@@ -260,6 +269,12 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.checkpoint.every = c.integer("every", 0, 0);
   r.checkpoint.keep_last = c.integer("keep_last", 2, 1);
   r.checkpoint.resume = c.boolean("resume", true);
+  r.checkpoint.resume_from = c.str("resume_from", "");
+  AUTOMOE_CHECK(r.checkpoint.resume_from.empty() || step_of(r.checkpoint.resume_from),
+                c.where("resume_from"), "expected a checkpoint's name, step-N, got \"",
+                r.checkpoint.resume_from, "\"");
+  AUTOMOE_CHECK(r.checkpoint.resume_from.empty() || r.checkpoint.resume, c.where("resume_from"),
+                "names a checkpoint to resume from, but checkpoint.resume is false");
   r.checkpoint.export_layout = c.str("export_layout", "source", {"source", "per-expert", "fused"});
   r.checkpoint.export_dtype = c.str("export_dtype", "auto", {"auto", "float32", "bfloat16"});
   c.finish();
@@ -360,6 +375,7 @@ std::string Recipe::to_json() const {
                      {"every", checkpoint.every},
                      {"keep_last", checkpoint.keep_last},
                      {"resume", checkpoint.resume},
+                     {"resume_from", checkpoint.resume_from},
                      {"export_layout", checkpoint.export_layout},
                      {"export_dtype", checkpoint.export_dtype}};
   j["log"] = {{"every", log.every},

@@ -11,6 +11,13 @@
 
 namespace automoe::train {
 
+// Bounds on recipe values that size memory or threads: beyond them a value is a typo, refused
+// before anything is allocated.
+inline constexpr int64_t kMaxSeqLen = int64_t{1} << 20;
+inline constexpr int64_t kMaxMicroBatchTokens = int64_t{1} << 20;
+inline constexpr int64_t kMaxAccumulation = int64_t{1} << 20;  // micro-batches per step
+inline constexpr int64_t kMaxThreads = 4096;  // (and at most the CPUs the process may use)
+
 struct ModelSection {
   std::string path;                            // Hugging Face checkpoint directory
   std::string dtype = "bfloat16";              // compute dtype: float32 | bfloat16
@@ -65,6 +72,7 @@ struct CheckpointSection {
   int64_t every = 0;          // steps; 0 = only at the end
   int64_t keep_last = 2;
   bool resume = true;         // continue from dir/latest when it exists
+  std::string resume_from;    // "" = the checkpoint `latest` names; else step-N of dir
   std::string export_layout = "source";  // source | per-expert | fused
   std::string export_dtype = "auto";     // auto (the checkpoint's) | float32 | bfloat16
 };

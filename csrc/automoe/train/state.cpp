@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "automoe/core/error.h"
+#include "automoe/core/fault.h"
 #include "automoe/io/safetensors.h"
 
 namespace automoe::train {
@@ -48,16 +49,6 @@ void barrier(const parallel::World& w, const char* what) {
 }
 
 }  // namespace
-
-std::optional<int64_t> step_of(const std::string& dirname) {
-  if (dirname.rfind("step-", 0) != 0 || dirname.size() == 5 || dirname.size() > 5 + 18) {
-    return std::nullopt;
-  }
-  const std::string digits = dirname.substr(5);
-  if (digits.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
-  return std::stoll(digits);
-}
-
 
 void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
                      const NamedTensors& buffers, const json& extra, int64_t keep_last,
@@ -100,70 +91,128 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
     s.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
     s.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
   }
-  if (!experts.empty() && world.dp_rank() == 0) {  // each shard once, by the first replica
-    save_safetensors((tmp / experts_file(world.ep_rank(), world.mesh.ep)).string(), experts,
-                     {{"format", "pt"},
-                      {"expert_begin", std::to_string(expert_begin)},
-                      {"expert_count", std::to_string(experts.front().second.size(0))}});
+  // A failed write on any rank (a full disk) fails the save on every rank, and the half-written
+  // directory goes: the previous checkpoint stays the latest.
+  std::string error;
+  try {
+    if (!experts.empty() && world.dp_rank() == 0) {  // each shard once, by the first replica
+      save_safetensors((tmp / experts_file(world.ep_rank(), world.mesh.ep)).string(), experts,
+                       {{"format", "pt"},
+                        {"expert_begin", std::to_string(expert_begin)},
+                        {"expert_count", std::to_string(experts.front().second.size(0))}});
+    }
+    if (lead) {
+      for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
+      if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
+      state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+      save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
+      save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
+      json j = extra;
+      j["step"] = st.step;
+      j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
+      j["tokens_seen"] = st.tokens_seen;
+      j["skipped_steps"] = st.skipped_steps;
+      j["consecutive_nonfinite"] = st.consecutive_nonfinite;
+      j["parallel"] = {{"world", world.mesh.world}, {"ep", world.mesh.ep}, {"dp", world.mesh.dp}};
+      write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
+    }
+  } catch (const std::exception& e) {
+    error = e.what();
   }
-  if (lead) {
-    for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
-    if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
-    state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
-    save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
-    save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
-    json j = extra;
-    j["step"] = st.step;
-    j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
-    j["tokens_seen"] = st.tokens_seen;
-    j["skipped_steps"] = st.skipped_steps;
-    j["consecutive_nonfinite"] = st.consecutive_nonfinite;
-    j["parallel"] = {{"world", world.mesh.world}, {"ep", world.mesh.ep}, {"dp", world.mesh.dp}};
-    write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
+  if (world.distributed()) {
+    try {
+      parallel::agree(world.world, error, world.device, "checkpoint save");
+    } catch (...) {
+      std::error_code ec;
+      if (lead) fs::remove_all(tmp, ec);
+      throw;
+    }
+  } else if (!error.empty()) {
+    std::error_code ec;
+    fs::remove_all(tmp, ec);
+    throw Error(error);
   }
-  barrier(world, "checkpoint save (files)");
   if (lead) {
     fsync_path(tmp);
-    fs::rename(tmp, final_dir);
+    fault_point("rename", final_dir.string());
+    std::error_code ec;
+    fs::rename(tmp, final_dir, ec);
+    AUTOMOE_CHECK(!ec, "cannot rename ", tmp.string(), " to ", final_dir.string(), ": ",
+                  ec.message());
     fsync_path(run);
     write_file_atomic((run / "latest").string(), name + "\n");
-
-    std::vector<std::pair<int64_t, fs::path>> steps;
-    for (const auto& e : fs::directory_iterator(run)) {
-      if (auto s = step_of(e.path().filename().string()); s && e.is_directory()) {
-        steps.emplace_back(*s, e.path());
-      }
-    }
-    std::sort(steps.begin(), steps.end());
-    for (size_t i = 0; i + keep_last < steps.size(); ++i) {
-      if (steps[i].first != st.step) fs::remove_all(steps[i].second);
-    }
+    prune_checkpoints(run, keep_last, st.step);
   }
   barrier(world, "checkpoint save (latest)");
 }
 
-// Reads `latest` and the checkpoint it names into `opt` and `st`; returns its trainer state JSON.
-json load_checkpoint(const fs::path& run, AdamW& opt, NamedTensors& buffers, TrainerState& st,
-                     int64_t expert_begin, const std::function<void(const json&)>& check) {
+std::string latest_checkpoint(const fs::path& run) {
   std::string name = read_text(run / "latest");
   while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
   AUTOMOE_CHECK(step_of(name), (run / "latest").string(), ": expected a step-N name, found \"",
                 name, "\"");
-  const fs::path dir = run / name;
-  AUTOMOE_CHECK(fs::is_directory(dir), (run / "latest").string(), " names ", name,
-                ", which does not exist");
+  return name;
+}
+
+json load_checkpoint(const fs::path& run, const std::string& name, AdamW& opt,
+                     NamedTensors& buffers, TrainerState& st, int64_t expert_begin,
+                     const std::function<void(const json&)>& check) {
+  bool refused = false;  // by `check`: the run cannot continue, whatever the checkpoint
+  auto checked = [&](const json& j) {
+    refused = true;
+    if (check) check(j);
+    refused = false;
+  };
+  try {
+    return load_checkpoint_dir(run / name, opt, buffers, st, expert_begin, checked);
+  } catch (const Error& e) {
+    if (refused) throw;
+    // A damaged checkpoint: say which older one is whole, and how to resume from it.
+    const std::vector<std::string> older = complete_checkpoints(run, *step_of(name));
+    if (older.empty()) throw;
+    fail(e.what(), "\n  The older checkpoint ", (run / older.front()).string(),
+         " is complete: resume from it with --resume-from ", older.front(),
+         " (checkpoint.resume_from=", older.front(), "); the checkpoints after it are then set "
+         "aside as step-N.aside, and training repeats the steps since.");
+  }
+}
+
+json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
+                         TrainerState& st, int64_t expert_begin,
+                         const std::function<void(const json&)>& check) {
+  AUTOMOE_CHECK(fs::is_directory(dir), "checkpoint ", dir.string(), " does not exist");
+  const std::string state_path = (dir / "trainer_state.json").string();
   json j;
   try {
     j = json::parse(read_text(dir / "trainer_state.json"));
-    st.step = j.at("step").get<int64_t>();
-    st.pos.epoch = j.at("data_position").at("epoch").get<int64_t>();
-    st.pos.cursor = j.at("data_position").at("cursor").get<int64_t>();
-    st.tokens_seen = j.at("tokens_seen").get<int64_t>();
-    st.skipped_steps = j.at("skipped_steps").get<int64_t>();
-    st.consecutive_nonfinite = j.at("consecutive_nonfinite").get<int64_t>();
+    auto integer = [&](const json& v, const char* key) {
+      AUTOMOE_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX),
+                    state_path, ": ", key, " must be an integer, found ", v.dump());
+      return v.get<int64_t>();
+    };
+    st.step = integer(j.at("step"), "step");
+    st.pos.epoch = integer(j.at("data_position").at("epoch"), "data_position.epoch");
+    st.pos.cursor = integer(j.at("data_position").at("cursor"), "data_position.cursor");
+    st.tokens_seen = integer(j.at("tokens_seen"), "tokens_seen");
+    st.skipped_steps = integer(j.at("skipped_steps"), "skipped_steps");
+    st.consecutive_nonfinite = integer(j.at("consecutive_nonfinite"), "consecutive_nonfinite");
   } catch (const json::exception& e) {
-    fail((dir / "trainer_state.json").string(), ": ", e.what());
+    fail(state_path, ": ", e.what());
   }
+  // Every field of the resumable state in its range (a damaged or hand-edited file must not
+  // resume with, say, a negative step and so a negative learning rate).
+  const auto named = step_of(dir.filename().string());
+  AUTOMOE_CHECK(st.step >= 1 && (!named || *named == st.step), state_path, ": step ", st.step,
+                " does not match its directory ", dir.filename().string());
+  AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0, state_path, ": data_position (epoch ",
+                st.pos.epoch, ", cursor ", st.pos.cursor, ") must not be negative");
+  AUTOMOE_CHECK(st.tokens_seen >= 0, state_path, ": tokens_seen ", st.tokens_seen,
+                " must not be negative");
+  AUTOMOE_CHECK(st.skipped_steps >= 0 && st.skipped_steps <= st.step, state_path,
+                ": skipped_steps ", st.skipped_steps, " must be in [0, step ", st.step, "]");
+  AUTOMOE_CHECK(st.consecutive_nonfinite >= 0 && st.consecutive_nonfinite <= st.skipped_steps,
+                state_path, ": consecutive_nonfinite ", st.consecutive_nonfinite,
+                " must be in [0, skipped_steps ", st.skipped_steps, "]");
   if (check) check(j);
   const SafetensorsFile model((dir / "model.safetensors").string());
   const SafetensorsFile state((dir / "optimizer.safetensors").string());

@@ -17,6 +17,7 @@
 #include "automoe/parallel/world.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/optimizer.h"
+#include "automoe/train/run_dir.h"
 
 namespace automoe::train {
 
@@ -26,9 +27,6 @@ struct TrainerState {
   int64_t tokens_seen = 0, skipped_steps = 0, consecutive_nonfinite = 0;
 };
 
-// step-N -> N; anything else -> nullopt.
-std::optional<int64_t> step_of(const std::string& dirname);
-
 // Collective under a distributed world (every rank calls it): rank 0 writes the dense state and
 // the trainer state, the ranks of the first data-parallel replica their experts' rows. Then prunes
 // to `keep_last` checkpoints.
@@ -36,12 +34,22 @@ void save_checkpoint(const std::filesystem::path& run, const TrainerState& st, c
                      const NamedTensors& buffers, const nlohmann::json& extra, int64_t keep_last,
                      const parallel::World& world, int64_t expert_begin);
 
-// Reads `latest` and the checkpoint it names into `opt`, `buffers` and `st`; returns its trainer
-// state JSON. Expert tensors hold rows [expert_begin, expert_begin + rows) of the saved ones.
-// `check` sees the trainer state JSON before any tensor is read (a run that cannot continue is
-// refused with its own reason, not a tensor's shape).
-nlohmann::json load_checkpoint(const std::filesystem::path& run, AdamW& opt, NamedTensors& buffers,
-                               TrainerState& st, int64_t expert_begin,
+// The checkpoint `latest` in `run` names (step-N).
+std::string latest_checkpoint(const std::filesystem::path& run);
+
+// Reads the checkpoint `run`/`name` into `opt`, `buffers` and `st`; returns its trainer state JSON.
+// Expert tensors hold rows [expert_begin, expert_begin + rows) of the saved ones. `check` sees the
+// trainer state JSON before any tensor is read (a run that cannot continue is refused with its own
+// reason, not a tensor's shape). A damaged checkpoint is refused with the reason and, where an
+// older one is complete, how to resume from that.
+nlohmann::json load_checkpoint(const std::filesystem::path& run, const std::string& name,
+                               AdamW& opt, NamedTensors& buffers, TrainerState& st,
+                               int64_t expert_begin,
                                const std::function<void(const nlohmann::json&)>& check = {});
+
+// load_checkpoint of one checkpoint directory, without the advice.
+nlohmann::json load_checkpoint_dir(const std::filesystem::path& dir, AdamW& opt,
+                                   NamedTensors& buffers, TrainerState& st, int64_t expert_begin,
+                                   const std::function<void(const nlohmann::json&)>& check = {});
 
 }  // namespace automoe::train

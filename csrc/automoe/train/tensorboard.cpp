@@ -115,6 +115,9 @@ void TensorBoardWriter::record(const std::string& event) {
                 "write to ", path_, " failed: ", std::strerror(errno));
 }
 
-void TensorBoardWriter::flush() { std::fflush(file_); }
+void TensorBoardWriter::flush() {
+  AUTOMOE_CHECK(std::fflush(file_) == 0, "log.tensorboard: write to ", path_, " failed: ",
+                std::strerror(errno));
+}
 
 }  // namespace automoe::train

@@ -4,8 +4,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
-#include <fcntl.h>
-#include <sys/file.h>
+#include <sched.h>
 #include <sys/resource.h>
 #include <torch/autograd.h>
 #include <torch/cuda.h>
@@ -27,14 +26,17 @@
 #include "automoe/model/checkpoint.h"
 #include "automoe/model/config.h"
 #include "automoe/model/lora.h"
+#include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/train/bias_balance.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/flops.h"
 #include "automoe/train/optimizer.h"
 #include "automoe/train/peak.h"
+#include "automoe/train/run_dir.h"
+#include "automoe/train/run_log.h"
 #include "automoe/train/state.h"
 #include "automoe/train/step.h"
-#include "automoe/train/tensorboard.h"
+#include "automoe/train/stop_signal.h"
 
 namespace automoe::train {
 namespace {
@@ -233,7 +235,16 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                  const parallel::World& world) {
   TrainerHooks hooks = hooks_in;
   if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
-  if (rc.train.threads > 0) at::set_num_threads(static_cast<int>(rc.train.threads));
+  if (rc.train.threads > 0) {
+    cpu_set_t cpus;
+    const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
+    AUTOMOE_CHECK(usable == 0 || rc.train.threads <= usable, "train.threads: ", rc.train.threads,
+                  " is more than the ", usable, " CPUs this process may run on (more threads "
+                  "than CPUs only slows every step); use at most ", usable, ", or 0 for all");
+    at::set_num_threads(static_cast<int>(rc.train.threads));
+  }
+  // From here a SIGTERM / SIGINT / SIGHUP ends the run after its step, with a checkpoint.
+  const StopSignals stop;
   const c10::Device dev = resolve_device(rc.train.device);
   c10::OptionalDeviceGuard device_guard;  // cuda:N: N is the current device for the whole run
   if (dev.is_cuda()) device_guard.reset_device(dev);
@@ -242,22 +253,23 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // Rank 0 owns the run directory: the lock, metrics, the recipe record; every rank reads it.
   const bool lead = world.rank == 0;
   const bool dist = world.distributed();
-  if (lead) {
-    fs::create_directories(run);
-    // One trainer per run directory at a time (the lock goes with the process, however it ends).
-    const int lock_fd = ::open((run / ".lock").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    AUTOMOE_CHECK(lock_fd >= 0 && ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0, "checkpoint.dir ",
-                  run.string(), " is in use by another automoe train process");
-    for (const auto& e : fs::directory_iterator(run)) {  // leftovers of a killed save
-      if (e.path().filename().string().rfind(".tmp-step-", 0) == 0) fs::remove_all(e.path());
-    }
-  }
+  if (lead) claim_run_dir(run);  // ours (marker), locked, cleaned of a killed save's leftovers
   // Every rank sees the directory as rank 0 left it (a shared file system across nodes).
   if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "run directory");
   const bool has_latest = fs::exists(run / "latest");
   AUTOMOE_CHECK(!has_latest || rc.checkpoint.resume, "checkpoint.dir ", run.string(),
                 " already holds a run (", (run / "latest").string(),
                 "); set checkpoint.resume=true to continue it, or choose another directory");
+  // The checkpoint to resume from: the one `latest` names, or the one the recipe names.
+  std::string resume_name = rc.checkpoint.resume_from;
+  if (resume_name.empty() && has_latest) resume_name = latest_checkpoint(run);
+  if (!rc.checkpoint.resume_from.empty()) {
+    std::string complete;
+    for (const auto& n : complete_checkpoints(run, INT64_MAX)) complete += " " + n;
+    AUTOMOE_CHECK(fs::is_directory(run / resume_name), "checkpoint.resume_from: ", resume_name,
+                  " is not a checkpoint in ", run.string(),
+                  complete.empty() ? " (it holds none)" : "; complete ones:" + complete);
+  }
 
   // Model: weights as stored, then float32 masters and (for bf16) the compute copies.
   // Training never needs the [B, S, V] logits: the fused LM head + loss is the default here.
@@ -380,9 +392,27 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   AUTOMOE_CHECK(max_tok < spec.vocab_size, data.train, ": token id ", max_tok,
                 " is outside the model's vocabulary (", spec.vocab_size,
                 "): was the data tokenised with another tokenizer?");
+  // Cutting documents at data.seq_len: said on the console; a dataset left without a single loss
+  // token is refused (it would train nothing and export the model unchanged).
+  const Truncation cut = truncation_at(train_set, rc.data.seq_len);
+  AUTOMOE_CHECK(cut.documents_without_loss < train_set.num_docs(), data.train,
+                ": none of its ", train_set.num_docs(), " documents has a token to learn within "
+                "data.seq_len = ", rc.data.seq_len, " tokens (", cut.documents_cut_to_no_loss,
+                " have them only past that length: their prompts are longer); raise data.seq_len "
+                "or shorten the prompts");
   const int64_t pad = spec.pad_token_id >= 0 ? spec.pad_token_id : 0;
   const Batcher batcher(train_set, rc.train.micro_batch_size, rc.data.seq_len, rc.data.packing,
                         rc.data.shuffle, rc.train.seed, pad);
+  {
+    // A step larger than the data itself repeats documents within the step: a typo, not a plan.
+    const int64_t rows_per_epoch =
+        Batcher(train_set, 1, rc.data.seq_len, rc.data.packing, false, 0, pad).count_until({}, 1.0);
+    AUTOMOE_CHECK(rc.train.global_batch_size <= rows_per_epoch, "train.global_batch_size: a step of ",
+                  rc.train.global_batch_size, " rows (", rc.train.micro_batch_size, " x ",
+                  rc.train.grad_accumulation_steps, ") is more than the ", rows_per_epoch,
+                  " rows of data.seq_len tokens that ", data.train,
+                  " holds: every step would repeat documents; use at most ", rows_per_epoch);
+  }
   std::unique_ptr<TokenDataset> val_set;
   std::vector<MicroBatch> val_batches;
   if (!data.validation.empty()) {
@@ -412,9 +442,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                              {"train_documents", train_set.num_docs()},
                              {"train_tokens", train_set.num_tokens()},
                              {"peft", lora ? peft_identity : json(nullptr)}};
-  if (has_latest) {
+  if (!resume_name.empty()) {
     opt.materialize();  // ZeRO-1: full tensors to load into, then this rank's slices of them
-    const json saved = load_checkpoint(run, opt, buffers, st, own.begin, [&](const json& state) {
+    const json saved = load_checkpoint(run, resume_name, opt, buffers, st, own.begin, [&](const json& state) {
       const json saved_peft = state.value("peft", json(nullptr));
       AUTOMOE_CHECK(saved_peft == run_identity["peft"], "cannot resume ", run.string(), ": its checkpoint ",
                     saved_peft.is_null() ? "is a full fine-tune" : "holds LoRA adapters " + saved_peft.dump(),
@@ -424,6 +454,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     });
     opt.absorb();
     opt.release();
+    if (!dev.is_cuda() && saved.contains("cpu_gemm") && saved["cpu_gemm"].is_string()) {
+      ops::cpu::adopt_gemm_decisions(saved["cpu_gemm"].get<std::string>());
+    }
     AUTOMOE_CHECK(!lora || !saved.contains("model_path") || saved["model_path"] == rc.model.path,
                   "cannot resume ", run.string(), ": its LoRA adapters were trained on ",
                   saved["model_path"].get<std::string>(), ", and model.path is now ", rc.model.path,
@@ -442,9 +475,24 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     }
     // Checkpoints past the one `latest` names are leftovers of a killed run (renamed into place,
     // `latest` never moved): this run recreates them, and they must not count for keep_last.
+    // Past one the recipe names (resume_from), they are set aside as step-N.aside, never deleted.
     for (const auto& e : fs::directory_iterator(run)) {
       if (!lead) break;
-      if (auto s = step_of(e.path().filename().string()); s && *s > st.step) fs::remove_all(e.path());
+      const auto s = step_of(e.path().filename().string());
+      if (!s || *s <= st.step) continue;
+      if (rc.checkpoint.resume_from.empty()) {
+        fs::remove_all(e.path());
+        continue;
+      }
+      const fs::path aside = e.path().string() + ".aside";
+      AUTOMOE_CHECK(!fs::exists(aside), "checkpoint.resume_from: cannot set ", e.path().string(),
+                    " aside: ", aside.string(), " exists; move one of them away");
+      fs::rename(e.path(), aside);
+      std::cerr << "automoe train: note: checkpoint.resume_from: " << e.path().string()
+                << " set aside as " << aside.string() << "\n";
+    }
+    if (lead && !rc.checkpoint.resume_from.empty()) {
+      write_file_atomic((run / "latest").string(), resume_name + "\n");
     }
     AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_set.num_docs(),
                   (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
@@ -455,48 +503,19 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   if (lead) write_file_atomic((run / "recipe.json").string(), rc.to_json() + "\n");
   auto checkpoint = [&] {
     opt.materialize();
-    save_checkpoint(run, st, opt, buffers, run_identity, rc.checkpoint.keep_last, world, own.begin);
+    json extra = run_identity;
+    // The CPU GEMM paths this run measured: a resumed run adopts them and computes identically.
+    if (!dev.is_cuda()) extra["cpu_gemm"] = ops::cpu::gemm_decisions();
+    save_checkpoint(run, st, opt, buffers, extra, rc.checkpoint.keep_last, world, own.begin);
     opt.release();
   };
 
-  // Metrics.
+  // Metrics (rank 0 writes them).
   const fs::path jsonl_path = rc.log.jsonl.empty() ? run / "metrics.jsonl" : fs::path(rc.log.jsonl);
-  if (jsonl_path.has_parent_path()) fs::create_directories(jsonl_path.parent_path());
-  std::ofstream jsonl;
-  std::unique_ptr<TensorBoardWriter> tb;
-  if (lead) {
-    jsonl.open(jsonl_path, std::ios::app);
-    AUTOMOE_CHECK(jsonl.good(), "log.jsonl: cannot open ", jsonl_path.string(), " for appending");
-    if (!rc.log.tensorboard.empty()) tb = std::make_unique<TensorBoardWriter>(rc.log.tensorboard);
-  }
+  std::unique_ptr<RunLog> run_log;
+  if (lead) run_log = std::make_unique<RunLog>(jsonl_path.string(), rc.log.tensorboard);
   auto emit = [&](const json& rec) {
-    if (!lead) return;
-    jsonl << rec.dump() << "\n";
-    jsonl.flush();
-    if (!tb) return;
-    const std::string type = rec.value("type", "");
-    const int64_t step = rec.value("step", int64_t{0});
-    auto put = [&](const std::string& tag, const char* key) {
-      if (rec.contains(key) && rec[key].is_number()) tb->scalar(tag, step, rec[key].get<double>());
-    };
-    if (type == "train") {
-      put("train/loss", "loss");
-      put("train/aux_loss", "aux_loss");
-      put("train/grad_norm", "grad_norm");
-      put("train/lr", "lr");
-      put("perf/tokens_per_s", "tokens_per_s");
-      put("perf/tflops", "tflops");
-      put("perf/mfu", "mfu");
-      put("perf/peak_memory_gib", "peak_memory_gib");
-      for (const auto& layer : rec["expert_load"]) {
-        const std::string l = std::to_string(layer["layer"].get<int64_t>());
-        tb->scalar("moe/layer" + l + "/load_cv", step, layer["cv"].get<double>());
-        tb->scalar("moe/layer" + l + "/empty_experts", step, layer["empty"].get<double>());
-      }
-    } else if (type == "eval") {
-      put("eval/loss", "eval_loss");
-    }
-    tb->flush();
+    if (run_log) run_log->emit(rec);
   };
   Progress progress(lead ? rc.log.progress : "off", total_steps);
   progress.line("automoe train: " + std::to_string(total_steps) + " steps of " +
@@ -518,6 +537,17 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
           {"peak_tflops", peak_tflops},
           {"device", dev.str()},
           {"dtype", dtype_to_name(compute)}});
+  }
+  if (cut.documents > 0) {
+    progress.line("data: " + std::to_string(cut.documents) + " of " +
+                  std::to_string(train_set.num_docs()) + " documents are longer than data.seq_len = " +
+                  std::to_string(rc.data.seq_len) + " and were cut, dropping " +
+                  std::to_string(cut.tokens) + " of " + std::to_string(train_set.num_tokens()) +
+                  " tokens" +
+                  (cut.documents_cut_to_no_loss > 0
+                       ? "; " + std::to_string(cut.documents_cut_to_no_loss) +
+                             " of them keep no token to learn"
+                       : std::string()));
   }
   if (lora) {
     char buf[160];
@@ -585,32 +615,45 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   const int64_t first_step = st.step;
   if (hooks.reset_peak_memory) hooks.reset_peak_memory();
   int exit_code = 0;
+  int stop_signal = 0;  // the signal this run stops for (-1: one that reached another rank only)
+  if (!dist && stop.requested() && st.step < total_steps) {  // before any step: nothing to save
+    std::cerr << "automoe train: stopped by " << StopSignals::name(stop.requested())
+              << " before the first step; nothing to save\n";
+    return kExitStopped;
+  }
   while (st.step < total_steps) {
     const auto t0 = Clock::now();
-    // Every rank builds every micro-batch of the step (so the position and the step's loss-token
-    // count are the same everywhere without a collective) and trains on micro-batches
-    // rank, rank + world, ...
-    std::vector<MicroBatch> mbs;
+    // Every rank counts every micro-batch of the step (counts only, no tensors: the position and
+    // the step's loss-token total are then the same everywhere without a collective), then builds
+    // and trains on its micro-batches rank, rank + world, ... one at a time.
+    const DataPosition step_start = st.pos;
+    std::vector<int64_t> mine;  // this rank's micro-batches: their index in the step
     double window_loss_tokens = 0, all_tokens = 0, all_flops = 0;
     for (int64_t i = 0; i < accum; ++i) {
-      MicroBatch mb = batcher.next(st.pos);
-      window_loss_tokens += static_cast<double>(mb.loss_tokens);
-      win.truncated += mb.truncated;
-      if (mb.loss_tokens > 0) {
-        all_tokens += static_cast<double>(mb.real_tokens);
-        all_flops += static_cast<double>(mb.real_tokens) *
-                     training_flops_per_token(spec, mb.input_ids.size(1));
+      const MicroBatch c = batcher.next(st.pos, /*tensors=*/false);
+      window_loss_tokens += static_cast<double>(c.loss_tokens);
+      win.truncated += c.truncated;
+      if (c.loss_tokens > 0) {
+        all_tokens += static_cast<double>(c.real_tokens);
+        all_flops += static_cast<double>(c.real_tokens) * training_flops_per_token(spec, c.length);
       }
-      if (i % mesh.world == world.rank) mbs.push_back(std::move(mb));
+      if (i % mesh.world == world.rank) mine.push_back(i);
     }
+    DataPosition cursor = step_start;
+    int64_t cursor_index = 0;
+    auto micro_batch = [&](int64_t i) {  // the step's i-th micro-batch, in increasing i
+      for (; cursor_index < i; ++cursor_index) batcher.next(cursor, /*tensors=*/false);
+      ++cursor_index;
+      return batcher.next(cursor);
+    };
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
     // ZeRO-2 reduces the gradients after every backward: every rank runs all its micro-batches.
     const bool every_backward_meets = mesh.ep > 1 || (opt.sharded() && rc.parallel.zero == 2);
-    for (size_t m = 0; m < mbs.size(); ++m) {
-      const MicroBatch& mb = mbs[m];
+    for (size_t m = 0; m < mine.size(); ++m) {
       if (window_loss_tokens == 0) break;  // nothing to learn in the whole step: not run
+      const MicroBatch mb = micro_batch(mine[m]);
       // Nothing to learn in this micro-batch: not run, unless the ranks must meet in its
       // collectives (its loss and aux loss then count zero).
       if (mb.loss_tokens == 0 && !every_backward_meets) continue;
@@ -626,7 +669,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / window_loss_tokens;
       // Under ZeRO the gradients leave for their buckets during the backward (see AdamW::shard).
       const ForwardResult r =
-          train_micro_batch(ts, *pm.decoder, a, m + 1 == mbs.size(), sync, &win.grad_sync_s);
+          train_micro_batch(ts, *pm.decoder, a, m + 1 == mine.size(), sync, &win.grad_sync_s);
       const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
       const double total = r.loss->item<double>();
       ce_sum += (total - aux_coef * a.aux_loss_scale * aux) * window_loss_tokens;
@@ -654,12 +697,17 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
         sync();  // (NCCL's wait only orders the stream: time the reductions themselves)
         win.grad_sync_s += seconds_since(t_sync);
       }
-      at::Tensor t = at::tensor({ce_sum, aux_weighted, finite ? 0.0 : 1.0}, at::kDouble).to(world.device);
+      // (with whether any rank was asked to stop: then every rank stops after this same step)
+      at::Tensor t = at::tensor({ce_sum, aux_weighted, finite ? 0.0 : 1.0,
+                                 static_cast<double>(stop.requested())},
+                                at::kDouble)
+                         .to(world.device);
       parallel::all_reduce_sum(world.world, t, "step loss");
       t = t.cpu();
       ce_sum = t[0].item<double>();
       aux_weighted = t[1].item<double>();
       finite = t[2].item<double>() == 0;
+      if (t[3].item<double>() != 0 && stop_signal == 0) stop_signal = stop.requested() ? stop.requested() : -1;
       bias_balance.sum_counts([&](std::vector<at::Tensor>& c) {
         parallel::all_reduce_sum(world.world, c, "router bias loads");
       });
@@ -806,6 +854,19 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     if (!val_batches.empty() && rc.train.eval_every > 0 && st.step % rc.train.eval_every == 0 &&
         st.step != total_steps) {
       evaluate();
+    }
+    if (!dist && stop.requested()) stop_signal = stop.requested();
+    if (stop_signal != 0 && st.step < total_steps) {
+      checkpoint();
+      progress.done();
+      const std::string by = stop_signal > 0 ? StopSignals::name(stop_signal) : "a signal to another rank";
+      emit({{"type", "stopped"}, {"step", st.step}, {"signal", by}});
+      if (lead) {
+        std::cerr << "automoe train: stopped by " << by << " after step " << st.step << " of "
+                  << total_steps << "; checkpoint " << (run / ("step-" + std::to_string(st.step))).string()
+                  << " saved. Run the same command again to resume.\n";
+      }
+      return kExitStopped;
     }
     if (rc.checkpoint.every > 0 && st.step % rc.checkpoint.every == 0 && st.step != total_steps) {
       checkpoint();
