@@ -1,6 +1,6 @@
 # AutoMoE developer entry points. `make demo` and `make test` set everything up themselves
 # (Debian packages, .venv, CMake build) and are quick when nothing changed.
-.PHONY: all setup build test test-cpp test-python demo clean
+.PHONY: all setup build test test-cpp test-python test-fuzz demo clean
 
 BUILD ?= build
 PY := $(CURDIR)/.venv/bin/python
@@ -29,7 +29,14 @@ test-cpp: build
 test-python: build
 	$(PY) -m pytest -q tests/python
 
-test: test-cpp test-python
+# The parsers of untrusted input under libFuzzer with ASan + UBSan, briefly (scripts/fuzz.sh;
+# docs/development.md says how to run them long).
+test-fuzz: setup
+	scripts/fuzz.sh $(FUZZ_SECONDS)
+
+FUZZ_SECONDS ?= 30
+
+test: test-cpp test-python test-fuzz
 
 demo: build
 	$(PY) -m automoe.demo

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev libjemalloc2)
+debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev libjemalloc2
+      clang lld libclang-rt-14-dev)  # the last three: scripts/fuzz.sh (libFuzzer, sanitizers)
 missing=()
 for p in "${debs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
