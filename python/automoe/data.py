@@ -66,7 +66,19 @@ def load_tokenizer(model_path: str | os.PathLike):
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
         raise DataError(f"model.path {path}: no tokenizer files (tokenizer.json / tokenizer_config.json); "
                         "the data is tokenised with the model's own tokenizer")
-    return AutoTokenizer.from_pretrained(str(path))
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001 (Transformers and tokenizers raise many types)
+        # Name the file that failed: the tokenizers library's JSON errors name none.
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            f = path / name
+            if f.exists():
+                try:
+                    json.loads(f.read_text(encoding="utf-8"))
+                except (ValueError, UnicodeDecodeError) as bad:
+                    raise DataError(f"{f}: not valid JSON ({bad}); the data is tokenised with the "
+                                    "model's own tokenizer") from None
+        raise DataError(f"model.path {path}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
 def detect_format(rec: dict) -> str:

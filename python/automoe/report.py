@@ -8,24 +8,54 @@ import sys
 from pathlib import Path
 
 
+def _valid(rec) -> bool:
+    """A record the plots can use: an object; a train/eval record with a numeric step and loss."""
+    if not isinstance(rec, dict):
+        return False
+    kind = rec.get("type")
+    num = (int, float)
+    if kind == "train":
+        loads = rec.get("expert_load", [])
+        return (isinstance(rec.get("step"), int) and isinstance(rec.get("loss"), num) and isinstance(loads, list)
+                and all(isinstance(l, dict) and isinstance(l.get("layer"), int) and isinstance(l.get("counts"), list)
+                        and all(isinstance(c, num) for c in l["counts"]) for l in loads))
+    if kind == "eval":
+        return isinstance(rec.get("step"), int) and isinstance(rec.get("eval_loss"), num)
+    return True
+
+
 def read_metrics(run: Path) -> list[dict]:
     path = run / "metrics.jsonl"
     recipe = run / "recipe.json"
     if recipe.exists():
-        custom = json.loads(recipe.read_text()).get("log", {}).get("jsonl")
+        try:
+            custom = json.loads(recipe.read_text(encoding="utf-8")).get("log", {}).get("jsonl")
+        except (ValueError, AttributeError, OSError) as e:
+            raise SystemExit(f"automoe report: {recipe}: unreadable ({e}); it names where the metrics are") from None
         if custom:
             path = Path(custom)
     if not path.exists():
         raise SystemExit(f"automoe report: {path}: no metrics (is {run} a training run directory?)")
-    records = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    records, bad = [], []
+    try:
+        raw = path.read_bytes()
+    except OSError as e:
+        raise SystemExit(f"automoe report: {path}: cannot read: {e.strerror or e}") from None
+    for n, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            # A run killed mid-write leaves at most its last line incomplete.
-            print(f"automoe report: {path}:{n}: unreadable line skipped", file=sys.stderr)
+            rec = json.loads(line.decode("utf-8"))
+        except (ValueError, UnicodeDecodeError):
+            rec = None
+        if _valid(rec):
+            records.append(rec)
+        else:
+            bad.append(n)
+    if bad:
+        # A run killed mid-write leaves at most its last line incomplete; more is damage.
+        lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        print(f"automoe report: {path}: unreadable or malformed line(s) {lines} skipped", file=sys.stderr)
     return records
 
 

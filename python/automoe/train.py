@@ -183,6 +183,9 @@ def prepare(recipe: dict, log=sys.stderr) -> list[str]:
     model_path = recipe["model"]["path"]
     if not (Path(model_path) / "config.json").exists():
         raise RecipeError(f"model.path: {model_path} is not a Hugging Face checkpoint directory (no config.json)")
+    from automoe import _C
+
+    _C.check_config(model_path)  # the engine's message (file and key), not Transformers' traceback
     tok = data.load_tokenizer(model_path)
     kw = dict(tokenizer=tok, model_path=model_path, fmt=d["format"], train_on=d["train_on"],
               on_error=d["on_error"], cache_dir=d["cache_dir"] or None, log=log)

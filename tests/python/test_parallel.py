@@ -245,6 +245,25 @@ def all_gone(workers) -> bool:
     return all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in workers)
 
 
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(model_dir, tmp_path):
+    """SIGTERM reaches one rank only: the ranks agree on the stop in the step's loss reduction,
+    write one checkpoint together and exit with status 4; the same command then resumes."""
+    with long_run_on_two_ranks(model_dir, tmp_path, timeout_s=60) as (launcher, workers):
+        os.kill(workers[1].pid, signal.SIGTERM)
+        _, err = launcher.communicate(timeout=180)
+        assert launcher.returncode != 0
+        run_dir = tmp_path / "run"
+        last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+        assert last["type"] == "stopped", err[-3000:]
+        assert (run_dir / "latest").read_text().strip() == f"step-{last['step']}"
+        assert (run_dir / f"step-{last['step']}" / "trainer_state.json").exists()
+        assert f"stopped by {last['signal']} after step {last['step']}" in err, err[-3000:]
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=2)
+    recipe["train"]["max_steps"] = last["step"] + 1
+    run_ranks(recipe, tmp_path, 2)
+    assert (run_dir / f"step-{last['step'] + 1}").exists()
+
+
 def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
     with long_run_on_two_ranks(model_dir, tmp_path, timeout_s=30) as (launcher, workers):
         os.kill(workers[1].pid, signal.SIGKILL)

@@ -372,8 +372,9 @@ def test_leftovers_of_a_killed_save_are_removed_at_the_next_start(model_dir, tmp
     (run_dir / f"latest.tmp.{dead}").write_text("x")
     (run_dir / "export" / f"model.safetensors.pending-{dead}").write_bytes(b"0" * 100)
     (run_dir / "export" / f"config.json.tmp.{os.getpid()}").write_text("alive: kept")
+    (tmp_path / "cache" / f".x.amds.tmp-{dead}").write_bytes(b"0" * 100)  # a killed tokenisation
     run_train(recipe, tmp_path, "train.max_steps=2")
-    names = {p.name for p in run_dir.rglob("*")}
+    names = {p.name for p in run_dir.rglob("*")} | {p.name for p in (tmp_path / "cache").iterdir()}
     assert not any(str(dead) in n for n in names), names
     assert f"config.json.tmp.{os.getpid()}" in names
 
@@ -422,6 +423,20 @@ def test_resumable_state_out_of_range_is_refused(model_dir, tmp_path, field, val
     state.write_text(json.dumps(j))
     proc = run_train(recipe, tmp_path, "train.max_steps=2", check=False)
     assert proc.returncode == 1 and message in proc.stderr and str(state) in proc.stderr, proc.stderr
+
+
+def test_an_old_checkpoint_that_cannot_be_pruned_is_a_warning(model_dir, tmp_path):
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
+    run_train(recipe, tmp_path)
+    old = tmp_path / "run" / "step-1"
+    if subprocess.run(["mount", "--bind", str(old), str(old)], capture_output=True).returncode:
+        pytest.skip("cannot mount here")
+    try:  # a mount point cannot be removed
+        proc = run_train(recipe, tmp_path, "train.max_steps=3", "checkpoint.every=1", "checkpoint.keep_last=1")
+        assert "checkpoint.keep_last: could not remove the old checkpoint" in proc.stderr, proc.stderr
+        assert (tmp_path / "run" / "export").exists() and (tmp_path / "run" / "latest").read_text().strip() == "step-3"
+    finally:
+        subprocess.run(["umount", str(old)])
 
 
 def test_pruning_only_removes_checkpoints_the_trainer_wrote(model_dir, tmp_path):
@@ -543,3 +558,54 @@ def test_truncation_is_reported_on_the_console(model_dir, tmp_path):
                          log={"progress": "lines"}, train={"max_steps": 1, "micro_batch_size": 1})
     proc = run_train(recipe, tmp_path)
     assert "1 of 2 documents are longer than data.seq_len = 64 and were cut, dropping" in proc.stderr, proc.stderr
+
+
+# ---- messages that name the file --------------------------------------------------------------
+
+@pytest.mark.parametrize("file,text,message", [
+    ("config.json", "[1, 2]", "config.json: expected a JSON object, found array"),
+    ("config.json", None, 'config.json: key "hidden_size": expected an integer, found "big"'),
+    ("tokenizer.json", '{"model": ', "tokenizer.json: not valid JSON"),
+])
+def test_a_damaged_model_file_is_named_without_a_traceback(model_dir, tmp_path, file, text, message):
+    import shutil
+
+    d = tmp_path / "m"
+    shutil.copytree(model_dir, d)
+    if text is None:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["hidden_size"] = "big"
+        text = json.dumps(cfg)
+    (d / file).write_text(text)
+    recipe = base_recipe(d, tmp_path, "run", train={"max_steps": 1})
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode == 1 and message in proc.stderr and str(d) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_bad_byte_is_reported_on_its_own_line_and_a_lone_surrogate_as_malformed(model_dir, tmp_path):
+    good = json.dumps({"text": "hello world " * 400}) + "\n"  # lines far longer than a read buffer
+    data = tmp_path / "d.jsonl"
+    data.write_bytes((good * 30).encode() + b'{"text": "caf\xe9"}\n' + good.encode())
+    recipe = base_recipe(model_dir, tmp_path, "run", train_file=data, data={"format": "text"})
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode == 1 and f"{data}:31: not UTF-8 text" in proc.stderr, proc.stderr
+    data.write_text(good * 2 + '{"text": "a \\ud800 b"}\n')
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode == 1 and f"{data}:3: a lone surrogate \\ud800" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_report_on_damaged_files_says_what_it_skipped(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_bytes(b'{"type": "train", "step": 1, "loss": 2.0}\n3\n'
+                                            b'{"type": "train", "step": "x"}\n\xff\xfe\n')
+    (run_dir / "recipe.json").write_text("{bad")
+    proc = run(["report", str(run_dir)])
+    assert proc.returncode == 1 and "recipe.json: unreadable" in proc.stderr, proc.stderr
+    (run_dir / "recipe.json").unlink()
+    proc = run(["report", str(run_dir)])
+    assert proc.returncode == 0, proc.stderr
+    assert "metrics.jsonl: unreadable or malformed line(s) 2, 3, 4 skipped" in proc.stderr
+    assert "Traceback" not in proc.stderr and (run_dir / "loss.png").exists()

@@ -118,6 +118,12 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("supported_model_types", &supported_model_types);
   m.def(
+      "check_config",
+      [](const std::string& dir) { return load_config(dir).spec.model_type; },
+      py::arg("dir"),
+      "Parses DIR/config.json as the engine does (an AutoMoEError names the file and key); returns "
+      "its model_type.");
+  m.def(
       "resolve_recipe",
       [](const std::string& json_text, const std::string& origin) {
         return train::Recipe::parse(json_text, origin).to_json();
