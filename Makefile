@@ -32,7 +32,7 @@ test-python: build
 # The parsers of untrusted input under libFuzzer with ASan + UBSan, briefly (scripts/fuzz.sh;
 # docs/development.md says how to run them long).
 test-fuzz: setup
-	scripts/fuzz.sh $(FUZZ_SECONDS)
+	FUZZ_SEED=$${FUZZ_SEED:-1} scripts/fuzz.sh $(FUZZ_SECONDS)
 
 FUZZ_SECONDS ?= 30
 

@@ -4,6 +4,8 @@
 #   scripts/fuzz.sh                       30 s per target (the CI setting)
 #   scripts/fuzz.sh 3600 safetensors_header   one target for an hour
 #   FUZZ_BUILD_ONLY=1 scripts/fuzz.sh     build, run nothing
+#   FUZZ_SEED=N                           libFuzzer's seed (0, the default: a new one each run;
+#                                         make test uses 1, so that CI's short runs repeat)
 # Exits non-zero when a target finds anything (crash, sanitizer report, leak, escaped exception,
 # time-out); the input is kept under build-fuzz/artifacts/<target>/. Reproduce one with
 #   build-fuzz/fuzz_<target> build-fuzz/artifacts/<target>/crash-...
@@ -122,7 +124,7 @@ for t in "${TARGETS[@]}"; do
   rc=0
   "$OUT/fuzz_$t" "$corpus" "tests/fuzz/corpus/$t" "${dict[@]}" \
     -max_total_time="$SECONDS_EACH" -max_len="${MAX_LEN[$t]}" -rss_limit_mb=4096 \
-    -malloc_limit_mb=2048 -timeout=10 -print_final_stats=1 \
+    -malloc_limit_mb=2048 -timeout=10 -print_final_stats=1 -seed="${FUZZ_SEED:-0}" \
     -artifact_prefix="$artifacts/" > "$log" 2>&1 || rc=$?
   execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -1)
   rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log" | tail -1)
