@@ -111,6 +111,13 @@ export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1:symbolize=1}
 export LSAN_OPTIONS=${LSAN_OPTIONS:-suppressions=$ROOT/tests/fuzz/lsan.supp:print_suppressions=0}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 export OMP_NUM_THREADS=1
+# safetensors_index writes a small checkpoint directory per execution under TMPDIR: on tmpfs it ran
+# 7k executions/s, on a disk a build was writing to under 1k/s (FUZZ_TMPDIR chooses another place).
+if [ -n "${FUZZ_TMPDIR:-}" ]; then
+  export TMPDIR=$FUZZ_TMPDIR
+elif [ -d /dev/shm ] && [ -w /dev/shm ]; then
+  export TMPDIR=/dev/shm
+fi
 
 failed=()
 for t in "${TARGETS[@]}"; do

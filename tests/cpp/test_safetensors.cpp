@@ -361,6 +361,22 @@ TEST_F(SafetensorsTest, RejectsShapeProductOverflow) {
   EXPECT_TRUE(ThrowsWith([&] { SafetensorsFile f(path); }, {path, "\"w\"", "overflows"}));
 }
 
+TEST_F(SafetensorsTest, RejectsEmptyShapesWhoseStridesOverflow) {
+  // No bytes (a zero dim), but the other dims' product overflows int64: PyTorch cannot stride it
+  // (found by fuzz_safetensors_header: c10::Error escaped from get()).
+  const std::string path = WriteRaw(
+      R"({"w":{"dtype":"F32","shape":[0,9223372036854775807,2],"data_offsets":[0,0]}})");
+  EXPECT_TRUE(ThrowsWith([&] { SafetensorsFile f(path); },
+                         {path, "\"w\"", "product of its non-zero dims overflows"}));
+  // Where the strides fit, an empty tensor of a huge shape is valid: [0, 2^60] F32.
+  const std::string ok = WriteRaw(
+      R"({"w":{"dtype":"F32","shape":[0,1152921504606846976],"data_offsets":[0,0]}})", "",
+      "ok.safetensors");
+  SafetensorsFile f(ok);
+  EXPECT_EQ(f.get("w").numel(), 0);
+  EXPECT_EQ(f.get("w").size(1), int64_t{1} << 60);
+}
+
 TEST_F(SafetensorsTest, RejectsShapeSizeMismatch) {
   const std::string path = WriteRaw(R"({"w":{"dtype":"F32","shape":[2,3],"data_offsets":[0,20]}})",
                                     std::string(20, 'x'));

@@ -65,6 +65,9 @@ def safetensors_header() -> None:
         "negative_dim": ({"a": {**entry, "shape": [-2]}}, 8),
         "float_dim": ({"a": {**entry, "shape": [2.0]}}, 8),
         "huge_dims": ({"a": {**entry, "shape": [4294967296, 4294967296]}}, 8),
+        # no bytes, strides past int64 (found by the fuzzer: PyTorch's error escaped get())
+        "empty_stride_overflow": ({"a": {**entry, "shape": [0, 9223372036854775807, 2],
+                                         "data_offsets": [0, 0]}}, 0),
         "offsets_reversed": ({"a": {**entry, "data_offsets": [8, 0]}}, 8),
         "offsets_past_end": ({"a": {**entry, "data_offsets": [0, 8]}}, 4),
         "unknown_dtype": ({"a": {**entry, "dtype": "F4"}}, 8),

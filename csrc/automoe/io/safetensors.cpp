@@ -246,13 +246,20 @@ class HeaderParser {
     return {*b, *e};
   }
 
-  // Bytes the shape needs, or a failure when the product does not fit in 64 bits.
+  // Bytes the shape needs, or a failure when the product does not fit in 64 bits. The strides
+  // must fit too: a zero-size dim makes [0, 2^62, 4] hold no bytes, yet no tensor has that shape
+  // (PyTorch computes its strides, the product of the other dims, in int64).
   uint64_t shape_bytes(const std::string& name, const std::vector<int64_t>& shape,
                        c10::ScalarType dtype) const {
     uint64_t bytes = c10::elementSize(dtype);
+    int64_t span = static_cast<int64_t>(bytes);
     for (int64_t d : shape) {
       if (__builtin_mul_overflow(bytes, static_cast<uint64_t>(d), &bytes)) {
         fail_tensor(name, "shape ", shape_str(shape), " overflows 64-bit byte count");
+      }
+      if (__builtin_mul_overflow(span, std::max<int64_t>(d, 1), &span)) {
+        fail_tensor(name, "shape ", shape_str(shape), ": the product of its non-zero dims "
+                    "overflows 64 bits (no tensor can have this shape, even with no elements)");
       }
     }
     return bytes;
