@@ -284,6 +284,26 @@ def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path)
         assert all_gone(workers)
 
 
+def test_ranks_take_rank_0s_cpu_gemm_choice_and_warn_at_another_isa_level(model_dir, tmp_path):
+    """The CPU GEMM paths are chosen by timing in each process; the ranks take rank 0's choice. A
+    rank whose CPU kernels run at another instruction-set level cannot, and says so, and the run
+    goes on (its sums round differently, nothing more)."""
+    import yaml
+
+    import automoe  # noqa: F401  (registers torch.ops.automoe)
+
+    if torch.ops.automoe._cpu_kernel_paths()["cpu_isa"] == "baseline":
+        pytest.skip("this CPU has one instruction-set level only")
+    recipe = ep_recipe(model_dir, tmp_path, "run", ep=1)
+    recipe["train"]["max_steps"] = 1
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    proc = torchrun(2, str(HERE / "rank_env_worker.py"), "1:AUTOMOE_CPU_ISA=baseline", "train", str(path))
+    assert "warning: rank 1 runs the CPU kernels at another instruction-set level (baseline:-:-)" \
+        in proc.stderr, proc.stderr[-4000:]
+    assert (tmp_path / "run" / "step-1" / "trainer_state.json").exists()
+
+
 @pytest.mark.parametrize("override,nproc,message", [
     ("parallel.ep=3", 2, "parallel.ep = 3 does not divide the 2 processes"),
     ("parallel.zero=3", 2, "ZeRO-3 (sharded weights) is not implemented"),

@@ -290,6 +290,21 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                     "config or training data than rank 0; every rank must run the same command");
     }
   }
+  if (dist && !dev.is_cuda()) {
+    // The CPU GEMM paths are chosen by timing, in each process: ranks near the margin could pick
+    // differently and compute the same layer with different rounding. Every rank measures now and
+    // takes rank 0's choice, which is also the one its checkpoints record for a resume.
+    ops::cpu::gemm_path(/*bf16_operands=*/true);
+    ops::cpu::aten_faster_fp32();
+    const auto all = parallel::all_gather_strings(world.world, ops::cpu::gemm_decisions(),
+                                                  world.device, "CPU GEMM choice");
+    if (!ops::cpu::adopt_gemm_decisions(all[0], "rank 0")) {
+      std::cerr << "automoe train: warning: rank " << world.rank << " runs the CPU kernels at "
+                << "another instruction-set level (" << ops::cpu::gemm_decisions() << ") than "
+                << "rank 0 (" << all[0] << "): the ranks' sums will round differently; set the "
+                << "same AUTOMOE_CPU_ISA on every rank for identical arithmetic\n";
+    }
+  }
   if (config.spec.attn.sinks) backend_fields.emplace("attn", "eager");
   const BackendConfig backend = BackendConfig::from_map(backend_fields, "model.backend");
   // The mesh is checked against the model before any weight is read.

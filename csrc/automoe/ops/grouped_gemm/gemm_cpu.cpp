@@ -751,7 +751,7 @@ std::string gemm_decisions() {
   return out;
 }
 
-bool adopt_gemm_decisions(const std::string& decisions) {
+bool adopt_gemm_decisions(const std::string& decisions, const std::string& source) {
   const int level = static_cast<int>(active_isa());
   const std::string isa = isa_name(active_isa());
   if (decisions.size() != isa.size() + 4 || decisions.compare(0, isa.size(), isa) != 0) return false;
@@ -765,7 +765,7 @@ bool adopt_gemm_decisions(const std::string& decisions) {
     if (c == '-') continue;
     std::lock_guard<std::mutex> lock(probes[i]->mu);
     probes[i]->decided[level] = c == '1';
-    probes[i]->summary[level] = "adopted from the resumed run";
+    probes[i]->summary[level] = "adopted from " + source;
   }
   return true;
 }

@@ -61,9 +61,12 @@ std::string gemm_choices();
 // (each 1, 0, or - when not measured), and their adoption: a resumed training run adopts the
 // choices of the run it continues, so that it computes exactly as that run would have (a fresh
 // measurement near the margin could pick the other path, whose sums round differently).
-// Choices recorded at another level are ignored; adopting returns whether they applied.
+// Choices recorded at another level are ignored; adopting returns whether they applied. The ranks
+// of a distributed CPU run adopt rank 0's, so that every rank computes the same way. `source`
+// says where they came from in gemm_choices().
 std::string gemm_decisions();
-bool adopt_gemm_decisions(const std::string& decisions);
+bool adopt_gemm_decisions(const std::string& decisions,
+                          const std::string& source = "the resumed run");
 
 // Runs every problem (K = 0 writes zeros, or leaves C when accumulating). Thread-parallel with
 // at::parallel_for; deterministic (each C element is reduced by one thread in a fixed order).
