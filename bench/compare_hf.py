@@ -249,6 +249,12 @@ def run_json(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
         raise RuntimeError(f"{' '.join(cmd)} printed malformed JSON: {e}") from e
 
 
+def optimizer_flags(setting: str) -> list[str]:
+    """--automoe-optimizer's MASTERS/MOMENTS (e.g. none/bfloat16) as `automoe bench` flags."""
+    masters, _, moments = setting.partition("/")
+    return ["--master-weights", masters, "--state-dtype", moments or "float32"]
+
+
 def common_flags(args, lora: bool = True) -> list[str]:
     flags = ["--batch", str(args.batch), "--seq", str(args.seq), "--warmup", str(args.warmup),
              "--steps", str(args.steps), "--dtype", args.dtype, "--device", args.device,
@@ -439,9 +445,10 @@ def orchestrate(args) -> dict:
               [sys.executable, __file__, "--python-side", "automoe", "--config", str(config_path),
                *common_flags(args)])
     if native:
-        runs = [("automoe", f"automoe (experts={b})",
-                 [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args)])
-                for b in args.automoe_experts.split(",")]
+        runs = [("automoe", f"automoe (experts={b}, optimizer={opt})",
+                 [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args),
+                  *optimizer_flags(opt)])
+                for b in args.automoe_experts.split(",") for opt in args.automoe_optimizer.split(",")]
         if args.lora:  # AutoMoE's own full fine-tune beside its LoRA: what LoRA saves
             runs.append(("automoe", "automoe (full fine-tune)",
                          [exe, "bench", "--config", str(config_path), *common_flags(args, lora=False)]))
@@ -525,6 +532,10 @@ def main(argv=None) -> int:
     p.add_argument("--fake-balanced-gate", action="store_true")
     p.add_argument("--impls", default=",".join(HF_IMPLS), help="Transformers experts_implementation values")
     p.add_argument("--automoe-experts", default="grouped", help="AutoMoE experts backends to run (grouped,eager)")
+    p.add_argument("--automoe-optimizer", default="float32/float32",
+                   help="AutoMoE optimizer precisions to run, MASTERS/MOMENTS each "
+                        "(optimizer.master_weights / state_dtype), e.g. "
+                        "float32/float32,remainders/bfloat16,none/bfloat16")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank: both sides fine-tune rank-R adapters "
                    "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
     p.add_argument("--dropin", action="store_true",

@@ -108,6 +108,30 @@ TEST(Recipe, BadValuesNameTheKey) {
   j["train"]["global_batch_size"] = 8;
   j["train"]["grad_accumulation_steps"] = 2;
   expect(j, "disagrees");
+  j = minimal();
+  j["optimizer"]["master_weights"] = "half";
+  expect(j, "optimizer.master_weights: \"half\" is not one of");
+  j = minimal();
+  j["optimizer"]["state_dtype"] = "int8";
+  expect(j, "optimizer.state_dtype: \"int8\" is not one of");
+}
+
+TEST(Recipe, OptimizerPrecisionIsRefusedWhereItMeansNothing) {
+  auto error = [](const std::string& dtype, bool peft, const char* key, const char* value) {
+    json j = minimal();
+    j["model"]["dtype"] = dtype;
+    if (peft) j["peft"] = {{"target_modules", "all-linear"}};
+    j["optimizer"][key] = value;
+    return error_of(j);
+  };
+  EXPECT_EQ(error("bfloat16", false, "master_weights", "remainders"), "");
+  EXPECT_EQ(error("bfloat16", false, "state_dtype", "bfloat16"), "");
+  EXPECT_NE(error("float32", false, "master_weights", "none")
+                .find("optimizer.master_weights: \"none\" is for bf16 weights; model.dtype is float32"),
+            std::string::npos);
+  EXPECT_NE(error("bfloat16", true, "state_dtype", "bfloat16")
+                .find("optimizer.state_dtype: \"bfloat16\" with peft"),
+            std::string::npos);
 }
 
 TEST(Recipe, GlobalBatchSizeSetsAccumulation) {

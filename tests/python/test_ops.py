@@ -605,3 +605,123 @@ def test_cuda_kernels_table_in_docs_matches_the_engine():
     assert doc_names == list(names)
     doc_default = [r[0].strip().split()[0] for r in rows if not r[-1].strip().startswith("ATen")]
     assert sorted(doc_default) == sorted(validated)
+
+
+# ---- the trainer's AdamW for bf16 weights (optimizer.master_weights / state_dtype) --------------
+
+ADAMW = dict(lr=3e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+ADAMW_SHAPES = [(37, 19), (5, 3, 11), (1, 1), (4099,)]  # odd lengths: every vector tail
+
+
+def adamw_run(params, grads_per_step, *, state_dtype, remainders=None, grad_scale=1.0):
+    """Our AdamW (automoe._C._adamw_step: the trainer's update) for len(grads_per_step) steps."""
+    from automoe import _C
+
+    m = [torch.zeros(p.shape, dtype=state_dtype) for p in params]
+    v = [torch.zeros(p.shape, dtype=state_dtype) for p in params]
+    for step, grads in enumerate(grads_per_step, start=1):
+        _C._adamw_step(params, grads, m, v, remainders or [], step, ADAMW["lr"], *ADAMW["betas"],
+                       ADAMW["eps"], ADAMW["weight_decay"], grad_scale)
+    return m, v
+
+
+def torch_adamw_run(params, grads_per_step):
+    """torch.optim.AdamW(fused=True) — one group, every tensor decayed — on the same gradients."""
+    params = [p.clone().requires_grad_(True) for p in params]
+    opt = torch.optim.AdamW(params, fused=True, **ADAMW)
+    for grads in grads_per_step:
+        for p, g in zip(params, grads):
+            p.grad = g.to(p.dtype).clone()
+        opt.step()
+    return [p.detach() for p in params]
+
+
+def adamw_case(seed=7, steps=6, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(s, generator=g) * 0.05 for s in ADAMW_SHAPES]
+    grads = [[torch.randn(s, generator=g).to(dtype) for s in ADAMW_SHAPES] for _ in range(steps)]
+    return params, grads
+
+
+@pytest.fixture(params=["cpu"] + CPU_VARIANTS)
+def cpu_path(request):
+    if request.param.startswith("cpu:"):
+        isa, _, gemm = request.param[4:].partition("+")
+        OPS._set_cpu_paths(isa, gemm)
+    yield request.param
+    OPS._set_cpu_paths("", "")
+
+
+def test_adamw_float32_weights_step_as_torch_fused_adamw(cpu_path):
+    """The kernel with float32 weights, moments and bf16 or float32 gradients (a bf16 run's
+    float32 masters) against torch.optim.AdamW(fused=True) over six steps."""
+    for grad_dtype in (torch.float32, torch.bfloat16):
+        params, grads = adamw_case(dtype=grad_dtype)
+        ref = torch_adamw_run(params, grads)
+        ours = [p.clone() for p in params]
+        adamw_run(ours, grads, state_dtype=torch.float32)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_adamw_bf16_weights_and_moments_step_as_torch_fused_adamw_on_a_bf16_model(cpu_path):
+    """master_weights none + state_dtype bfloat16 is what torch.optim.AdamW(fused=True) does to a
+    bf16 model (float32 math, every state rounded to bf16): the same bits after six steps. (The
+    baseline path has no FMA for the first moment's lerp, which ATen fuses: there a rare weight
+    may round to a neighbouring bf16 value.)"""
+    params, grads = adamw_case(dtype=torch.bfloat16)
+    params = [p.to(torch.bfloat16) for p in params]
+    ref = torch_adamw_run(params, grads)
+    ours = [p.clone() for p in params]
+    adamw_run(ours, grads, state_dtype=torch.bfloat16)
+    for a, b in zip(ours, ref):
+        assert a.dtype == torch.bfloat16
+        if "baseline" in cpu_path:
+            assert int((a != b).sum()) <= max(1, a.numel() // 1000)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=ADAMW["lr"] / 32)
+        else:
+            assert torch.equal(a, b), f"{int((a != b).sum())} of {a.numel()} weights differ"
+
+
+def test_adamw_remainders_keep_the_float32_masters_bit_for_bit(cpu_path):
+    """master_weights remainders: the bf16 weight and its 16-bit remainder hold exactly the float32
+    master that master_weights float32 keeps — the same bits after six steps — and the bf16
+    weight is that master rounded half away from zero. Also with clipping's scale and bf16
+    moments."""
+    from automoe import _C
+
+    for state_dtype, scale in ((torch.float32, 1.0), (torch.bfloat16, 0.37)):
+        params, grads = adamw_case(dtype=torch.bfloat16)
+        split = [_C._split_master(p) for p in params]
+        weights, rems = [s[0] for s in split], [s[1] for s in split]
+        masters = [p.clone() for p in params]
+        m1, v1 = adamw_run(masters, grads, state_dtype=state_dtype, grad_scale=scale)
+        m2, v2 = adamw_run(weights, grads, state_dtype=state_dtype, remainders=rems, grad_scale=scale)
+        for w, r, master in zip(weights, rems, masters):
+            assert w.dtype == torch.bfloat16 and r.dtype == torch.int16
+            joined = _C._join_master(w, r)
+            assert torch.equal(joined.view(torch.int32), master.view(torch.int32))
+            assert torch.equal(w, _C._split_master(master)[0])
+        for a, b in zip(m1 + v1, m2 + v2):
+            assert torch.equal(a, b)
+
+
+def test_remainder_split_and_join_are_exact_for_every_float():
+    """join(split(x)) == x bit for bit: normal, subnormal, signed zeros, ties (lower half 0x8000),
+    infinities; the bf16 part is x rounded half away from zero."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (1 << 16,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-40, -1e-40, float("inf"), float("-inf"),
+                            3.4e38, -3.4e38])
+    ties = (torch.arange(-1000, 1000, dtype=torch.int32) * 0x10000 + 0x8000).view(torch.float32)
+    x = torch.cat([x[torch.isfinite(x)], special, ties])
+    hi, lo = _C._split_master(x)
+    assert torch.equal(_C._join_master(hi, lo).view(torch.int32), x.view(torch.int32))
+    finite = torch.isfinite(x) & (x.abs() < 3.38e38)
+    want = torch.where(x >= 0, x.double(), -x.double())  # magnitude, rounded half up
+    up = (x.view(torch.int32) & 0xFFFF) >= 0x8000
+    mag = hi.float().abs().double()
+    assert torch.all(torch.where(up, mag >= want, mag <= want)[finite])

@@ -358,6 +358,56 @@ def test_bfloat16_compute_keeps_float32_masters_and_exports_the_checkpoint_dtype
     assert all(np.isfinite(r["loss"]) for r in metrics(run).values())
 
 
+def test_bfloat16_optimizer_precision_options_train_checkpoint_and_refuse_a_mismatched_resume(model_dir, tmp_path):
+    """optimizer.master_weights / state_dtype through `automoe train` (two micro-batches a step, so
+    the gradients go float32 from the second): remainders keep the float32 masters (the losses of
+    the float32-master run, up to the bf16 copy's rounding at exact ties), none + bfloat16 moments
+    trains; the checkpoints hold what each keeps (bf16 weights, int16 remainders, bf16 moments); a
+    resume with other settings is refused by name, with the same ones it continues."""
+    from automoe import _C
+
+    runs = {}
+    for mw, sd in [("float32", "float32"), ("remainders", "float32"), ("none", "bfloat16")]:
+        recipe = base_recipe(model_dir, tmp_path, f"{mw}-{sd}", model={"dtype": "bfloat16"},
+                             train={"max_steps": 3, "grad_accumulation_steps": 2},
+                             optimizer={"master_weights": mw, "state_dtype": sd},
+                             checkpoint={"every": 3})
+        run_train(recipe, tmp_path)
+        runs[mw] = (recipe, tmp_path / f"{mw}-{sd}")
+    ref, rem, none = (metrics(runs[k][1]) for k in ("float32", "remainders", "none"))
+    for step in (1, 2, 3):
+        assert rem[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-3), step
+        assert np.isfinite(none[step]["loss"])
+    assert ref[1]["loss"] == pytest.approx(none[1]["loss"], rel=1e-6)  # the same start
+
+    f32 = load_tensors(runs["float32"][1] / "step-3" / "model.safetensors")
+    w = load_tensors(runs["remainders"][1] / "step-3" / "model.safetensors")
+    opt = load_tensors(runs["remainders"][1] / "step-3" / "optimizer.safetensors")
+    for name, t in f32.items():
+        if name not in w or t.dtype != torch.float32 or "correction_bias" in name:
+            continue
+        assert w[name].dtype == torch.bfloat16 and opt[f"remainder.{name}"].dtype == torch.int16
+        assert opt[f"exp_avg.{name}"].dtype == torch.float32
+        master = _C._join_master(w[name], opt[f"remainder.{name}"])
+        # The same masters but where a bf16 copy's rounding at an exact tie moved a gradient:
+        # Adam's normalised step is then up to 2 lr away, each of the 3 steps.
+        assert (master - t).abs().max() <= 6 * 1e-3, name
+        # ... and they hold more than the bf16 weights do (the remainders are not empty)
+        assert (master != w[name].float()).float().mean() > 0.9, name
+    opt_none = load_tensors(runs["none"][1] / "step-3" / "optimizer.safetensors")
+    assert all(t.dtype == torch.bfloat16 for k, t in opt_none.items() if k.startswith("exp_avg"))
+    assert not any(k.startswith("remainder.") for k in opt_none)
+
+    recipe, run = runs["remainders"]
+    recipe["train"]["max_steps"] = 4
+    proc = run_train(recipe, tmp_path, "optimizer.master_weights=float32", check=False)
+    assert proc.returncode == 1, proc.stderr
+    assert ("the checkpoint's optimizer state was written with optimizer.master_weights: "
+            "remainders, state_dtype: float32; this run has master_weights: float32") in proc.stderr
+    run_train(recipe, tmp_path)
+    assert sorted(metrics(run)) == [1, 2, 3, 4]
+
+
 def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(model_dir, tmp_path):
     import shutil
 

@@ -55,6 +55,9 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --experts NAME         experts backend: grouped | torch_mm | eager    (default grouped)
   --loss NAME            fused_linear_ce | torch                        (default fused_linear_ce,
                          as automoe train)
+  --master-weights NAME  float32 | remainders | none: where bf16 training keeps its float32
+                         masters (optimizer.master_weights)                (default float32)
+  --state-dtype NAME     float32 | bfloat16: AdamW's moments (optimizer.state_dtype)
   --fake-balanced-gate   round-robin routing (balanced experts)
   --lora R               LoRA fine-tuning: rank-R adapters (alpha 2R) on q/k/v/o_proj and the
                          routed experts (gate_up_proj, down_proj), float32, the base frozen
@@ -77,6 +80,7 @@ struct Options {
   std::string loss = "fused_linear_ce";
   bool fake_gate = false, print_config = false, peak = false, list_types = false;
   int64_t lora = 0;  // LoRA rank; 0: full fine-tune
+  std::string master_weights = "float32", state_dtype = "float32";
   std::string json_out;
 };
 
@@ -129,6 +133,10 @@ Options parse(const Args& args) {
       o.json_out = value();
     else if (a == "--lora")
       o.lora = to_int(a, value(), 1);
+    else if (a == "--master-weights")
+      o.master_weights = value();
+    else if (a == "--state-dtype")
+      o.state_dtype = value();
     else if (a == "--fake-balanced-gate")
       o.fake_gate = true;
     else if (a == "--print-config")
@@ -148,6 +156,11 @@ Options parse(const Args& args) {
                 o.device);
   AUTOMOE_CHECK(o.device == "cpu" || torch::cuda::is_available(),
                 "--device cuda: no CUDA device is visible to this torch");
+  AUTOMOE_CHECK(o.master_weights == "float32" || o.master_weights == "remainders" ||
+                    o.master_weights == "none",
+                "--master-weights: expected float32, remainders or none, got ", o.master_weights);
+  AUTOMOE_CHECK(o.state_dtype == "float32" || o.state_dtype == "bfloat16",
+                "--state-dtype: expected float32 or bfloat16, got ", o.state_dtype);
   return o;
 }
 
@@ -265,10 +278,13 @@ int bench(const Args& args) {
   }
   // The trainer's own state and step (train/step.h): float32 masters, the forward on compute-dtype
   // copies, gradients accumulated in float32, the fused AdamW, clipping at the recipe default.
-  train::TrainState ts = train::make_train_state(model, o.dtype, dev, std::move(sites));
+  train::OptimizerSection optim_cfg;
+  optim_cfg.master_weights = o.master_weights;
+  optim_cfg.state_dtype = o.state_dtype;
+  train::TrainState ts =
+      train::make_train_state(model, o.dtype, dev, std::move(sites), /*zero=*/false, optim_cfg);
   int64_t trainable_params = 0;
   for (const auto& t : ts.opt.master) trainable_params += t.numel();
-  train::OptimizerSection optim_cfg;
   optim_cfg.lr = 1e-4;
   optim_cfg.weight_decay = 0.01;
 #ifdef AUTOMOE_TORCH_CUDA
@@ -312,7 +328,11 @@ int bench(const Args& args) {
   json j = {
       {"side", "automoe"},
       {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss +
-                   (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) + ")"},
+                   (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) +
+                   (o.master_weights != "float32" || o.state_dtype != "float32"
+                        ? ", masters=" + o.master_weights + ", moments=" + o.state_dtype
+                        : std::string()) +
+                   ")"},
       {"lora", o.lora},
       {"trainable_parameters", trainable_params},
       {"device", o.device},
@@ -323,6 +343,8 @@ int bench(const Args& args) {
       {"warmup", o.warmup},
       {"steps", o.steps},
       {"fake_balanced_gate", o.fake_gate},
+      {"master_weights", o.master_weights},
+      {"state_dtype", o.state_dtype},
       {"num_parameters", num_params},
       {"forward_ms", fwd_ms},
       {"backward_ms", bwd_ms},

@@ -17,6 +17,7 @@
 #include "automoe/moe/experts.h"
 #include "automoe/parallel/world.h"
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include "automoe/train/optimizer.h"
 #include "automoe/train/recipe.h"
 #include "automoe/train/trainer.h"
 
@@ -370,6 +371,57 @@ PYBIND11_MODULE(_C, m) {
         return save_sharded(dir, tensors, max_shard_bytes);
       },
       py::arg("dir"), py::arg("tensors"), py::arg("max_shard_bytes"));
+
+  m.def(
+      "_adamw_step",
+      [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
+         std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
+         std::vector<at::Tensor> remainders, int64_t step, double lr, double beta1, double beta2,
+         double eps, double weight_decay, double grad_scale) {
+        // The trainer's AdamW update for bf16 training (optimizer.master_weights / state_dtype),
+        // one step on the given tensors in place, every tensor in the decay group: for tests
+        // against torch.optim.AdamW.
+        const size_t n = params.size();
+        AUTOMOE_CHECK(n > 0 && grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
+                          (remainders.empty() || remainders.size() == n),
+                      "_adamw_step: one gradient, moment pair (and remainder) per parameter");
+        NamedTensors named;
+        for (size_t i = 0; i < n; ++i) named.emplace_back("p" + std::to_string(i), params[i]);
+        using Masters = train::AdamW::Masters;
+        const Masters kind = !remainders.empty()                   ? Masters::kRemainders
+                             : params[0].scalar_type() == at::kFloat ? Masters::kFloat32
+                                                                     : Masters::kNone;
+        py::gil_scoped_release no_gil;
+        train::AdamW opt;
+        opt.init(named, std::vector<bool>(n, false), /*own_grads=*/true, /*full_state=*/true, kind,
+                 exp_avgs[0].scalar_type(), remainders);
+        opt.decay.assign(n, true);
+        for (size_t i = 0; i < n; ++i) {
+          opt.exp_avg[i] = exp_avgs[i];
+          opt.exp_avg_sq[i] = exp_avg_sqs[i];
+          opt.step[i].fill_(static_cast<double>(step - 1));
+          opt.accumulate(i, grads[i]);
+        }
+        if (grad_scale != 1.0) opt.scale_grads(grad_scale);
+        train::OptimizerSection o;
+        o.beta1 = beta1;
+        o.beta2 = beta2;
+        o.eps = eps;
+        o.weight_decay = weight_decay;
+        opt.update(o, lr);
+      },
+      py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
+      py::arg("remainders"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
+      py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0);
+  m.def(
+      "_split_master",
+      [](const at::Tensor& f32) {
+        at::Tensor hi, lo;
+        train::AdamW::split_master(f32, hi, lo);
+        return py::make_tuple(hi, lo);
+      },
+      py::arg("master"));
+  m.def("_join_master", &train::AdamW::join_master, py::arg("bf16"), py::arg("remainder"));
 
   // ---- distributed ----
   m.def(

@@ -1,6 +1,7 @@
 #include "automoe/train/optimizer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/accumulate.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
@@ -9,22 +10,83 @@
 #include <cmath>
 
 #include "automoe/core/error.h"
+#include "automoe/ops/cpu/vec.h"
 
 namespace automoe::train {
 
-void AdamW::init(const NamedTensors& masters, const std::vector<bool>& routed_expert,
-                 bool own_grads, bool full_state) {
-  for (size_t i = 0; i < masters.size(); ++i) {
-    const at::Tensor& t = masters[i].second;
-    names.push_back(masters[i].first);
+AdamW::Masters AdamW::parse_masters(const std::string& name) {
+  if (name == "float32") return Masters::kFloat32;
+  if (name == "remainders") return Masters::kRemainders;
+  if (name == "none") return Masters::kNone;
+  fail("optimizer.master_weights: \"", name, "\" is not one of: float32, remainders, none");
+}
+
+const char* AdamW::masters_name(Masters m) {
+  switch (m) {
+    case Masters::kRemainders: return "remainders";
+    case Masters::kNone: return "none";
+    default: return "float32";
+  }
+}
+
+void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed_expert,
+                 bool own_grads, bool full_state, Masters kind, c10::ScalarType moments,
+                 std::vector<at::Tensor> remainders) {
+  AUTOMOE_CHECK(kind != Masters::kRemainders || remainders.size() == masters_in.size(),
+                "AdamW: ", remainders.size(), " remainders for ", masters_in.size(), " weights");
+  masters = kind;
+  state_dtype = moments;
+  own_grads_ = own_grads;
+  remainder = std::move(remainders);
+  for (size_t i = 0; i < masters_in.size(); ++i) {
+    const at::Tensor& t = masters_in[i].second;
+    names.push_back(masters_in[i].first);
     master.push_back(t);
-    grad.push_back(own_grads ? at::zeros_like(t) : at::Tensor());
-    exp_avg.push_back(full_state ? at::zeros_like(t) : at::Tensor());
-    exp_avg_sq.push_back(full_state ? at::zeros_like(t) : at::Tensor());
-    step.push_back(at::zeros({}, t.options()));
+    grad.emplace_back();  // (own_grads: taken from the first backward)
+    const at::TensorOptions so = t.options().dtype(moments).requires_grad(false);
+    exp_avg.push_back(full_state ? at::zeros(t.sizes(), so) : at::Tensor());
+    exp_avg_sq.push_back(full_state ? at::zeros(t.sizes(), so) : at::Tensor());
+    step.push_back(at::zeros({}, t.options().dtype(at::kFloat).requires_grad(false)));
     decay.push_back(t.dim() >= 2);
     expert.push_back(routed_expert[i]);
     shapes_.push_back(t.sizes().vec());
+  }
+}
+
+void AdamW::split_master(const at::Tensor& f32, at::Tensor& bf16, at::Tensor& rem) {
+  at::NoGradGuard no_grad;
+  // The same bits as ops/cpu/vec.h's split_remainder: the upper half rounded half away from zero
+  // (+0x8000, then the upper 16 bits), the lower half as it is.
+  const at::Tensor bits = f32.contiguous().view(at::kInt);
+  bf16 = at::bitwise_right_shift(bits + 0x8000, 16).to(at::kShort).view(at::kBFloat16);
+  rem = at::bitwise_and(bits, 0xFFFF).to(at::kShort);
+}
+
+at::Tensor AdamW::join_master(const at::Tensor& bf16, const at::Tensor& rem) {
+  at::NoGradGuard no_grad;
+  // (upper << 16) + the remainder read as a signed int16: the -0x10000 undoes a rounding up.
+  const at::Tensor hi = at::bitwise_and(bf16.contiguous().view(at::kShort).to(at::kInt), 0xFFFF);
+  return (at::bitwise_left_shift(hi, 16) + rem.to(at::kInt)).view(at::kFloat);
+}
+
+at::Tensor AdamW::master_f32(size_t i) const {
+  at::NoGradGuard no_grad;
+  switch (masters) {
+    case Masters::kRemainders: return join_master(master[i], remainder[i]);
+    case Masters::kNone: return master[i].detach().to(at::kFloat);
+    default: return master[i];
+  }
+}
+
+void AdamW::accumulate(size_t i, at::Tensor g) {
+  at::NoGradGuard no_grad;
+  at::Tensor& acc = grad[i];
+  if (!acc.defined()) {
+    acc = std::move(g);  // one micro-batch: the gradient as autograd made it, no copy
+  } else if (acc.scalar_type() != at::kFloat) {
+    acc = acc.to(at::kFloat).add_(g);  // a second one: from here on in float32
+  } else {
+    acc.add_(g);
   }
 }
 
@@ -276,6 +338,9 @@ void AdamW::update(const OptimizerSection& o, double lr) {
         G[4].push_back(s.steps[k]);
       }
     }
+  } else if (own_grads_) {
+    update_mixed(o, lr);
+    return;
   } else {
     for (size_t i = 0; i < master.size(); ++i) {
       auto& G = g[decay[i] ? 1 : 0];
@@ -290,6 +355,61 @@ void AdamW::update(const OptimizerSection& o, double lr) {
     if (g[d][0].empty()) continue;
     at::_fused_adamw_(g[d][0], g[d][1], g[d][2], g[d][3], {}, g[d][4], lr, o.beta1, o.beta2,
                       d ? o.weight_decay : 0.0, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+  }
+}
+
+void AdamW::update_mixed(const OptimizerSection& o, double lr) {
+  // The step count every tensor shares (advanced by update()).
+  const double t = step.empty() ? 0.0 : step.front().item<double>();
+  const double bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
+  for (size_t i = 0; i < master.size(); ++i) {
+    at::Tensor& p = master[i];
+    at::Tensor g = grad[i].defined() ? grad[i] : at::zeros_like(p, p.options().requires_grad(false));
+    const double wd = decay[i] ? o.weight_decay : 0.0;
+    if (p.device().is_cpu()) {
+      if (!g.is_contiguous()) g = g.contiguous();
+      AUTOMOE_CHECK(p.is_contiguous() && exp_avg[i].is_contiguous() && exp_avg_sq[i].is_contiguous(),
+                    "AdamW: ", names[i], ": state is not contiguous");
+      ops::cpu::vec::AdamwRow r;
+      r.p = p.data_ptr();
+      r.p_dtype = p.scalar_type();
+      r.rem = masters == Masters::kRemainders ? remainder[i].data_ptr<int16_t>() : nullptr;
+      r.g = g.data_ptr();
+      r.g_dtype = g.scalar_type();
+      r.m = exp_avg[i].data_ptr();
+      r.v = exp_avg_sq[i].data_ptr();
+      r.s_dtype = exp_avg[i].scalar_type();
+      r.decay = static_cast<float>(1.0 - lr * wd);
+      r.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
+      r.beta2 = static_cast<float>(o.beta2);
+      r.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+      r.eps = static_cast<float>(o.eps);
+      r.step_size = static_cast<float>(lr / bc1);
+      r.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+      r.g_scale = static_cast<float>(grad_scale_);
+      at::parallel_for(0, p.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+        ops::cpu::vec::adamw(r, b, e - b);
+      });
+      continue;
+    }
+    // Other devices: the same update through float32 copies of one tensor at a time.
+    at::Tensor w = master_f32(i);
+    if (masters != Masters::kFloat32) w = w.contiguous();
+    at::Tensor g32 = g.to(at::kFloat);
+    if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
+    at::Tensor m = exp_avg[i].to(at::kFloat), v = exp_avg_sq[i].to(at::kFloat);
+    at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+    if (masters == Masters::kRemainders) {
+      at::Tensor hi, lo;
+      split_master(w, hi, lo);
+      p.copy_(hi.view(p.sizes()));
+      remainder[i].copy_(lo.view(p.sizes()));
+    } else if (masters == Masters::kNone) {
+      p.copy_(w);
+    }
+    if (!exp_avg[i].is_same(m)) exp_avg[i].copy_(m);
+    if (!exp_avg_sq[i].is_same(v)) exp_avg_sq[i].copy_(v);
   }
 }
 
@@ -318,9 +438,10 @@ void AdamW::publish(std::vector<at::Tensor>& params) {
 }
 
 double AdamW::grad_norm(const parallel::World& world) const {
+  // (bf16 gradients: each tensor's norm accumulated and returned in float32)
   auto sq = [](const std::vector<at::Tensor>& v) -> at::Tensor {
     if (v.empty()) return {};
-    return at::stack(at::_foreach_norm(v, 2)).to(at::kDouble).pow(2).sum();
+    return at::stack(at::_foreach_norm(v, 2, at::kFloat)).to(at::kDouble).pow(2).sum();
   };
   if (sharded()) {  // each element lies in exactly one rank's slice: one sum over the world
     std::vector<at::Tensor> parts;
@@ -330,10 +451,12 @@ double AdamW::grad_norm(const parallel::World& world) const {
     return std::sqrt(total.item<double>());
   }
   std::vector<at::Tensor> dense, experts;
-  for (size_t i = 0; i < grad.size(); ++i) (expert[i] ? experts : dense).push_back(grad[i]);
+  for (size_t i = 0; i < grad.size(); ++i) {
+    if (grad[i].defined()) (expert[i] ? experts : dense).push_back(grad[i]);
+  }
   at::Tensor d = sq(dense), e = sq(experts);
   if (world.ep && world.ep->getSize() > 1) {
-    if (!e.defined()) e = at::zeros({}, at::TensorOptions(at::kDouble).device(grad.front().device()));
+    if (!e.defined()) e = at::zeros({}, at::TensorOptions(at::kDouble).device(master.front().device()));
     parallel::all_reduce_sum(world.ep, e, "gradient norm");
   }
   double total = 0;
@@ -343,6 +466,10 @@ double AdamW::grad_norm(const parallel::World& world) const {
 }
 
 void AdamW::scale_grads(double s) {
+  if (!sharded() && own_grads_) {
+    grad_scale_ *= s;
+    return;
+  }
   if (!sharded()) {
     at::_foreach_mul_(grad, s);
     return;
@@ -352,7 +479,12 @@ void AdamW::scale_grads(double s) {
 
 void AdamW::zero_grads() {
   if (!sharded()) {
-    at::_foreach_zero_(grad);
+    if (own_grads_) {
+      for (auto& g : grad) g = at::Tensor();
+      grad_scale_ = 1.0;
+    } else {
+      at::_foreach_zero_(grad);
+    }
     return;
   }
   for (Slice& s : zero_) {
@@ -378,8 +510,15 @@ int64_t sync_gradients(AdamW& opt, const parallel::World& world, int64_t bucket_
     int64_t bytes = 0;
     auto flush = [&] {
       if (cur.members.empty()) return;
+      // (bf16 gradients, or none from a rank whose micro-batches had no backward: reduced in
+      // float32, as the float32 accumulators of a step with several micro-batches are)
       std::vector<at::Tensor> flat;
-      for (size_t i : cur.members) flat.push_back(opt.grad[i].reshape({-1}));
+      for (size_t i : cur.members) {
+        const at::Tensor& gi = opt.grad[i];
+        flat.push_back(gi.defined() ? gi.reshape({-1}).to(at::kFloat)
+                                    : at::zeros({opt.master[i].numel()},
+                                                opt.master[i].options().dtype(at::kFloat)));
+      }
       cur.flat = at::cat(flat);
       cur.group = g;
       std::vector<at::Tensor> one{cur.flat};
@@ -392,7 +531,7 @@ int64_t sync_gradients(AdamW& opt, const parallel::World& world, int64_t bucket_
     for (size_t i = 0; i < opt.grad.size(); ++i) {
       if (opt.expert[i] != expert) continue;
       cur.members.push_back(i);
-      bytes += opt.grad[i].numel() * static_cast<int64_t>(opt.grad[i].element_size());
+      bytes += opt.master[i].numel() * 4;
       if (bytes >= bucket_bytes) flush();
     }
     flush();
@@ -402,8 +541,14 @@ int64_t sync_gradients(AdamW& opt, const parallel::World& world, int64_t bucket_
     parallel::wait(b.work, "gradient all-reduce");
     int64_t at_ = 0;
     for (size_t i : b.members) {
-      const int64_t n = opt.grad[i].numel();
-      opt.grad[i].copy_(b.flat.narrow(0, at_, n).view(opt.grad[i].sizes()));
+      at::Tensor& gi = opt.grad[i];
+      const int64_t n = opt.master[i].numel();
+      const at::Tensor sum = b.flat.narrow(0, at_, n).view(opt.master[i].sizes());
+      if (gi.defined() && gi.scalar_type() == at::kFloat) {
+        gi.copy_(sum);
+      } else {
+        gi = sum;  // the float32 sum itself (a view of the bucket)
+      }
       at_ += n;
     }
   }

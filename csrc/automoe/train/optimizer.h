@@ -1,7 +1,11 @@
-// AdamW over float32 master weights: one fused ATen call (at::_fused_adamw_) per group, decay and
-// no-decay (1-D parameters: norms and biases), with a shared step count. Under expert parallelism
-// each rank steps what it holds: the dense weights (identical on every rank, as their gradients
-// are) and its own experts.
+// AdamW over float32 master weights, decay and no-decay groups (1-D parameters: norms and biases)
+// with a shared step count. Float32 weights: one fused ATen call (at::_fused_adamw_) per group.
+// Bf16 weights (mixed precision): the masters are a float32 copy, or the bf16 weights plus their
+// 16-bit remainders, or the bf16 weights themselves (OptimizerSection::master_weights), the moments
+// float32 or bf16, the gradients bf16 as autograd made them (float32 accumulators only from a
+// step's second micro-batch on); on the CPU one fused pass over each tensor (ops/cpu/vec.h's
+// adamw), elsewhere a composition of ATen ops. Under expert parallelism each rank steps what it
+// holds: the dense weights (identical on every rank, as their gradients are) and its own experts.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -17,18 +21,42 @@
 namespace automoe::train {
 
 struct AdamW {
+  // Where the float32 masters of bf16 weights live (OptimizerSection::master_weights).
+  enum class Masters { kFloat32, kRemainders, kNone };
+  static Masters parse_masters(const std::string& name);  // "float32" | "remainders" | "none"
+  static const char* masters_name(Masters m);
+
   std::vector<std::string> names;
   // Per parameter, full size. Under ZeRO (shard()) master / exp_avg / exp_avg_sq are held only
   // as this rank's slices and exist in full only between materialize() and release().
   std::vector<at::Tensor> master, grad, exp_avg, exp_avg_sq, step;
   std::vector<bool> decay;
   std::vector<bool> expert;  // a routed expert's tensor: this rank's experts only
+  // Under Masters::kRemainders the lower 16 bits of each float32 master (int16); master[i] is then
+  // the bf16 weight the forward reads, as it is under kNone.
+  std::vector<at::Tensor> remainder;
+  Masters masters = Masters::kFloat32;
+  c10::ScalarType state_dtype = c10::ScalarType::Float;  // the moments'
 
-  // own_grads: float32 accumulators of our own (bf16 compute); otherwise `grad` is pointed at
-  // the parameters' .grad before each step. `routed_expert[i]` marks the experts' tensors.
-  // `full_state` false: no moments yet (shard() follows and makes them slice-sized).
+  // own_grads (bf16 compute): the optimizer takes each backward's gradients from the parameters
+  // (grad[i]: bf16 as autograd made it, float32 once a second micro-batch adds to it); otherwise
+  // `grad` is pointed at the parameters' .grad before each step. `routed_expert[i]` marks the
+  // experts' tensors. `full_state` false: no moments yet (shard() follows and makes them
+  // slice-sized). `kind` other than kFloat32: `masters` are the bf16 weights themselves, with
+  // `remainders` under kRemainders.
   void init(const NamedTensors& masters, const std::vector<bool>& routed_expert, bool own_grads,
-            bool full_state = true);
+            bool full_state = true, Masters kind = Masters::kFloat32,
+            c10::ScalarType state_dtype = c10::ScalarType::Float,
+            std::vector<at::Tensor> remainders = {});
+  // Parameter i's float32 master: master[i] itself, or rebuilt from the bf16 weight (and its
+  // remainder) as a new tensor.
+  at::Tensor master_f32(size_t i) const;
+  // A float32 tensor as a bf16 weight and its remainder (ATen ops, any device), and back.
+  static void split_master(const at::Tensor& f32, at::Tensor& bf16, at::Tensor& rem);
+  static at::Tensor join_master(const at::Tensor& bf16, const at::Tensor& rem);
+  // A backward's gradient of parameter i (own_grads): kept as it is, or added to what the step's
+  // earlier micro-batches left (in float32).
+  void accumulate(size_t i, at::Tensor g);
 
   // ZeRO (stage 1 or 2): from now on each rank keeps the float32 masters and AdamW moments of
   // only its slice of every tensor that other ranks also hold — dense tensors split over the
@@ -64,6 +92,8 @@ struct AdamW {
   // Global L2 norm of the gradients (before clipping), as a host double: the dense part once,
   // the experts' part summed over the EP group (`world` one process: local).
   double grad_norm(const parallel::World& world = {}) const;
+  // (own_grads: remembered, and applied in float32 by update(), so that bf16 gradients are not
+  // rounded again.)
   void scale_grads(double s);
   void zero_grads();
   // The updated weights into the tensors the forward reads (`params[i]` for names[i]): a copy
@@ -104,6 +134,9 @@ struct AdamW {
   std::vector<std::pair<size_t, size_t>> where_;  // parameter -> (bucket, member index)
   std::vector<std::vector<int64_t>> shapes_;      // each parameter's shape
   int64_t stage_ = 0;
+  bool own_grads_ = false;
+  double grad_scale_ = 1.0;  // own_grads: clipping's factor, applied in update()
+  void update_mixed(const OptimizerSection& o, double lr);
   bool last_ = false;       // this backward ends the step's accumulation
   size_t next_launch_ = 0;  // buckets launch in order (the same on every rank)
   at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]

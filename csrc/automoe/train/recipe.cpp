@@ -4,6 +4,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <tuple>
 
 #include "automoe/core/error.h"
 #include "automoe/train/run_dir.h"
@@ -251,6 +252,9 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.optimizer.eps = o.number("eps", r.optimizer.eps, 0.0, 1.0, /*open_min=*/true);
   r.optimizer.weight_decay = o.number("weight_decay", 0.0, 0.0, 1.0);
   r.optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
+  r.optimizer.master_weights =
+      o.str("master_weights", r.optimizer.master_weights, {"float32", "remainders", "none"});
+  r.optimizer.state_dtype = o.str("state_dtype", r.optimizer.state_dtype, {"float32", "bfloat16"});
   o.finish();
 
   Section s(root, "schedule", origin);
@@ -336,6 +340,20 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
     r.peft.export_merged = pe.boolean("export_merged", false);
     pe.finish();
   }
+  // The optimizer's precision options are about bf16 weights trained in full: refused by name
+  // where they would mean nothing (float32 weights are their own masters; LoRA's adapters are
+  // float32).
+  for (const auto& [key, value, def] :
+       {std::tuple{"master_weights", r.optimizer.master_weights, "float32"},
+        std::tuple{"state_dtype", r.optimizer.state_dtype, "float32"}}) {
+    if (value == def) continue;
+    AUTOMOE_CHECK(r.model.dtype == "bfloat16", origin, ": optimizer.", key, ": \"", value,
+                  "\" is for bf16 weights; model.dtype is ", r.model.dtype,
+                  " (float32 weights are their own float32 masters): remove the key");
+    AUTOMOE_CHECK(!r.peft.enabled, origin, ": optimizer.", key, ": \"", value,
+                  "\" with peft: LoRA's adapters train in float32 (the frozen base has no "
+                  "optimizer state); remove the key");
+  }
   return r;
 }
 
@@ -366,7 +384,9 @@ std::string Recipe::to_json() const {
                     {"betas", {optimizer.beta1, optimizer.beta2}},
                     {"eps", optimizer.eps},
                     {"weight_decay", optimizer.weight_decay},
-                    {"max_grad_norm", optimizer.max_grad_norm}};
+                    {"max_grad_norm", optimizer.max_grad_norm},
+                    {"master_weights", optimizer.master_weights},
+                    {"state_dtype", optimizer.state_dtype}};
   j["schedule"] = {{"type", schedule.type},
                    {"warmup_steps", schedule.warmup_steps},
                    {"warmup_ratio", schedule.warmup_ratio},

@@ -58,6 +58,13 @@ struct OptimizerSection {
   double eps = 1e-8;
   double weight_decay = 0.0;  // not applied to 1-D parameters (norms, biases)
   double max_grad_norm = 1.0;  // 0 = no clipping
+  // With model.dtype bfloat16 (docs/recipes.md#optimizer-precision): where the float32 master
+  // weights live — "float32" (a float32 copy beside the bf16 weights), "remainders" (the bf16
+  // weights plus the lower 16 bits of each float32 master: the same masters in 4 bytes, as
+  // TransformerEngine's FusedAdam(store_param_remainders=True)) or "none" (the bf16 weights are the
+  // masters: updates round to bf16, as a Transformers bf16 model with torch.optim.AdamW trains).
+  std::string master_weights = "float32";
+  std::string state_dtype = "float32";  // AdamW's moments: float32 | bfloat16
 };
 
 struct ScheduleSection {

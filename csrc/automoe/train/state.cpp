@@ -36,6 +36,12 @@ void fsync_path(const fs::path& p) {
   }
 }
 
+// How the optimizer keeps its state (trainer_state.json's optimizer_precision).
+json precision_json(const AdamW& opt) {
+  return {{"master_weights", AdamW::masters_name(opt.masters)},
+          {"state_dtype", opt.state_dtype == at::kBFloat16 ? "bfloat16" : "float32"}};
+}
+
 std::string experts_file(int64_t ep_rank, int64_t ep) {
   char buf[64];
   std::snprintf(buf, sizeof buf, "experts-%05ld-of-%05ld.safetensors", ep_rank, ep);
@@ -90,6 +96,9 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
     w.emplace_back(opt.names[i], opt.master[i]);
     s.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
     s.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+    if (opt.masters == AdamW::Masters::kRemainders) {
+      s.emplace_back("remainder." + opt.names[i], opt.remainder[i]);
+    }
   }
   // A failed write on any rank (a full disk) fails the save on every rank, and the half-written
   // directory goes: the previous checkpoint stays the latest.
@@ -112,6 +121,7 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
       j["data_position"] = {{"epoch", st.pos.epoch}, {"cursor", st.pos.cursor}};
       j["tokens_seen"] = st.tokens_seen;
       j["skipped_steps"] = st.skipped_steps;
+      j["optimizer_precision"] = precision_json(opt);
       j["consecutive_nonfinite"] = st.consecutive_nonfinite;
       j["parallel"] = {{"world", world.mesh.world}, {"ep", world.mesh.ep}, {"dp", world.mesh.dp}};
       write_file_atomic((tmp / "trainer_state.json").string(), j.dump(2) + "\n");
@@ -213,6 +223,17 @@ json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
   AUTOMOE_CHECK(st.consecutive_nonfinite >= 0 && st.consecutive_nonfinite <= st.skipped_steps,
                 state_path, ": consecutive_nonfinite ", st.consecutive_nonfinite,
                 " must be in [0, skipped_steps ", st.skipped_steps, "]");
+  // The optimizer state is kept as optimizer.master_weights / state_dtype say: a checkpoint
+  // written with other settings holds other tensors (checkpoints before them: float32).
+  const json saved_precision = j.value("optimizer_precision", json{{"master_weights", "float32"},
+                                                                   {"state_dtype", "float32"}});
+  AUTOMOE_CHECK(saved_precision == precision_json(opt), state_path,
+                ": the checkpoint's optimizer state was written with optimizer.master_weights: ",
+                saved_precision.value("master_weights", "?"), ", state_dtype: ",
+                saved_precision.value("state_dtype", "?"), "; this run has master_weights: ",
+                AdamW::masters_name(opt.masters), ", state_dtype: ",
+                precision_json(opt).at("state_dtype").get<std::string>(),
+                ". Resume with the checkpoint's settings, or start a new checkpoint.dir");
   if (check) check(j);
   const SafetensorsFile model((dir / "model.safetensors").string());
   const SafetensorsFile state((dir / "optimizer.safetensors").string());
@@ -281,10 +302,12 @@ json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
       load_rows(model, opt.names[i], opt.master[i]);
       load_rows(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
       load_rows(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+      if (!opt.remainder.empty()) load_rows(state, "remainder." + opt.names[i], opt.remainder[i]);
     } else {
       load_into(model, opt.names[i], opt.master[i]);
       load_into(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
       load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+      if (!opt.remainder.empty()) load_into(state, "remainder." + opt.names[i], opt.remainder[i]);
     }
     if (state.contains("step")) load_into(state, "step", opt.step[i]);
   }

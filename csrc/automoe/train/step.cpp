@@ -5,21 +5,51 @@
 #include <chrono>
 #include <utility>
 
+#include "automoe/core/error.h"
 #include "automoe/model/components.h"
 
 namespace automoe::train {
 
 TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10::Device& dev,
-                            std::vector<LoraSite> lora_sites, bool zero) {
+                            std::vector<LoraSite> lora_sites, bool zero,
+                            const OptimizerSection& precision) {
   TrainState s;
   s.lora = !lora_sites.empty();
+  const AdamW::Masters kind = AdamW::parse_masters(precision.master_weights);
+  const c10::ScalarType moments =
+      precision.state_dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const bool lean = kind != AdamW::Masters::kFloat32 || moments != at::kFloat;
+  AUTOMOE_CHECK(!lean || (compute == at::kBFloat16 && !s.lora && !zero),
+                "optimizer.master_weights: ", precision.master_weights, ", state_dtype: ",
+                precision.state_dtype, ": only for bf16 weights trained in full without ZeRO "
+                "(model.dtype bfloat16, no peft, parallel.zero: 0 when training on several "
+                "processes); here model.dtype is ", c10::toString(compute),
+                s.lora ? ", with LoRA" : "", zero ? ", with ZeRO" : "");
+  // Without float32 masters the bf16 weights are the masters (with their remainders): each is
+  // made from the loaded tensor in turn, so the float32 copies never all exist.
+  const bool bf16_masters = kind != AdamW::Masters::kFloat32;
   NamedTensors masters;
+  std::vector<at::Tensor> remainders;
   const auto& trainable = decoder.trainable();
-  const NamedTensors params = decoder.named_parameters();
+  NamedTensors params = decoder.named_parameters();
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& [n, t] = params[i];
     if (s.lora && trainable[i]) {  // frozen, as loaded (no copy when already the compute dtype)
       decoder.set_parameter(n, t.to(dev, compute));
+      continue;
+    }
+    if (trainable[i] && bf16_masters) {
+      if (kind == AdamW::Masters::kRemainders) {
+        at::Tensor hi, lo;
+        AdamW::split_master(t.to(dev, at::kFloat), hi, lo);
+        masters.emplace_back(n, hi.view(t.sizes()));
+        remainders.push_back(lo.view(t.sizes()));
+      } else {
+        masters.emplace_back(n, t.to(dev, at::kBFloat16, /*non_blocking=*/false, /*copy=*/true));
+      }
+      // The loaded tensor goes now (the decoder and `params` held it).
+      decoder.set_parameter(n, masters.back().second);
+      params[i].second = at::Tensor();
       continue;
     }
     at::Tensor f32 = t.to(dev, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
@@ -46,9 +76,11 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
   const bool sharded = zero && !s.lora;
   s.mixed = compute != at::kFloat && !s.lora;
   s.own_grads = s.mixed && !sharded;
-  s.opt.init(masters, routed, s.own_grads, /*full_state=*/!sharded);
+  s.opt.init(masters, routed, s.own_grads, /*full_state=*/!sharded, kind, moments,
+             std::move(remainders));
   for (size_t i = 0; i < s.opt.names.size(); ++i) {
-    at::Tensor p = s.mixed ? s.opt.master[i].to(compute) : s.opt.master[i];
+    // (bf16 masters: the weight the forward reads is the master itself)
+    at::Tensor p = s.mixed && !bf16_masters ? s.opt.master[i].to(compute) : s.opt.master[i];
     p.set_requires_grad(true);
     decoder.set_parameter(s.opt.names[i], p);
     s.model_params.push_back(p);
@@ -77,14 +109,17 @@ void backward_micro_batch(TrainState& s, const at::Tensor& loss, bool last,
       }
     }
   }
-  if (s.own_grads || s.opt.sharded()) {  // into the float32 accumulators at once
+  if (s.own_grads || s.opt.sharded()) {  // taken from autograd at once
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < s.model_params.size(); ++i) {
       at::Tensor& g = s.model_params[i].mutable_grad();
-      if (g.defined()) {
+      if (!g.defined()) continue;
+      if (s.own_grads) {
+        s.opt.accumulate(i, std::move(g));
+      } else {
         s.opt.grad[i].add_(g);
-        g = at::Tensor();
       }
+      g = at::Tensor();
     }
   }
 }

@@ -25,11 +25,12 @@ struct TrainState {
   // Buffers saved with the weights (the routers' correction bias): float32 on the device, never
   // touched by the optimizer.
   NamedTensors buffers;
-  // What the forward reads for opt.names[i] (requires grad): bf16 copies of the masters (mixed
-  // precision), or the float32 masters themselves.
+  // What the forward reads for opt.names[i] (requires grad): bf16 copies of the float32 masters
+  // (mixed precision), the bf16 masters themselves (optimizer.master_weights remainders / none),
+  // or the float32 masters themselves.
   std::vector<at::Tensor> model_params;
   bool mixed = false;      // compute dtype below float32, no LoRA: copies of the masters
-  bool own_grads = false;  // gradients accumulate in opt.grad (float32), not in autograd's .grad
+  bool own_grads = false;  // gradients accumulate in opt.grad (AdamW::accumulate), not in .grad
   bool lora = false;
 };
 
@@ -37,13 +38,17 @@ struct TrainState {
 // trainable tensor (or, with `lora_sites`, the adapters' masters, the base frozen in `compute`),
 // the forward re-bound to compute-dtype copies. `zero`: ZeRO will shard the state next (the
 // moments are not allocated here).
+// `precision`: its master_weights and state_dtype (bf16 masters and / or moments, for bf16
+// weights trained in full without ZeRO; anything else is refused by name).
 TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10::Device& dev,
-                            std::vector<LoraSite> lora_sites, bool zero = false);
+                            std::vector<LoraSite> lora_sites, bool zero = false,
+                            const OptimizerSection& precision = {});
 
 // One micro-batch's forward and backward: decoder.forward(a) (`a` complete: training flags, loss
 // normalisation), then backward_micro_batch on its loss. train_micro_batch does both.
 //
-// The backward's gradients move into the float32 accumulators (own_grads). Under ZeRO they leave
+// The backward's gradients leave autograd for the optimizer (own_grads: bf16 as made, float32
+// from a step's second micro-batch on). Under ZeRO they leave
 // during the backward (AdamW::begin_backward; `last`: the step's last backward on this rank), and
 // ZeRO-2 waits for their reductions here: `device_sync` (if any) then completes the device's
 // work, and the wait's seconds are added to `*wait_s`.

@@ -366,7 +366,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
   // (LoRA: the adapters are small; every rank keeps their whole state.)
   const bool zero = dist && rc.parallel.zero >= 1 && !lora;
-  TrainState ts = make_train_state(*pm.decoder, compute, dev, lora_sites, zero);
+  TrainState ts = make_train_state(*pm.decoder, compute, dev, lora_sites, zero, rc.optimizer);
   AdamW& opt = ts.opt;
   NamedTensors& buffers = ts.buffers;
   std::vector<at::Tensor>& model_params = ts.model_params;
@@ -958,7 +958,11 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     for (const bool trainable : pm.decoder->trainable()) {
       if (trainable) {
         const size_t i = next_param++;
-        exported.emplace_back(opt.names[i], mine(opt.master[i], opt.expert[i], export_dtype));
+        // (bf16 masters exported as bf16: the weights as trained, no copy; otherwise the float32
+        // master, rebuilt from its remainder where it has one)
+        const at::Tensor w = opt.master[i].scalar_type() == export_dtype ? opt.master[i]
+                                                                          : opt.master_f32(i);
+        exported.emplace_back(opt.names[i], mine(w, opt.expert[i], export_dtype));
       } else {
         const auto& [name, t] = buffers[next_buffer++];
         exported.emplace_back(name, mine(t, false, t.scalar_type()));

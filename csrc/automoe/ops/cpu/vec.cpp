@@ -425,4 +425,97 @@ AUTOMOE_ROW_FN(void, rotate_heads,
                 int64_t h),
                (x, c, s, sign, y, heads, h))
 
+namespace {
+
+AUTOMOE_BODY float bits_to_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+AUTOMOE_BODY uint32_t float_to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+// Round to nearest even (c10::BFloat16's rounding; NaN stays a quiet NaN).
+AUTOMOE_BODY uint16_t to_bf16(float f) {
+  const uint32_t u = float_to_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>(f != f ? 0x7FC0u : rounded);
+}
+// The master's upper half rounded half away from zero, and its lower half: rounding went up
+// exactly when the lower half, read as int16, is negative — which join() undoes.
+AUTOMOE_BODY void split_bits(float f, uint16_t* hi, int16_t* lo) {
+  const uint32_t u = float_to_bits(f);
+  *hi = static_cast<uint16_t>((u + 0x8000u) >> 16);
+  *lo = static_cast<int16_t>(static_cast<uint16_t>(u & 0xFFFFu));
+}
+AUTOMOE_BODY float join_bits(uint16_t hi, int16_t lo) {
+  const uint32_t low = static_cast<uint16_t>(lo);
+  return bits_to_float((static_cast<uint32_t>(hi) << 16) + low - (lo < 0 ? 0x10000u : 0u));
+}
+
+// P: 0 float32 weight, 1 bf16 weight (the master), 2 bf16 weight + remainder; G, S: 0 float32,
+// 1 bf16 (gradient, moments).
+template <int P, int G, int S>
+AUTOMOE_BODY void adamw_typed(const AdamwRow& r, int64_t b, int64_t n) {
+  auto* pf = static_cast<float*>(r.p) + b;
+  auto* ph = static_cast<uint16_t*>(r.p) + b;
+  int16_t* rem = r.rem + (P == 2 ? b : 0);
+  const auto* gf = static_cast<const float*>(r.g) + b;
+  const auto* gh = static_cast<const uint16_t*>(r.g) + b;
+  auto* mf = static_cast<float*>(r.m) + b;
+  auto* mh = static_cast<uint16_t*>(r.m) + b;
+  auto* vf = static_cast<float*>(r.v) + b;
+  auto* vh = static_cast<uint16_t*>(r.v) + b;
+  const float one_minus_b1 = r.one_minus_beta1, one_minus_b2 = r.one_minus_beta2;
+  for (int64_t i = 0; i < n; ++i) {
+    float p = P == 0 ? pf[i] : P == 1 ? bf16_bits_to_float(ph[i]) : join_bits(ph[i], rem[i]);
+    const float g = (G == 0 ? gf[i] : bf16_bits_to_float(gh[i])) * r.g_scale;
+    float m = S == 0 ? mf[i] : bf16_bits_to_float(mh[i]);
+    float v = S == 0 ? vf[i] : bf16_bits_to_float(vh[i]);
+    p *= r.decay;
+    m += one_minus_b1 * (g - m);
+    v = v * r.beta2 + one_minus_b2 * g * g;
+    const float denom = std::sqrt(v) / r.bc2_sqrt + r.eps;
+    p -= r.step_size * m / denom;
+    if (P == 0) pf[i] = p;
+    if (P == 1) ph[i] = to_bf16(p);
+    if (P == 2) split_bits(p, ph + i, rem + i);
+    if (S == 0) {
+      mf[i] = m;
+      vf[i] = v;
+    } else {
+      mh[i] = to_bf16(m);
+      vh[i] = to_bf16(v);
+    }
+  }
+}
+
+template <int P>
+AUTOMOE_BODY void adamw_by_state(const AdamwRow& r, int64_t b, int64_t n) {
+  const bool gb = r.g_dtype != c10::ScalarType::Float, sb = r.s_dtype != c10::ScalarType::Float;
+  if (!gb && !sb) adamw_typed<P, 0, 0>(r, b, n);
+  if (!gb && sb) adamw_typed<P, 0, 1>(r, b, n);
+  if (gb && !sb) adamw_typed<P, 1, 0>(r, b, n);
+  if (gb && sb) adamw_typed<P, 1, 1>(r, b, n);
+}
+
+AUTOMOE_BODY void adamw_body(const AdamwRow& r, int64_t b, int64_t n) {
+  if (r.p_dtype == c10::ScalarType::Float) {
+    adamw_by_state<0>(r, b, n);
+  } else if (r.rem == nullptr) {
+    adamw_by_state<1>(r, b, n);
+  } else {
+    adamw_by_state<2>(r, b, n);
+  }
+}
+
+}  // namespace
+
+AUTOMOE_ROW_FN(void, adamw, (const AdamwRow& r, int64_t begin, int64_t n), (r, begin, n))
+
+float join_remainder(uint16_t bf16, int16_t rem) { return join_bits(bf16, rem); }
+void split_remainder(float master, uint16_t* bf16, int16_t* rem) { split_bits(master, bf16, rem); }
+
 }  // namespace automoe::ops::cpu::vec

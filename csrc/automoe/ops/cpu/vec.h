@@ -47,4 +47,32 @@ void scale(const float* x, float a, float* y, int64_t n);
 void rotate_heads(const float* x, const float* c, const float* s, float sign, float* y,
                   int64_t heads, int64_t h);
 
+// One AdamW step (decoupled weight decay; ATen's fused AdamW formula in float32 math) over
+// elements [begin, begin + n) of one tensor. The weight is float32, or bf16 — with `rem` the lower
+// 16 bits of its float32 master (split so that the bf16 part is the master rounded half away from
+// zero: join(bf16, rem) is the master exactly), without it the master itself (rounded to nearest
+// even after the update). Gradient and moments are float32 or bf16; the gradient is multiplied by
+// g_scale (clipping) in float32 before use.
+struct AdamwRow {
+  void* p = nullptr;
+  c10::ScalarType p_dtype = c10::ScalarType::Float;
+  int16_t* rem = nullptr;
+  const void* g = nullptr;
+  c10::ScalarType g_dtype = c10::ScalarType::Float;
+  void* m = nullptr;
+  void* v = nullptr;
+  c10::ScalarType s_dtype = c10::ScalarType::Float;
+  float decay = 1.f;  // 1 - lr * weight_decay
+  // (1 - beta1 and 1 - beta2 computed in double, then rounded, as ATen's fused AdamW does)
+  float one_minus_beta1 = 0.1f, beta2 = 0.999f, one_minus_beta2 = 0.001f, eps = 1e-8f;
+  float step_size = 0.f;  // lr / (1 - beta1^step)
+  float bc2_sqrt = 1.f;   // sqrt(1 - beta2^step)
+  float g_scale = 1.f;
+};
+void adamw(const AdamwRow& r, int64_t begin, int64_t n);
+
+// The float32 master of a bf16 weight and its remainder (see AdamwRow), and the split back.
+float join_remainder(uint16_t bf16, int16_t rem);
+void split_remainder(float master, uint16_t* bf16, int16_t* rem);
+
 }  // namespace automoe::ops::cpu::vec
