@@ -37,7 +37,7 @@ def cpu_variants() -> list[str]:
         OPS._set_cpu_paths(isa, gemm)
         paths = dict(OPS._cpu_kernel_paths())
         key = tuple(sorted((k, v) for k, v in paths.items()
-                           if k not in ("isa", "cpu_isa", "gemm_measured")))
+                           if k not in ("isa", "cpu_isa", "gemm_measured", "gemm_decisions")))
         if key not in seen:
             seen.add(key)
             out.append(f"cpu:{isa}" + (f"+{gemm}" if gemm else ""))
@@ -538,7 +538,8 @@ def test_cpu_paths_refuse_a_level_above_the_cpu_and_unknown_names():
         assert dict(OPS._cpu_kernel_paths()) == {
             "isa": "baseline", "cpu_isa": cpu_isa, "gemm_bf16": "generic", "gemm_fp32": "aten",
             "lm_head_bf16": "generic", "elementwise": "baseline",
-            "gemm_measured": "not measured (no choice needed at this level)"}
+            "gemm_measured": "not measured (no choice needed at this level)",
+            "gemm_decisions": "baseline:-:-"}
         with pytest.raises(automoe.AutoMoEError, match="\"avx2\" GEMM path does not run on this CPU at "
                                                "the baseline level"):
             OPS._set_cpu_paths("baseline", "avx2")
@@ -562,6 +563,46 @@ def test_AUTOMOE_CPU_ISA_caps_the_level_and_rejects_what_the_cpu_lacks():
     else:
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == ["avx2"]
+
+
+def test_AUTOMOE_CPU_GEMM_DECISIONS_pins_the_measured_choices_and_rejects_what_cannot_apply():
+    """A fresh process adopts the pinned choices instead of measuring them (cpu_kernels says so),
+    for both flips of the bf16 choice; a value for another level or a malformed one is an error
+    naming the variable."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+    if cpu_isa in ("baseline", "amx"):
+        pytest.skip(f"no measured GEMM choice at {cpu_isa}")
+    pkg = str(Path(automoe.__file__).resolve().parents[1])
+    code = "import torch, automoe; print(dict(torch.ops.automoe._cpu_kernel_paths()))"
+
+    def paths(value):
+        env = {**os.environ, "AUTOMOE_CPU_GEMM_DECISIONS": value,
+               "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+        env.pop("AUTOMOE_CPU_ISA", None)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    native = cpu_isa == "avx512_bf16"
+    for brgemm, aten in (("1", "0"), ("0", "1")):
+        b = brgemm if native else "-"
+        out = paths(f"{cpu_isa}:{b}:{aten}")
+        assert out.returncode == 0, out.stderr
+        got = eval(out.stdout)  # noqa: S307 (our own subprocess's dict)
+        assert got["gemm_decisions"] == f"{cpu_isa}:{b}:{aten}"
+        assert "adopted from AUTOMOE_CPU_GEMM_DECISIONS" in got["gemm_measured"]
+        assert (got["gemm_fp32"] == "aten") == (aten == "1")
+        if native:
+            assert (got["gemm_bf16"] == "brgemm") == (brgemm == "1")
+    other = "avx2" if cpu_isa != "avx2" else "avx512"
+    out = paths(f"{other}:-:1")
+    assert out.returncode != 0
+    assert f"AUTOMOE_CPU_GEMM_DECISIONS={other}:-:1: the kernels run at {cpu_isa} here" in out.stderr
+    out = paths(f"{cpu_isa}:yes")
+    assert out.returncode != 0 and f"AUTOMOE_CPU_GEMM_DECISIONS={cpu_isa}:yes: expected" in out.stderr
 
 
 def test_the_gemm_engine_choice_does_not_move_the_global_generator():

@@ -349,6 +349,29 @@ def test_bf16_activation_checkpointing_zero2_and_evaluation_under_ep(model_dir, 
     assert ev_got[3]["eval_loss"] == pytest.approx(ev_ref[3]["eval_loss"], rel=2e-3)
 
 
+def test_bf16_masters_and_moments_train_data_parallel_without_zero_and_are_refused_with_it(model_dir, tmp_path):
+    """optimizer.master_weights none + state_dtype bfloat16 on two data-parallel processes
+    (parallel.zero: 0, the bf16 gradients all-reduced in float32) trains as one process does; with
+    ZeRO (sharded float32 masters) the options are refused by name."""
+    def recipe(run, **parallel):
+        r = ep_recipe(model_dir, tmp_path, run, **parallel)
+        r["model"]["dtype"] = "bfloat16"
+        r["optimizer"].update(master_weights="none", state_dtype="bfloat16")
+        r["train"]["grad_accumulation_steps"] = 2  # one micro-batch per rank: bf16 gradients
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("dp", ep=1, zero=0), tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "dp")
+    for step in (1, 2, 3):  # bf16 compute: the same math, rounded at other places
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=2e-3), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=2e-2), step
+    proc = run_ranks(recipe("zero", ep=1, zero=1), tmp_path, 2, check=False)
+    assert proc.returncode != 0
+    assert "optimizer.master_weights: none, state_dtype: bfloat16: only for bf16 weights trained " \
+           "in full without ZeRO" in proc.stderr, proc.stderr[-4000:]
+
+
 def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
     from test_train_families import SIZES
     from automoe.demo import build_checkpoint

@@ -437,11 +437,53 @@ void AdamW::publish(std::vector<at::Tensor>& params) {
   for (const auto& w : works) parallel::wait(w, "weights all-gather (ZeRO)");
 }
 
+namespace {
+
+// The sum of squares of a bf16 tensor on the CPU: fixed chunks widened into a float32 buffer and
+// summed there, the chunks' sums added in double in order (at::_foreach_norm asked for a float32
+// result copies the whole tensor to float32 first: 1.6 GB for one Qwen3-30B-A3B expert tensor).
+double bf16_sum_squares(const at::Tensor& t) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t n = t.numel(), chunks = (n + kChunk - 1) / kChunk;
+  const auto* data = static_cast<const uint16_t*>(t.const_data_ptr());
+  std::vector<double> part(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t b, int64_t e) {
+    std::vector<float> buf(kChunk);
+    for (int64_t c = b; c < e; ++c) {
+      const int64_t len = std::min(kChunk, n - c * kChunk);
+      ops::cpu::vec::load(data + c * kChunk, at::kBFloat16, buf.data(), len);
+      part[c] = ops::cpu::vec::sum_sq(buf.data(), len);
+    }
+  });
+  double total = 0;
+  for (double x : part) total += x;
+  return total;
+}
+
+}  // namespace
+
 double AdamW::grad_norm(const parallel::World& world) const {
-  // (bf16 gradients: each tensor's norm accumulated and returned in float32)
+  // Each tensor's sum of squares accumulated in float32 (bf16 gradients too), the tensors' in
+  // double.
   auto sq = [](const std::vector<at::Tensor>& v) -> at::Tensor {
-    if (v.empty()) return {};
-    return at::stack(at::_foreach_norm(v, 2, at::kFloat)).to(at::kDouble).pow(2).sum();
+    std::vector<at::Tensor> rest;
+    double cpu_bf16 = 0;
+    bool any_bf16 = false;
+    for (const at::Tensor& t : v) {
+      if (t.device().is_cpu() && t.scalar_type() == at::kBFloat16) {
+        cpu_bf16 += bf16_sum_squares(t.contiguous());
+        any_bf16 = true;
+      } else {
+        rest.push_back(t);
+      }
+    }
+    at::Tensor out;
+    if (!rest.empty()) out = at::stack(at::_foreach_norm(rest, 2, at::kFloat)).to(at::kDouble).pow(2).sum();
+    if (any_bf16) {
+      const at::Tensor c = at::scalar_tensor(cpu_bf16, at::kDouble);
+      out = out.defined() ? out + c : c;
+    }
+    return out;
   };
   if (sharded()) {  // each element lies in exactly one rank's slice: one sum over the world
     std::vector<at::Tensor> parts;

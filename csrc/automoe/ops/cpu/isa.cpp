@@ -85,6 +85,7 @@ std::map<std::string, std::string> kernel_paths() {
       {"elementwise", vec::path_name()}};
   out["lm_head_bf16"] = native_bf16 ? "aten" : out["gemm_bf16"];  // fused cross-entropy GEMMs
   out["gemm_measured"] = gemm_choices();
+  out["gemm_decisions"] = gemm_decisions();  // (what AUTOMOE_CPU_GEMM_DECISIONS pins)
   return out;
 }
 

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -642,12 +643,32 @@ Probe& aten_fp32_probe() {
   return p;
 }
 
+// AUTOMOE_CPU_GEMM_DECISIONS (what gemm_decisions() printed in an earlier run): adopted instead
+// of measuring, once, before the first probe. A value that cannot apply is an error naming it.
+void adopt_pinned_decisions() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    const char* env = std::getenv("AUTOMOE_CPU_GEMM_DECISIONS");
+    if (env == nullptr || *env == '\0') return;
+    const std::string v = env, isa = isa_name(active_isa());
+    AUTOMOE_CHECK(v.rfind(isa + ":", 0) == 0, "AUTOMOE_CPU_GEMM_DECISIONS=", v,
+                  ": the kernels run at ", isa, " here, so choices recorded at another level "
+                  "cannot apply (pin the level too with AUTOMOE_CPU_ISA, or take this machine's "
+                  "cpu_kernels.gemm_decisions from `automoe bench`)");
+    AUTOMOE_CHECK(adopt_gemm_decisions(v, "AUTOMOE_CPU_GEMM_DECISIONS"),
+                  "AUTOMOE_CPU_GEMM_DECISIONS=", v, ": expected ", isa,
+                  ":B:F (B: brgemm for bf16, F: ATen for float32; each 1, 0 or -), as "
+                  "`automoe bench` prints it in cpu_kernels.gemm_decisions");
+  });
+}
+
 // One thread: a [192 x 512] x [512 x 256] bf16 problem shaped as the experts' forward (B
 // transposed), brgemm against the AVX-512 micro-kernel.
 bool brgemm_measured_faster() {
 #if !defined(__x86_64__)
   return false;
 #else
+  adopt_pinned_decisions();
   Probe& pr = brgemm_probe();
   const int level = static_cast<int>(active_isa());
   std::lock_guard<std::mutex> lock(pr.mu);
@@ -686,6 +707,7 @@ bool brgemm_measured_faster() {
 bool aten_faster_fp32() {
   const Isa isa = active_isa();
   if (isa < Isa::kAvx2) return true;  // the generic loop never beats a BLAS
+  adopt_pinned_decisions();
   Probe& pr = aten_fp32_probe();
   const int level = static_cast<int>(isa);
   std::lock_guard<std::mutex> lock(pr.mu);

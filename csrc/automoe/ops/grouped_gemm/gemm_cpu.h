@@ -63,7 +63,9 @@ std::string gemm_choices();
 // measurement near the margin could pick the other path, whose sums round differently).
 // Choices recorded at another level are ignored; adopting returns whether they applied. The ranks
 // of a distributed CPU run adopt rank 0's, so that every rank computes the same way. `source`
-// says where they came from in gemm_choices().
+// says where they came from in gemm_choices(). AUTOMOE_CPU_GEMM_DECISIONS=<gemm_decisions()>
+// pins them for a process (adopted instead of measured: fresh runs that compute alike, at full
+// speed); a value for another level, or malformed, is an error naming the variable.
 std::string gemm_decisions();
 bool adopt_gemm_decisions(const std::string& decisions,
                           const std::string& source = "the resumed run");
