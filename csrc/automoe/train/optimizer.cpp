@@ -478,7 +478,14 @@ double AdamW::grad_norm(const parallel::World& world) const {
       }
     }
     at::Tensor out;
-    if (!rest.empty()) out = at::stack(at::_foreach_norm(rest, 2, at::kFloat)).to(at::kDouble).pow(2).sum();
+    if (!rest.empty()) {
+      bool all_float = true;
+      for (const at::Tensor& t : rest) all_float = all_float && t.scalar_type() == at::kFloat;
+      // (a float32 result asked of bf16 tensors on a GPU: a float32 copy of one tensor at a time)
+      const std::vector<at::Tensor> norms =
+          all_float ? at::_foreach_norm(rest, 2) : at::_foreach_norm(rest, 2, at::kFloat);
+      out = at::stack(norms).to(at::kDouble).pow(2).sum();
+    }
     if (any_bf16) {
       const at::Tensor c = at::scalar_tensor(cpu_bf16, at::kDouble);
       out = out.defined() ? out + c : c;
