@@ -55,8 +55,8 @@ void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed
 
 void AdamW::split_master(const at::Tensor& f32, at::Tensor& bf16, at::Tensor& rem) {
   at::NoGradGuard no_grad;
-  // The same bits as ops/cpu/vec.h's split_remainder: the upper half rounded half away from zero
-  // (+0x8000, then the upper 16 bits), the lower half as it is.
+  // The same bits as the adamw row kernel's split (ops/cpu/vec.cpp): the upper half rounded half
+  // away from zero (+0x8000, then the upper 16 bits), the lower half as it is.
   const at::Tensor bits = f32.contiguous().view(at::kInt);
   bf16 = at::bitwise_right_shift(bits + 0x8000, 16).to(at::kShort).view(at::kBFloat16);
   rem = at::bitwise_and(bits, 0xFFFF).to(at::kShort);
@@ -394,7 +394,6 @@ void AdamW::update_mixed(const OptimizerSection& o, double lr) {
     }
     // Other devices: the same update through float32 copies of one tensor at a time.
     at::Tensor w = master_f32(i);
-    if (masters != Masters::kFloat32) w = w.contiguous();
     at::Tensor g32 = g.to(at::kFloat);
     if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
     at::Tensor m = exp_avg[i].to(at::kFloat), v = exp_avg_sq[i].to(at::kFloat);

@@ -515,7 +515,4 @@ AUTOMOE_BODY void adamw_body(const AdamwRow& r, int64_t b, int64_t n) {
 
 AUTOMOE_ROW_FN(void, adamw, (const AdamwRow& r, int64_t begin, int64_t n), (r, begin, n))
 
-float join_remainder(uint16_t bf16, int16_t rem) { return join_bits(bf16, rem); }
-void split_remainder(float master, uint16_t* bf16, int16_t* rem) { split_bits(master, bf16, rem); }
-
 }  // namespace automoe::ops::cpu::vec

@@ -71,8 +71,4 @@ struct AdamwRow {
 };
 void adamw(const AdamwRow& r, int64_t begin, int64_t n);
 
-// The float32 master of a bf16 weight and its remainder (see AdamwRow), and the split back.
-float join_remainder(uint16_t bf16, int16_t rem);
-void split_remainder(float master, uint16_t* bf16, int16_t* rem);
-
 }  // namespace automoe::ops::cpu::vec
