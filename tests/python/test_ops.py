@@ -386,6 +386,50 @@ def test_router_ties_go_to_the_lower_expert_index(device):
     assert torch.allclose(w.cpu(), torch.full((3, 3), 1 / 3))
 
 
+CPU_PATHS = ["cpu"] + [v for v in CPU_VARIANTS if "+" not in v]
+
+
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("E,K,pattern", [
+    (128, 8, "random"), (128, 1, "random"), (40, 8, "random"), (64, 16, "random"),
+    (1024, 8, "random"), (128, 8, "few_values"), (256, 8, "all_equal"), (128, 8, "some_inf"),
+])
+def test_router_top_k_is_a_stable_descending_sort_of_its_scores(path, E, K, pattern):
+    # Every selection path of the CPU router (the vectorised candidates-and-ranks one for k <= 8,
+    # the rounds for larger k or many equal values, the sort for rows with -inf) picks the k best
+    # of its own scores, equal scores by lower expert index: a stable descending sort.
+    g = torch.Generator().manual_seed(E + K)
+    logits = torch.randn(67, E, generator=g) * 3
+    if pattern == "few_values":  # many exact ties around the k-th score
+        logits = torch.randint(0, 3, (67, E), generator=g).float()
+    elif pattern == "all_equal":
+        logits = torch.full((67, E), 0.5)
+    elif pattern == "some_inf":  # rows where most experts are impossible (-inf logits)
+        logits[::3, 5:] = float("-inf")
+        logits[1::3, : E - 3] = float("-inf")
+    isa = path.partition(":")[2]
+    OPS._set_cpu_paths(isa, "")
+    try:
+        for func in ("softmax", "sigmoid"):
+            w, idx, scores = OPS.router(logits, K, func)
+            order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+            assert torch.equal(idx, order), f"{func}: selection differs from a stable sort"
+            picked = scores.gather(1, idx)
+            assert torch.allclose(w, picked / picked.sum(-1, keepdim=True))
+    finally:
+        OPS._set_cpu_paths("", "")
+
+
+def test_router_row_with_nan_does_not_disturb_the_others():
+    logits = torch.randn(16, 128)
+    logits[3, 7] = float("nan")
+    w, idx, _ = OPS.router(logits, 8)
+    w_ref, idx_ref, _ = OPS.router(torch.cat([logits[:3], logits[4:]]), 8)
+    assert torch.equal(torch.cat([idx[:3], idx[4:]]), idx_ref)
+    assert torch.equal(torch.cat([w[:3], w[4:]]), w_ref)
+    assert ((idx[3] >= 0) & (idx[3] < 128)).all()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_group_limited_routing_picks_from_the_best_groups_only(device):
     # 4 groups of 2; group scores (top-2 sums) rank groups 2 and 0 first.

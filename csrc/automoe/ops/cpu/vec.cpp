@@ -90,28 +90,49 @@ __attribute__((target("avx2,fma"))) inline __m256 sigmoid8(__m256 x) {
   return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))));
 }
 
-__attribute__((target("avx2,fma"))) int64_t silu_mul_avx2(const float* g, const float* u,
-                                                           float* out, int64_t n) {
+#define AUTOMOE_TARGET_AVX2_FN __attribute__((target("avx2,fma"))) inline
+
+// 8 floats from / to a float32 or bf16 row. bf16 rounds to nearest even, NaN -> 0x7FC0
+// (c10::BFloat16's rule).
+AUTOMOE_TARGET_AVX2_FN __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+AUTOMOE_TARGET_AVX2_FN __m256 ld8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+AUTOMOE_TARGET_AVX2_FN void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+AUTOMOE_TARGET_AVX2_FN void st8(uint16_t* p, __m256 f) {
+  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
+  // pack 8 x u32 (each < 65536) into 8 x u16
+  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+}
+
+// SwiGLU rows in one pass (T: float or uint16_t bf16 bits); return how many elements they did.
+template <typename T>
+__attribute__((target("avx2,fma"))) int64_t swiglu_avx2(const T* g, const T* u, T* y, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    _mm256_storeu_ps(out + i,
-                     _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid8(gv)), _mm256_loadu_ps(u + i)));
+    const __m256 gv = ld8(g + i);
+    st8(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid8(gv)), ld8(u + i)));
   }
   return i;
 }
 
-__attribute__((target("avx2,fma"))) int64_t silu_mul_bwd_avx2(const float* g, const float* u,
-                                                               const float* dy, float* dg,
-                                                               float* du, int64_t n) {
+template <typename T>
+__attribute__((target("avx2,fma"))) int64_t swiglu_bwd_avx2(const T* g, const T* u, const T* dy,
+                                                             T* dg, T* du, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
-    const __m256 dv = _mm256_loadu_ps(dy + i), s = sigmoid8(gv);
+    const __m256 gv = ld8(g + i), uv = ld8(u + i), dv = ld8(dy + i), s = sigmoid8(gv);
     const __m256 ds = _mm256_fmadd_ps(gv, _mm256_sub_ps(one, s), one);  // 1 + g (1 - s)
-    _mm256_storeu_ps(dg + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(dv, uv), s), ds));
-    _mm256_storeu_ps(du + i, _mm256_mul_ps(_mm256_mul_ps(dv, gv), s));
+    st8(dg + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(dv, uv), s), ds));
+    st8(du + i, _mm256_mul_ps(_mm256_mul_ps(dv, gv), s));
   }
   return i;
 }
@@ -119,35 +140,184 @@ __attribute__((target("avx2,fma"))) int64_t silu_mul_bwd_avx2(const float* g, co
 __attribute__((target("avx2,fma"))) int64_t load_bf16_avx2(const uint16_t* s, float* dst,
                                                             int64_t n) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
-    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
-  }
+  for (; i + 8 <= n; i += 8) st8(dst + i, ld8(s + i));
   return i;
 }
 
-// Round to nearest even, NaN -> 0x7FC0 (c10::BFloat16's rule), 8 floats at a time.
 __attribute__((target("avx2,fma"))) int64_t store_bf16_avx2(const float* src, uint16_t* d,
                                                              int64_t n) {
-  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-  const __m256i qnan = _mm256_set1_epi32(0x7FC0);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 f = _mm256_loadu_ps(src + i);
-    const __m256i u = _mm256_castps_si256(f);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
-    const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, qnan, is_nan);
-    // pack 8 x u32 (each < 65536) into 8 x u16
-    const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(d + i), _mm_packus_epi32(lo, hi));
-  }
+  for (; i + 8 <= n; i += 8) st8(d + i, ld8(src + i));
   return i;
 }
 
-// 16-lane AVX-512 versions of the above (same constants and rounding rules).
+// The router's rows (float32): softmax over the vector part with a scalar tail; false (nothing
+// written) when the row holds a NaN or its maximum is infinite.
+__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4E));
+  v = _mm256_max_ps(v, _mm256_permute_ps(v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+// Maximum of x[0, n), n a multiple of 8, in four independent chains (max's latency would bound
+// one chain).
+__attribute__((target("avx2,fma"))) inline float max8(const float* x, int64_t n) {
+  const __m256 lo = _mm256_set1_ps(-INFINITY);
+  __m256 m0 = lo, m1 = lo, m2 = lo, m3 = lo;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+    m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+    m2 = _mm256_max_ps(m2, _mm256_loadu_ps(x + i + 16));
+    m3 = _mm256_max_ps(m3, _mm256_loadu_ps(x + i + 24));
+  }
+  for (; i < n; i += 8) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+  return hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+}
+
+__attribute__((target("avx2,fma"))) inline bool has_nan8(const float* x, int64_t n) {
+  __m256 nan = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  return _mm256_movemask_ps(nan) != 0;
+}
+
+// Softmax of a row of a multiple of 8 (as softmax_rows_body); false, nothing written, when the row
+// holds a NaN or its maximum is infinite.
+__attribute__((target("avx2,fma"))) bool softmax_avx2(const float* x, float* y, int64_t n) {
+  if (has_nan8(x, n)) return false;
+  const float m = max8(x, n);
+  if (!std::isfinite(m)) return false;
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    const __m256 e1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), mv));
+    _mm256_storeu_ps(y + i, e0);
+    _mm256_storeu_ps(y + i + 8, e1);
+    s0 = _mm256_add_ps(s0, e0);
+    s1 = _mm256_add_ps(s1, e1);
+  }
+  for (; i < n; i += 8) {
+    const __m256 e0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+    _mm256_storeu_ps(y + i, e0);
+    s0 = _mm256_add_ps(s0, e0);
+  }
+  __m256 sv = _mm256_add_ps(s0, s1);
+  sv = _mm256_add_ps(sv, _mm256_permute2f128_ps(sv, sv, 1));
+  sv = _mm256_add_ps(sv, _mm256_permute_ps(sv, 0x4E));
+  sv = _mm256_add_ps(sv, _mm256_permute_ps(sv, 0xB1));
+  const __m256 inv = _mm256_set1_ps(1.f / _mm256_cvtss_f32(sv));
+  for (i = 0; i < n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(y + i), inv));
+  return true;
+}
+
+// The positions of the set bits of each 8-bit mask, in order (padded with 0): a compaction
+// table for AVX2, which has no compress instruction.
+struct CompressTable {
+  uint8_t pos[256][8];
+  constexpr CompressTable() : pos() {
+    for (int m = 0; m < 256; ++m) {
+      int c = 0;
+      for (int b = 0; b < 8; ++b) {
+        if (m & (1 << b)) pos[m][c++] = static_cast<uint8_t>(b);
+      }
+    }
+  }
+};
+constexpr CompressTable kCompress;
+
+// For k <= 8 and rows up to 512: the smallest of the 8 lane-wise maxima is a lower bound of the
+// k-th largest (those maxima are 8 distinct elements), so only the elements at or above it can be
+// among the k. They are few; they are compacted (in index order) without branches, and each
+// one's rank — how many candidates are larger, or equal with a lower index — computed with
+// vector compares: the candidate of rank r is the r-th of the top k. Otherwise (or when more than
+// 64 candidates pass, with many equal values): k rounds of (maximum, its first index).
+__attribute__((target("avx2,fma"))) bool topk_avx2(const float* x, int64_t n, int64_t k, float* w,
+                                                    int64_t* idx) {
+  if (has_nan8(x, n)) return false;
+  if (k <= 8 && n <= 512) {
+    __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+      m1 = _mm256_max_ps(m1, _mm256_loadu_ps(x + i + 8));
+    }
+    if (i < n) m0 = _mm256_max_ps(m0, _mm256_loadu_ps(x + i));
+    __m256 lo = _mm256_max_ps(m0, m1);  // lane maxima; their minimum in every lane:
+    lo = _mm256_min_ps(lo, _mm256_permute2f128_ps(lo, lo, 1));
+    lo = _mm256_min_ps(lo, _mm256_permute_ps(lo, 0x4E));
+    lo = _mm256_min_ps(lo, _mm256_permute_ps(lo, 0xB1));
+    alignas(32) int32_t ci[512];
+    float* cv = w;  // candidates' values (scratch: n floats)
+    const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t c = 0;  // c <= i, so each 8-wide store stays inside the n entries
+    for (i = 0; i < n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ));
+      const __m256i perm = _mm256_cvtepu8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompress.pos[mask])));
+      _mm256_storeu_ps(cv + c, _mm256_permutevar8x32_ps(v, perm));
+      _mm256_storeu_si256(
+          reinterpret_cast<__m256i*>(ci + c),
+          _mm256_add_epi32(_mm256_permutevar8x32_epi32(iota, perm),
+                           _mm256_set1_epi32(static_cast<int32_t>(i))));
+      c += __builtin_popcount(static_cast<unsigned>(mask));
+    }
+    if (c <= 64) {
+      const int64_t padded = (c + 7) / 8 * 8;  // <= n
+      for (int64_t p = c; p < padded; ++p) {   // padding: never larger, never an earlier index
+        cv[p] = -INFINITY;
+        ci[p] = INT32_MAX;
+      }
+      float rv[64];
+      int32_t ri[64];
+      for (int64_t a = 0; a < c; ++a) {
+        const __m256 va = _mm256_set1_ps(cv[a]);
+        const __m256i ia = _mm256_set1_epi32(ci[a]);
+        int rank = 0;
+        for (int64_t b = 0; b < padded; b += 8) {
+          const __m256 vb = _mm256_loadu_ps(cv + b);
+          const __m256i ib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + b));
+          const __m256 before = _mm256_or_ps(
+              _mm256_cmp_ps(vb, va, _CMP_GT_OQ),
+              _mm256_and_ps(_mm256_cmp_ps(vb, va, _CMP_EQ_OQ),
+                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(ia, ib))));
+          rank += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(before)));
+        }
+        rv[rank] = cv[a];  // ranks are distinct: 0 .. c-1
+        ri[rank] = ci[a];
+      }
+      for (int64_t r = 0; r < k; ++r) {
+        if (rv[r] == -INFINITY) return false;
+        idx[r] = ri[r];
+      }
+      return true;
+    }
+  }
+  std::memcpy(w, x, n * sizeof(float));
+  for (int64_t r = 0; r < k; ++r) {
+    const float m = max8(w, n);
+    if (m == -INFINITY) return false;
+    const __m256 mv = _mm256_set1_ps(m);
+    int64_t at = 0;
+    for (;; at += 8) {  // the maximum is in w: the scan stops at its first occurrence
+      const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(w + at), mv, _CMP_EQ_OQ));
+      if (mask) {
+        at += __builtin_ctz(static_cast<unsigned>(mask));
+        break;
+      }
+    }
+    idx[r] = at;
+    w[at] = -INFINITY;
+  }
+  return true;
+}
+
 AUTOMOE_TARGET_AVX512 inline __m512 exp16(__m512 x) {
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
   const __m512 fx = _mm512_roundscale_ps(
@@ -172,52 +342,55 @@ AUTOMOE_TARGET_AVX512 inline __m512 sigmoid16(__m512 x) {
   return _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
-AUTOMOE_TARGET_AVX512 int64_t silu_mul_avx512(const float* g, const float* u, float* out,
-                                              int64_t n) {
+AUTOMOE_TARGET_AVX512 inline __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+AUTOMOE_TARGET_AVX512 inline __m512 ld16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+AUTOMOE_TARGET_AVX512 inline void st16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+AUTOMOE_TARGET_AVX512 inline void st16(uint16_t* p, __m512 f) {
+  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r,
+                              _mm512_set1_epi32(0x7FC0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+template <typename T>
+AUTOMOE_TARGET_AVX512 int64_t swiglu_avx512(const T* g, const T* u, T* y, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i);
-    _mm512_storeu_ps(out + i,
-                     _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), _mm512_loadu_ps(u + i)));
+    const __m512 gv = ld16(g + i);
+    st16(y + i, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid16(gv)), ld16(u + i)));
   }
   return i;
 }
 
-AUTOMOE_TARGET_AVX512 int64_t silu_mul_bwd_avx512(const float* g, const float* u, const float* dy,
-                                                  float* dg, float* du, int64_t n) {
+template <typename T>
+AUTOMOE_TARGET_AVX512 int64_t swiglu_bwd_avx512(const T* g, const T* u, const T* dy, T* dg, T* du,
+                                                int64_t n) {
   const __m512 one = _mm512_set1_ps(1.0f);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 gv = _mm512_loadu_ps(g + i), uv = _mm512_loadu_ps(u + i);
-    const __m512 dv = _mm512_loadu_ps(dy + i), s = sigmoid16(gv);
+    const __m512 gv = ld16(g + i), uv = ld16(u + i), dv = ld16(dy + i), s = sigmoid16(gv);
     const __m512 ds = _mm512_fmadd_ps(gv, _mm512_sub_ps(one, s), one);  // 1 + g (1 - s)
-    _mm512_storeu_ps(dg + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(dv, uv), s), ds));
-    _mm512_storeu_ps(du + i, _mm512_mul_ps(_mm512_mul_ps(dv, gv), s));
+    st16(dg + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(dv, uv), s), ds));
+    st16(du + i, _mm512_mul_ps(_mm512_mul_ps(dv, gv), s));
   }
   return i;
 }
 
 AUTOMOE_TARGET_AVX512 int64_t load_bf16_avx512(const uint16_t* s, float* dst, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
-    _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-  }
+  for (; i + 16 <= n; i += 16) st16(dst + i, ld16(s + i));
   return i;
 }
 
 AUTOMOE_TARGET_AVX512 int64_t store_bf16_avx512(const float* src, uint16_t* d, int64_t n) {
-  const __m512i bias = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __m512i qnan = _mm512_set1_epi32(0x7FC0);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 f = _mm512_loadu_ps(src + i);
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
-    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, qnan);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(d + i), _mm512_cvtepi32_epi16(r));
-  }
+  for (; i + 16 <= n; i += 16) st16(d + i, ld16(src + i));
   return i;
 }
 #endif
@@ -277,37 +450,6 @@ void store(const float* src, void* dst, c10::ScalarType dtype, int64_t n) {
   }
 }
 
-void silu_mul(const float* g, const float* u, float* out, int64_t n) {
-  int64_t i = 0;
-#if defined(AUTOMOE_VEC_X86)
-  const Isa isa = active_isa();
-  if (isa >= Isa::kAvx512) {
-    i = silu_mul_avx512(g, u, out, n);
-  } else if (isa >= Isa::kAvx2) {
-    i = silu_mul_avx2(g, u, out, n);
-  }
-#endif
-  for (; i < n; ++i) out[i] = g[i] * sigmoid(g[i]) * u[i];
-}
-
-void silu_mul_bwd(const float* g, const float* u, const float* dy, float* dg, float* du,
-                  int64_t n) {
-  int64_t i = 0;
-#if defined(AUTOMOE_VEC_X86)
-  const Isa isa = active_isa();
-  if (isa >= Isa::kAvx512) {
-    i = silu_mul_bwd_avx512(g, u, dy, dg, du, n);
-  } else if (isa >= Isa::kAvx2) {
-    i = silu_mul_bwd_avx2(g, u, dy, dg, du, n);
-  }
-#endif
-  for (; i < n; ++i) {
-    const float s = sigmoid(g[i]);
-    dg[i] = dy[i] * u[i] * s * (1.0f + g[i] * (1.0f - s));
-    du[i] = dy[i] * g[i] * s;
-  }
-}
-
 // Reductions keep kLanes independent partial sums: vectorisable without reassociation flags, and
 // 32 of them make four independent 8-wide (two 16-wide) FMA chains, so a row is not bound by the
 // FMA latency (8 sums made one chain: 8 flops per 4 cycles, which bound unpermute's backward).
@@ -325,20 +467,6 @@ AUTOMOE_BODY float sum_sq_body(const float* x, int64_t n) {
 }
 AUTOMOE_ROW_FN(float, sum_sq, (const float* x, int64_t n), (x, n))
 
-AUTOMOE_BODY float dot3_body(const float* a, const float* b, const float* c, int64_t n) {
-  float acc[kLanes] = {};
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j] * c[i + j];
-  }
-  float s = 0.f;
-  for (; i < n; ++i) s += a[i] * b[i] * c[i];
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
-}
-AUTOMOE_ROW_FN(float, dot3, (const float* a, const float* b, const float* c, int64_t n),
-               (a, b, c, n))
-
 AUTOMOE_BODY float dot_body(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
@@ -351,27 +479,6 @@ AUTOMOE_BODY float dot_body(const float* a, const float* b, int64_t n) {
   return s;
 }
 AUTOMOE_ROW_FN(float, dot, (const float* a, const float* b, int64_t n), (a, b, n))
-
-AUTOMOE_BODY void scale_mul_body(const float* x, float k, const float* w, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] = x[i] * k * w[i];
-}
-AUTOMOE_ROW_FN(void, scale_mul, (const float* x, float k, const float* w, float* y, int64_t n),
-               (x, k, w, y, n))
-
-AUTOMOE_BODY void acc_mul_body(float* acc, const float* a, const float* b, float k, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) acc[i] += a[i] * b[i] * k;
-}
-AUTOMOE_ROW_FN(void, acc_mul, (float* acc, const float* a, const float* b, float k, int64_t n),
-               (acc, a, b, k, n))
-
-AUTOMOE_BODY void rms_dx_body(const float* g, const float* w, const float* x, float k, float m,
-                              float* dx, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dx[i] = k * (g[i] * w[i] - x[i] * k * m);
-}
-AUTOMOE_ROW_FN(void, rms_dx,
-               (const float* g, const float* w, const float* x, float k, float m, float* dx,
-                int64_t n),
-               (g, w, x, k, m, dx, n))
 
 AUTOMOE_BODY void axpy_body(float* acc, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += a * x[i];
@@ -407,23 +514,6 @@ AUTOMOE_BODY void scale_body(const float* x, float a, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = a * x[i];
 }
 AUTOMOE_ROW_FN(void, scale, (const float* x, float a, float* y, int64_t n), (x, a, y, n))
-
-AUTOMOE_BODY void rotate_heads_body(const float* x, const float* c, const float* s, float sign,
-                                    float* y, int64_t heads, int64_t h) {
-  for (int64_t n = 0; n < heads; ++n) {
-    const float* xa = x + n * 2 * h;
-    float* ya = y + n * 2 * h;
-    for (int64_t i = 0; i < h; ++i) {
-      const float sv = sign * s[i];
-      ya[i] = xa[i] * c[i] - xa[i + h] * sv;
-      ya[i + h] = xa[i + h] * c[i] + xa[i] * sv;
-    }
-  }
-}
-AUTOMOE_ROW_FN(void, rotate_heads,
-               (const float* x, const float* c, const float* s, float sign, float* y, int64_t heads,
-                int64_t h),
-               (x, c, s, sign, y, heads, h))
 
 namespace {
 
@@ -514,5 +604,267 @@ AUTOMOE_BODY void adamw_body(const AdamwRow& r, int64_t b, int64_t n) {
 }  // namespace
 
 AUTOMOE_ROW_FN(void, adamw, (const AdamwRow& r, int64_t begin, int64_t n), (r, begin, n))
+
+// ---- one-pass rows in their own dtype -------------------------------------------------------
+
+namespace {
+
+AUTOMOE_BODY float ld(const float* p, int64_t i) { return p[i]; }
+AUTOMOE_BODY float ld(const uint16_t* p, int64_t i) { return bf16_bits_to_float(p[i]); }
+AUTOMOE_BODY void st(float* p, int64_t i, float v) { p[i] = v; }
+AUTOMOE_BODY void st(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
+
+// Calls f with the row pointers cast to float (float32) or uint16_t (bf16 bits).
+#define AUTOMOE_TYPED(dtype, T, ...)                     \
+  if ((dtype) == c10::ScalarType::Float) {               \
+    using T = float;                                     \
+    __VA_ARGS__;                                         \
+  } else {                                               \
+    using T = uint16_t;                                  \
+    __VA_ARGS__;                                         \
+  }
+
+template <typename T>
+AUTOMOE_BODY void swiglu_typed(const T* g, const T* u, T* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = ld(g, i);
+    st(y, i, gv * sigmoid(gv) * ld(u, i));
+  }
+}
+
+template <typename T>
+AUTOMOE_BODY void swiglu_bwd_typed(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float gv = ld(g, i), uv = ld(u, i), dv = ld(dy, i);
+    const float s = sigmoid(gv);
+    st(dg, i, dv * uv * s * (1.0f + gv * (1.0f - s)));
+    st(du, i, dv * gv * s);
+  }
+}
+
+// The sums keep kLanes partial sums (vectorisable without reassociation), as sum_sq does.
+template <typename T>
+AUTOMOE_BODY float rmsnorm_typed(const T* x, const float* w, float eps, T* y, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = ld(x, i + j);
+      acc[j] += v * v;
+    }
+  }
+  float ss = 0.f;
+  for (; i < n; ++i) {
+    const float v = ld(x, i);
+    ss += v * v;
+  }
+  for (int j = 0; j < kLanes; ++j) ss += acc[j];
+  const float k = 1.f / std::sqrt(ss / n + eps);
+  for (i = 0; i < n; ++i) st(y, i, ld(x, i) * k * w[i]);
+  return k;
+}
+
+template <typename T>
+AUTOMOE_BODY void rmsnorm_bwd_typed(const T* g, const T* x, const float* w, float k, float* pw,
+                                    T* dx, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float gv = ld(g, i + j), xv = ld(x, i + j);
+      acc[j] += gv * w[i + j] * xv;
+      pw[i + j] += gv * xv * k;
+    }
+  }
+  float dot = 0.f;
+  for (; i < n; ++i) {
+    const float gv = ld(g, i), xv = ld(x, i);
+    dot += gv * w[i] * xv;
+    pw[i] += gv * xv * k;
+  }
+  for (int j = 0; j < kLanes; ++j) dot += acc[j];
+  const float m = k * dot / n;
+  for (i = 0; i < n; ++i) st(dx, i, k * (ld(g, i) * w[i] - ld(x, i) * k * m));
+}
+
+template <typename T>
+AUTOMOE_BODY void rotate_typed(const T* x, const float* c, const float* s, float sign, T* y,
+                               int64_t heads, int64_t h) {
+  for (int64_t n = 0; n < heads; ++n) {
+    const T* xa = x + n * 2 * h;
+    T* ya = y + n * 2 * h;
+    for (int64_t i = 0; i < h; ++i) {
+      const float sv = sign * s[i], a = ld(xa, i), b = ld(xa, i + h);
+      st(ya, i, a * c[i] - b * sv);
+      st(ya, i + h, b * c[i] + a * sv);
+    }
+  }
+}
+
+// The vector kernels of the active level, then the scalar body for the tail.
+template <typename T>
+void swiglu_dispatch(const T* g, const T* u, T* y, int64_t n) {
+  int64_t i = 0;
+#if defined(AUTOMOE_VEC_X86)
+  const Isa isa = active_isa();
+  if (isa >= Isa::kAvx512) {
+    i = swiglu_avx512(g, u, y, n);
+  } else if (isa >= Isa::kAvx2) {
+    i = swiglu_avx2(g, u, y, n);
+  }
+#endif
+  swiglu_typed(g + i, u + i, y + i, n - i);
+}
+
+template <typename T>
+void swiglu_bwd_dispatch(const T* g, const T* u, const T* dy, T* dg, T* du, int64_t n) {
+  int64_t i = 0;
+#if defined(AUTOMOE_VEC_X86)
+  const Isa isa = active_isa();
+  if (isa >= Isa::kAvx512) {
+    i = swiglu_bwd_avx512(g, u, dy, dg, du, n);
+  } else if (isa >= Isa::kAvx2) {
+    i = swiglu_bwd_avx2(g, u, dy, dg, du, n);
+  }
+#endif
+  swiglu_bwd_typed(g + i, u + i, dy + i, dg + i, du + i, n - i);
+}
+
+AUTOMOE_BODY float rmsnorm_row_body(const void* x, const float* w, float eps, void* y,
+                                    c10::ScalarType dtype, int64_t n) {
+  AUTOMOE_TYPED(dtype, T,
+                return rmsnorm_typed(static_cast<const T*>(x), w, eps, static_cast<T*>(y), n))
+}
+
+AUTOMOE_BODY void rmsnorm_row_bwd_body(const void* g, const void* x, const float* w, float k,
+                                       float* dw_acc, void* dx, c10::ScalarType dtype, int64_t n) {
+  AUTOMOE_TYPED(dtype, T,
+                rmsnorm_bwd_typed(static_cast<const T*>(g), static_cast<const T*>(x), w, k,
+                                  dw_acc, static_cast<T*>(dx), n))
+}
+
+AUTOMOE_BODY void rotate_heads_body(const void* x, const float* c, const float* s,
+                                          float sign, void* y, c10::ScalarType dtype,
+                                          int64_t heads, int64_t h) {
+  AUTOMOE_TYPED(dtype, T,
+                rotate_typed(static_cast<const T*>(x), c, s, sign, static_cast<T*>(y), heads, h))
+}
+
+// Largest of the lanes-wise maxima; `bad` collects NaNs.
+AUTOMOE_BODY float max_of(const float* x, int64_t n, bool* bad) {
+  float mx[kLanes];
+  int nan[kLanes] = {};
+  for (int j = 0; j < kLanes; ++j) mx[j] = -INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float v = x[i + j];
+      mx[j] = v > mx[j] ? v : mx[j];
+      nan[j] |= v != v;
+    }
+  }
+  float m = -INFINITY;
+  int any = 0;
+  for (; i < n; ++i) {
+    m = x[i] > m ? x[i] : m;
+    any |= x[i] != x[i];
+  }
+  for (int j = 0; j < kLanes; ++j) {
+    m = mx[j] > m ? mx[j] : m;
+    any |= nan[j];
+  }
+  *bad = any != 0;
+  return m;
+}
+
+AUTOMOE_BODY void softmax_rows_body(const float* x, float* y, int64_t n) {
+  bool bad = false;
+  const float m = max_of(x, n, &bad);
+  if (bad || !std::isfinite(m)) {  // NaN / infinities propagate as in ATen
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) sum += (y[i] = std::exp(x[i] - m));
+    for (int64_t i = 0; i < n; ++i) y[i] *= 1.f / sum;
+    return;
+  }
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += (y[i + j] = exp_approx(x[i + j] - m));
+  }
+  float sum = 0.f;
+  for (; i < n; ++i) sum += (y[i] = exp_approx(x[i] - m));
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  const float inv = 1.f / sum;
+  for (i = 0; i < n; ++i) y[i] *= inv;
+}
+
+AUTOMOE_BODY void sigmoid_row_body(const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = x[i] != x[i] ? x[i] : sigmoid(x[i]);
+}
+
+// k rounds of (maximum, its first index, taken out): for the small k and n of routers this beats
+// a sort, and the maximum is a vector reduction.
+AUTOMOE_BODY bool topk_body(const float* x, int64_t n, int64_t k, float* w, int64_t* idx) {
+  std::memcpy(w, x, n * sizeof(float));
+  for (int64_t r = 0; r < k; ++r) {
+    bool bad = false;
+    const float m = max_of(w, n, &bad);
+    if (bad || m == -INFINITY) return false;
+    int64_t at = 0;
+    while (w[at] != m) ++at;
+    idx[r] = at;
+    w[at] = -INFINITY;
+  }
+  return true;
+}
+
+}  // namespace
+
+void swiglu_row(const void* g, const void* u, void* y, c10::ScalarType dtype, int64_t n) {
+  AUTOMOE_TYPED(dtype, T,
+                swiglu_dispatch(static_cast<const T*>(g), static_cast<const T*>(u),
+                                static_cast<T*>(y), n))
+}
+void swiglu_row_bwd(const void* g, const void* u, const void* dy, void* dg, void* du,
+                    c10::ScalarType dtype, int64_t n) {
+  AUTOMOE_TYPED(dtype, T,
+                swiglu_bwd_dispatch(static_cast<const T*>(g), static_cast<const T*>(u),
+                                    static_cast<const T*>(dy), static_cast<T*>(dg),
+                                    static_cast<T*>(du), n))
+}
+AUTOMOE_ROW_FN(float, rmsnorm_row,
+               (const void* x, const float* w, float eps, void* y, c10::ScalarType dtype,
+                int64_t n),
+               (x, w, eps, y, dtype, n))
+AUTOMOE_ROW_FN(void, rmsnorm_row_bwd,
+               (const void* g, const void* x, const float* w, float k, float* dw_acc, void* dx,
+                c10::ScalarType dtype, int64_t n),
+               (g, x, w, k, dw_acc, dx, dtype, n))
+AUTOMOE_ROW_FN(void, rotate_heads,
+               (const void* x, const float* c, const float* s, float sign, void* y,
+                c10::ScalarType dtype, int64_t heads, int64_t h),
+               (x, c, s, sign, y, dtype, heads, h))
+namespace {
+AUTOMOE_ROW_FN(void, softmax_rows, (const float* x, float* y, int64_t n), (x, y, n))
+}  // namespace
+AUTOMOE_ROW_FN(void, sigmoid_row, (const float* x, float* y, int64_t n), (x, y, n))
+
+// Rows of a multiple of 8 take the AVX2 kernels at AVX2 and above (router rows are short: wider
+// vectors would not pay); others the vectorised bodies.
+void softmax(const float* x, float* y, int64_t n) {
+#if defined(AUTOMOE_VEC_X86)
+  if (n % 8 == 0 && active_isa() >= Isa::kAvx2 && softmax_avx2(x, y, n)) return;
+#endif
+  softmax_rows(x, y, n);
+}
+
+bool topk(const float* x, int64_t n, int64_t k, float* scratch, int64_t* idx) {
+#if defined(AUTOMOE_VEC_X86)
+  if (n % 8 == 0 && active_isa() >= Isa::kAvx2) return topk_avx2(x, n, k, scratch, idx);
+#endif
+  return topk_body(x, n, k, scratch, idx);
+}
+
+#undef AUTOMOE_TYPED
 
 }  // namespace automoe::ops::cpu::vec

@@ -2,8 +2,9 @@
 // (x86-64 with AVX-512, with AVX2+FMA, and the baseline) and picked at each call from the active
 // instruction-set level (ops/cpu/isa.h), so the loops use what the CPU has without requiring it.
 // exp is a Cephes-style polynomial (relative error ~2e-7), which keeps the loops free of library
-// calls. The kernels widen bf16 rows into float buffers with load(), compute here, and round back
-// once with store() (round to nearest even, as c10::BFloat16).
+// calls. bf16 rows are read and written in their own dtype by the one-pass primitives below (or
+// widened into float buffers with load() and rounded back once with store()); rounding is to
+// nearest even, as c10::BFloat16.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -18,21 +19,7 @@ const char* path_name();
 void load(const void* src, c10::ScalarType dtype, float* dst, int64_t n);
 void store(const float* src, void* dst, c10::ScalarType dtype, int64_t n);
 
-// out = silu(g) * u
-void silu_mul(const float* g, const float* u, float* out, int64_t n);
-// dg = dy * u * s * (1 + g (1 - s)), du = dy * g * s, s = sigmoid(g)
-void silu_mul_bwd(const float* g, const float* u, const float* dy, float* dg, float* du, int64_t n);
-
 float sum_sq(const float* x, int64_t n);
-// sum a * b * c
-float dot3(const float* a, const float* b, const float* c, int64_t n);
-// y = x * k * w
-void scale_mul(const float* x, float k, const float* w, float* y, int64_t n);
-// acc += a * b * k
-void acc_mul(float* acc, const float* a, const float* b, float k, int64_t n);
-// dx = k * (g * w - x * k * m)
-void rms_dx(const float* g, const float* w, const float* x, float k, float m, float* dx, int64_t n);
-
 // acc += a * x
 void axpy(float* acc, float a, const float* x, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
@@ -42,10 +29,36 @@ float dot_bf16(const float* a, const uint16_t* b, int64_t n);
 // y = a * x
 void scale(const float* x, float a, float* y, int64_t n);
 
+// One pass over rows held in their own dtype (float32 or bf16), no float32 buffers: each element
+// is read once, computed in float32 and, for bf16, rounded once to nearest even.
+//
+// SwiGLU of one row: y = silu(g) * u.
+void swiglu_row(const void* g, const void* u, void* y, c10::ScalarType dtype, int64_t n);
+// Its backward: dg = dy * u * s * (1 + g (1 - s)), du = dy * g * s, s = sigmoid(g).
+void swiglu_row_bwd(const void* g, const void* u, const void* dy, void* dg, void* du,
+                    c10::ScalarType dtype, int64_t n);
+// RMSNorm of one row: returns k = 1 / sqrt(mean(x^2) + eps) and writes y = x * k * w.
+float rmsnorm_row(const void* x, const float* w, float eps, void* y, c10::ScalarType dtype,
+                  int64_t n);
+// Its backward for a row with inverse RMS k: dw_acc += g * x * k, and
+// dx = k * (g * w - x * k * m), m = k * sum(g * w * x) / n.
+void rmsnorm_row_bwd(const void* g, const void* x, const float* w, float k, float* dw_acc,
+                     void* dx, c10::ScalarType dtype, int64_t n);
 // Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
 // row by the angles (c[i], sign * s[i]).
-void rotate_heads(const float* x, const float* c, const float* s, float sign, float* y,
-                  int64_t heads, int64_t h);
+void rotate_heads(const void* x, const float* c, const float* s, float sign, void* y,
+                  c10::ScalarType dtype, int64_t heads, int64_t h);
+
+// Router rows (float32). y = softmax(x) (max-subtracted, exp as above); a row whose maximum is
+// not finite or that holds a NaN is computed with std::exp instead, so NaN and infinities come
+// out as ATen's softmax gives them.
+void softmax(const float* x, float* y, int64_t n);
+// y = 1 / (1 + exp(-x))
+void sigmoid_row(const float* x, float* y, int64_t n);
+// The k largest of x[0, n), largest first, equal values by lower index first, into idx (scratch:
+// n floats). Returns false, with idx unspecified, when x holds a NaN or one of the k is -inf (the
+// caller sorts such a row itself).
+bool topk(const float* x, int64_t n, int64_t k, float* scratch, int64_t* idx);
 
 // One AdamW step (decoupled weight decay; ATen's fused AdamW formula in float32 math) over
 // elements [begin, begin + n) of one tensor. The weight is float32, or bf16 — with `rem` the lower

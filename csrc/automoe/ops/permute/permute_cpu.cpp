@@ -1,11 +1,13 @@
 // CPU permute / unpermute. The plan is a histogram + exclusive prefix sum + one stable pass (no
-// sort); the gathers run parallel over rows; every reduction is per output row in slot order, so
+// sort), each over chunks of tokens in parallel; the gathers run parallel over rows; every reduction is per output row in slot order, so
 // results are deterministic and need no atomics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
@@ -24,20 +26,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& id
   int64_t* pos = slot_pos.data_ptr<int64_t>();
   int64_t* src = src_token.data_ptr<int64_t>();
   const int64_t K = idx_TK.dim() == 2 ? idx_TK.size(1) : 1;
-  for (int64_t i = 0; i < TK; ++i) {
-    if (idx[i] >= 0 && idx[i] < num_experts) ++off[idx[i] + 1];
-  }
-  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
-  std::vector<int64_t> cursor(off, off + num_experts);
-  for (int64_t i = 0; i < TK; ++i) {
-    const int64_t e = idx[i];
-    if (e < 0 || e >= num_experts) {
-      pos[i] = -1;
-      continue;
+  const int64_t E = num_experts;
+  // Chunks of whole tokens, each with its own histogram; a chunk's cursor for expert e starts
+  // after e's rows of all earlier chunks, so the result is the sequential one (slot order within
+  // an expert) whatever the chunking and the thread count.
+  const int64_t chunk = std::max<int64_t>(1, K * std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)));
+  const int64_t chunks = std::max<int64_t>(1, (TK + chunk - 1) / chunk);
+  std::vector<int64_t> cursor(chunks * E, 0);
+  // (Locals in the loops: captured references could alias the int64 outputs, forcing reloads.)
+  at::parallel_for(0, chunks, 1, [&, idx](int64_t begin, int64_t end) {
+    const int64_t n_exp = E, total = TK, step = chunk;
+    for (int64_t c = begin; c < end; ++c) {
+      int64_t* cnt = cursor.data() + c * n_exp;
+      for (int64_t i = c * step; i < std::min(total, (c + 1) * step); ++i) {
+        const int64_t e = idx[i];
+        if (e >= 0 && e < n_exp) ++cnt[e];
+      }
     }
-    pos[i] = cursor[e]++;
-    src[pos[i]] = i / K;
+  });
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t run = off[e];
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t n = cursor[c * E + e];
+      cursor[c * E + e] = run;
+      run += n;
+    }
+    off[e + 1] = run;
   }
+  at::parallel_for(0, chunks, 1, [&, idx, pos, src](int64_t begin, int64_t end) {
+    const int64_t n_exp = E, total = TK, step = chunk, k_slots = K;
+    for (int64_t c = begin; c < end; ++c) {
+      int64_t* cur = cursor.data() + c * n_exp;
+      const int64_t last = std::min(total, (c + 1) * step);
+      for (int64_t i = c * step, t = i / std::max<int64_t>(k_slots, 1); i < last; ++t) {
+        for (int64_t k = 0; k < k_slots; ++k, ++i) {  // (token, slot): no division per slot
+          const int64_t e = idx[i];
+          if (e < 0 || e >= n_exp) {
+            pos[i] = -1;
+            continue;
+          }
+          const int64_t r = cur[e]++;
+          pos[i] = r;
+          src[r] = t;
+        }
+      }
+    }
+  });
   std::fill(src + off[num_experts], src + TK, int64_t{-1});
   return {offsets, slot_pos, src_token};
 }

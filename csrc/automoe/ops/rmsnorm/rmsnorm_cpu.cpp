@@ -27,13 +27,9 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_fwd(const at::Tensor& x_RC, const at::
     float* inv = inv_rms.data_ptr<float>();
     const int64_t es = x_RC.element_size();
     at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> xr(C), yr(C);
       for (int64_t r = begin; r < end; ++r) {
-        vec::load(x + r * C * es, dtype, xr.data(), C);
-        const float k = 1.f / std::sqrt(vec::sum_sq(xr.data(), C) / C + static_cast<float>(eps));
-        inv[r] = k;
-        vec::scale_mul(xr.data(), k, wf.data(), yr.data(), C);
-        vec::store(yr.data(), o + r * C * es, dtype, C);
+        inv[r] = vec::rmsnorm_row(x + r * C * es, wf.data(), static_cast<float>(eps),
+                                  o + r * C * es, dtype, C);
       }
     });
     return {y, inv_rms};
@@ -77,17 +73,11 @@ std::pair<at::Tensor, at::Tensor> rmsnorm_bwd(const at::Tensor& grad_RC, const a
     const float* inv = inv_rms_R.const_data_ptr<float>();
     const int64_t es = x_RC.element_size();
     at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> xr(C), gr(C), dr(C);
       for (int64_t ch = begin; ch < end; ++ch) {
         float* pw = partial.data() + ch * C;
         for (int64_t r = ch * chunk; r < std::min(R, (ch + 1) * chunk); ++r) {
-          vec::load(x + r * C * es, dtype, xr.data(), C);
-          vec::load(g + r * C * es, dtype, gr.data(), C);
-          const float k = inv[r];
-          const float m = k * vec::dot3(gr.data(), wf.data(), xr.data(), C) / C;
-          vec::acc_mul(pw, gr.data(), xr.data(), k, C);
-          vec::rms_dx(gr.data(), wf.data(), xr.data(), k, m, dr.data(), C);
-          vec::store(dr.data(), d + r * C * es, dtype, C);
+          vec::rmsnorm_row_bwd(g + r * C * es, x + r * C * es, wf.data(), inv[r], pw,
+                               d + r * C * es, dtype, C);
         }
       }
     });

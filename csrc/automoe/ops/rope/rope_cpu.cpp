@@ -27,13 +27,10 @@ at::Tensor rope_apply(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
     const int64_t es = x_BSND.element_size();
     const float sign = inverse ? -1.f : 1.f;
     at::parallel_for(0, B * S, 16, [&](int64_t begin, int64_t end) {
-      // All N heads of a position at once: three row calls per position, not per head.
-      std::vector<float> xr(N * D), yr(N * D);
+      // All N heads of a position in one call, read and written in their own dtype.
       for (int64_t bs = begin; bs < end; ++bs) {
         const int64_t off = bs * N * D * es;
-        vec::load(x + off, dtype, xr.data(), N * D);
-        vec::rotate_heads(xr.data(), c + bs * h, s + bs * h, sign, yr.data(), N, h);
-        vec::store(yr.data(), o + off, dtype, N * D);
+        vec::rotate_heads(x + off, c + bs * h, s + bs * h, sign, o + off, dtype, N, h);
       }
     });
     return y;

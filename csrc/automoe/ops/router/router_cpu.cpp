@@ -1,5 +1,7 @@
 // CPU router: one token per iteration of a parallel loop; E is small (<= a few hundred), so each
-// token's scores, group ranking and top-k run in registers/L1 with a partial selection.
+// token's scores, group ranking and top-k run in L1: vectorised scores (vec::softmax /
+// sigmoid_row) and a vectorised selection (vec::topk: the few candidates above a bound, ranked by
+// vector compares); a row with a NaN or a -inf among its top k is sorted instead.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -9,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
 namespace automoe::ops::cpu {
@@ -35,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
   float* wt = weights.data_ptr<float>();
   int64_t* ix = idx.data_ptr<int64_t>();
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> sel(E);
+    std::vector<float> sel(E), scratch(E);
     std::vector<int64_t> order(E);
     std::vector<float> group_score(p.n_group);
     std::vector<int64_t> group_order(p.n_group);
@@ -43,16 +46,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
       const float* l = lg + t * E;
       float* s = sc + t * E;
       if (p.sigmoid) {
-        for (int64_t e = 0; e < E; ++e) s[e] = 1.f / (1.f + std::exp(-l[e]));
+        vec::sigmoid_row(l, s, E);
       } else {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t e = 0; e < E; ++e) mx = std::max(mx, l[e]);
-        float sum = 0.f;
-        for (int64_t e = 0; e < E; ++e) sum += (s[e] = std::exp(l[e] - mx));
-        const float inv = 1.f / sum;
-        for (int64_t e = 0; e < E; ++e) s[e] *= inv;
+        vec::softmax(l, s, E);
       }
-      for (int64_t e = 0; e < E; ++e) sel[e] = bias ? s[e] + bias[e] : s[e];
+      if (bias) {
+        for (int64_t e = 0; e < E; ++e) sel[e] = s[e] + bias[e];
+      } else {
+        std::copy_n(s, E, sel.begin());
+      }
       if (p.n_group > 1) {
         // Rank groups by the sum of their two best selection scores; drop all but topk_group.
         for (int64_t g = 0; g < p.n_group; ++g) {
@@ -78,9 +80,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
                       -std::numeric_limits<float>::infinity());
         }
       }
-      for (int64_t e = 0; e < E; ++e) order[e] = e;
-      std::partial_sort(order.begin(), order.begin() + K, order.end(),
-                        [&](int64_t a, int64_t b) { return better(sel[a], a, sel[b], b); });
+      if (!vec::topk(sel.data(), E, K, scratch.data(), order.data())) {  // NaN or -inf: sort
+        for (int64_t e = 0; e < E; ++e) order[e] = e;
+        std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                          [&](int64_t a, int64_t b) { return better(sel[a], a, sel[b], b); });
+      }
       float total = 0.f;
       for (int64_t k = 0; k < K; ++k) total += s[order[k]];
       const float denom = p.norm_topk_prob ? total + (p.sigmoid ? 1e-20f : 0.f) : 1.f;
@@ -109,7 +113,11 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
     std::vector<float> g(E);
     for (int64_t t = begin; t < end; ++t) {
       const float* s = sc + t * E;
-      for (int64_t e = 0; e < E; ++e) g[e] = gs ? gs[t * E + e] : 0.f;
+      if (gs) {
+        std::copy_n(gs + t * E, E, g.begin());
+      } else {
+        std::fill(g.begin(), g.end(), 0.f);
+      }
       const float* dw = gw + t * K;
       const int64_t* id = ix + t * K;
       if (p.norm_topk_prob) {
@@ -125,8 +133,7 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
       if (p.sigmoid) {
         for (int64_t e = 0; e < E; ++e) o[e] = g[e] * s[e] * (1.f - s[e]);
       } else {
-        float dot = 0.f;
-        for (int64_t e = 0; e < E; ++e) dot += g[e] * s[e];
+        const float dot = vec::dot(g.data(), s, E);
         for (int64_t e = 0; e < E; ++e) o[e] = s[e] * (g[e] - dot);
       }
     }

@@ -1,5 +1,5 @@
 // CPU SwiGLU: elementwise over rows, float32 math (float64 for float64), nothing stored between
-// forward and backward but the input.
+// forward and backward but the input. float32 / bf16 rows run in one pass (vec::swiglu_row).
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -35,12 +35,9 @@ at::Tensor swiglu_fwd(const at::Tensor& gate_up, bool gpt_oss, double alpha, dou
     char* o = static_cast<char*>(out.data_ptr());
     const int64_t es = gate_up.element_size();
     at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(I), u(I), y(I);
       for (int64_t r = begin; r < end; ++r) {
-        vec::load(in + r * 2 * I * es, dtype, g.data(), I);
-        vec::load(in + (r * 2 * I + I) * es, dtype, u.data(), I);
-        vec::silu_mul(g.data(), u.data(), y.data(), I);
-        vec::store(y.data(), o + r * I * es, dtype, I);
+        const char* row = in + r * 2 * I * es;
+        vec::swiglu_row(row, row + I * es, o + r * I * es, dtype, I);
       }
     });
     return out;
@@ -83,14 +80,10 @@ at::Tensor swiglu_bwd(const at::Tensor& grad_RI, const at::Tensor& gate_up, bool
     char* gi = static_cast<char*>(grad_in.data_ptr());
     const int64_t es = gate_up.element_size();
     at::parallel_for(0, R, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> g(I), u(I), dy(I), dg(I), du(I);
       for (int64_t r = begin; r < end; ++r) {
-        vec::load(in + r * 2 * I * es, dtype, g.data(), I);
-        vec::load(in + (r * 2 * I + I) * es, dtype, u.data(), I);
-        vec::load(gr + r * I * es, dtype, dy.data(), I);
-        vec::silu_mul_bwd(g.data(), u.data(), dy.data(), dg.data(), du.data(), I);
-        vec::store(dg.data(), gi + r * 2 * I * es, dtype, I);
-        vec::store(du.data(), gi + (r * 2 * I + I) * es, dtype, I);
+        const char* row = in + r * 2 * I * es;
+        char* out = gi + r * 2 * I * es;
+        vec::swiglu_row_bwd(row, row + I * es, gr + r * I * es, out, out + I * es, dtype, I);
       }
     });
     return grad_in;
