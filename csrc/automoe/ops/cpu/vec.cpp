@@ -151,8 +151,8 @@ __attribute__((target("avx2,fma"))) int64_t store_bf16_avx2(const float* src, ui
   return i;
 }
 
-// The router's rows (float32): softmax over the vector part with a scalar tail; false (nothing
-// written) when the row holds a NaN or its maximum is infinite.
+// The router's rows (float32, a multiple of 8 long): maximum, softmax, top-k.
+// The largest of the 8 lanes.
 __attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
   v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
   v = _mm256_max_ps(v, _mm256_permute_ps(v, 0x4E));
