@@ -420,6 +420,31 @@ def test_router_top_k_is_a_stable_descending_sort_of_its_scores(path, E, K, patt
         OPS._set_cpu_paths("", "")
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
+def test_router_never_picks_a_masked_expert_and_keeps_far_scores_apart(path):
+    # exp's fast polynomial clamps its input at -87.3: rows reaching that far below their
+    # maximum (masked -inf experts, a logit 90-100 below the best) must not turn -inf into a
+    # positive score, nor make the far ones tie; the choice then matches the float64 reference.
+    logits = torch.full((4, 16), -1000.0)
+    logits[:, 0] = 0.0
+    logits[:, 3] = -95.0
+    logits[:, 5] = -90.0
+    logits[0, 1] = logits[1, 2] = float("-inf")
+    logits[2, :] = torch.linspace(0, -150, 16)
+    logits[3, 8:] = float("-inf")
+    isa = path.partition(":")[2]
+    OPS._set_cpu_paths(isa, "")
+    try:
+        for func in ("softmax", "sigmoid"):
+            w, idx, scores = OPS.router(logits, 3, func)
+            _, ref_idx, ref_scores = OPS.router_reference(logits.double(), 3, func)
+            assert torch.equal(idx, ref_idx), func
+            assert (scores[logits == float("-inf")] == 0).all(), func
+            assert torch.allclose(scores.double(), ref_scores, rtol=1e-5, atol=1e-37), func
+    finally:
+        OPS._set_cpu_paths("", "")
+
+
 def test_router_row_with_nan_does_not_disturb_the_others():
     logits = torch.randn(16, 128)
     logits[3, 7] = float("nan")

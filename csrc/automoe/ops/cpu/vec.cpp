@@ -41,8 +41,11 @@ namespace {
 using cpu::active_isa;
 using cpu::Isa;
 
+// Where exp_approx is exact to its ~2e-7: above its lower clamp (exp(-87) is still a normal float).
+constexpr float kExpExact = -87.f;
+
 __attribute__((always_inline)) inline float exp_approx(float x) {
-  x = x < -87.3f ? -87.3f : x;
+  x = !(x >= -87.3f) ? -87.3f : x;  // (NaN too: no undefined float -> int conversion below)
   x = x > 88.3f ? 88.3f : x;
   // floor(x log2(e) + 1/2) without a library call: truncate, then step down for negatives.
   const float t = x * 1.44269504088896341f + 0.5f;
@@ -63,7 +66,9 @@ __attribute__((always_inline)) inline float exp_approx(float x) {
   return y * pow2;
 }
 
-__attribute__((always_inline)) inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+__attribute__((always_inline)) inline float sigmoid(float x) {
+  return 1.0f / (1.0f + exp_approx(-x));
+}
 
 #if defined(AUTOMOE_VEC_X86)
 // 8-lane versions of exp_approx / sigmoid (same constants), for the AVX2 paths below.
@@ -80,8 +85,8 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
   y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
   y = _mm256_fmadd_ps(_mm256_mul_ps(y, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i bits = _mm256_slli_epi32(
-      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
 }
 
@@ -125,7 +130,7 @@ __attribute__((target("avx2,fma"))) int64_t swiglu_avx2(const T* g, const T* u, 
 
 template <typename T>
 __attribute__((target("avx2,fma"))) int64_t swiglu_bwd_avx2(const T* g, const T* u, const T* dy,
-                                                             T* dg, T* du, int64_t n) {
+                                                            T* dg, T* du, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -138,14 +143,14 @@ __attribute__((target("avx2,fma"))) int64_t swiglu_bwd_avx2(const T* g, const T*
 }
 
 __attribute__((target("avx2,fma"))) int64_t load_bf16_avx2(const uint16_t* s, float* dst,
-                                                            int64_t n) {
+                                                           int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) st8(dst + i, ld8(s + i));
   return i;
 }
 
 __attribute__((target("avx2,fma"))) int64_t store_bf16_avx2(const float* src, uint16_t* d,
-                                                             int64_t n) {
+                                                            int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) st8(d + i, ld8(src + i));
   return i;
@@ -176,21 +181,28 @@ __attribute__((target("avx2,fma"))) inline float max8(const float* x, int64_t n)
   return hmax8(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
 }
 
-__attribute__((target("avx2,fma"))) inline bool has_nan8(const float* x, int64_t n) {
-  __m256 nan = _mm256_setzero_ps();
+// Whether x[0, n) (n a multiple of 8) holds a NaN; its minimum into *lo.
+__attribute__((target("avx2,fma"))) inline bool has_nan8(const float* x, int64_t n, float* lo) {
+  __m256 nan = _mm256_setzero_ps(), mn = _mm256_set1_ps(INFINITY);
   for (int64_t i = 0; i < n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    mn = _mm256_min_ps(mn, v);
   }
+  mn = _mm256_min_ps(mn, _mm256_permute2f128_ps(mn, mn, 1));
+  mn = _mm256_min_ps(mn, _mm256_permute_ps(mn, 0x4E));
+  mn = _mm256_min_ps(mn, _mm256_permute_ps(mn, 0xB1));
+  *lo = _mm256_cvtss_f32(mn);
   return _mm256_movemask_ps(nan) != 0;
 }
 
 // Softmax of a row of a multiple of 8 (as softmax_rows_body); false, nothing written, when the row
-// holds a NaN or its maximum is infinite.
+// needs std::exp (see there).
 __attribute__((target("avx2,fma"))) bool softmax_avx2(const float* x, float* y, int64_t n) {
-  if (has_nan8(x, n)) return false;
+  float lo;
+  if (has_nan8(x, n, &lo)) return false;
   const float m = max8(x, n);
-  if (!std::isfinite(m)) return false;
+  if (!std::isfinite(m) || lo - m < kExpExact) return false;
   const __m256 mv = _mm256_set1_ps(m);
   __m256 s0 = _mm256_setzero_ps(), s1 = s0;
   int64_t i = 0;
@@ -238,8 +250,9 @@ constexpr CompressTable kCompress;
 // vector compares: the candidate of rank r is the r-th of the top k. Otherwise (or when more than
 // 64 candidates pass, with many equal values): k rounds of (maximum, its first index).
 __attribute__((target("avx2,fma"))) bool topk_avx2(const float* x, int64_t n, int64_t k, float* w,
-                                                    int64_t* idx) {
-  if (has_nan8(x, n)) return false;
+                                                   int64_t* idx) {
+  float lowest;
+  if (has_nan8(x, n, &lowest)) return false;
   if (k <= 8 && n <= 512) {
     __m256 m0 = _mm256_set1_ps(-INFINITY), m1 = m0;
     int64_t i = 0;
@@ -262,10 +275,9 @@ __attribute__((target("avx2,fma"))) bool topk_avx2(const float* x, int64_t n, in
       const __m256i perm = _mm256_cvtepu8_epi32(
           _mm_loadl_epi64(reinterpret_cast<const __m128i*>(kCompress.pos[mask])));
       _mm256_storeu_ps(cv + c, _mm256_permutevar8x32_ps(v, perm));
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(ci + c),
-          _mm256_add_epi32(_mm256_permutevar8x32_epi32(iota, perm),
-                           _mm256_set1_epi32(static_cast<int32_t>(i))));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ci + c),
+                          _mm256_add_epi32(_mm256_permutevar8x32_epi32(iota, perm),
+                                           _mm256_set1_epi32(static_cast<int32_t>(i))));
       c += __builtin_popcount(static_cast<unsigned>(mask));
     }
     if (c <= 64) {
@@ -283,10 +295,10 @@ __attribute__((target("avx2,fma"))) bool topk_avx2(const float* x, int64_t n, in
         for (int64_t b = 0; b < padded; b += 8) {
           const __m256 vb = _mm256_loadu_ps(cv + b);
           const __m256i ib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ci + b));
-          const __m256 before = _mm256_or_ps(
-              _mm256_cmp_ps(vb, va, _CMP_GT_OQ),
-              _mm256_and_ps(_mm256_cmp_ps(vb, va, _CMP_EQ_OQ),
-                            _mm256_castsi256_ps(_mm256_cmpgt_epi32(ia, ib))));
+          const __m256 before =
+              _mm256_or_ps(_mm256_cmp_ps(vb, va, _CMP_GT_OQ),
+                           _mm256_and_ps(_mm256_cmp_ps(vb, va, _CMP_EQ_OQ),
+                                         _mm256_castsi256_ps(_mm256_cmpgt_epi32(ia, ib))));
           rank += __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(before)));
         }
         rv[rank] = cv[a];  // ranks are distinct: 0 .. c-1
@@ -353,8 +365,7 @@ AUTOMOE_TARGET_AVX512 inline void st16(uint16_t* p, __m512 f) {
   const __m512i u = _mm512_castps_si512(f);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, bias), lsb), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r,
-                              _mm512_set1_epi32(0x7FC0));
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
 }
 
@@ -615,13 +626,13 @@ AUTOMOE_BODY void st(float* p, int64_t i, float v) { p[i] = v; }
 AUTOMOE_BODY void st(uint16_t* p, int64_t i, float v) { p[i] = to_bf16(v); }
 
 // Calls f with the row pointers cast to float (float32) or uint16_t (bf16 bits).
-#define AUTOMOE_TYPED(dtype, T, ...)                     \
-  if ((dtype) == c10::ScalarType::Float) {               \
-    using T = float;                                     \
-    __VA_ARGS__;                                         \
-  } else {                                               \
-    using T = uint16_t;                                  \
-    __VA_ARGS__;                                         \
+#define AUTOMOE_TYPED(dtype, T, ...)       \
+  if ((dtype) == c10::ScalarType::Float) { \
+    using T = float;                       \
+    __VA_ARGS__;                           \
+  } else {                                 \
+    using T = uint16_t;                    \
+    __VA_ARGS__;                           \
   }
 
 template <typename T>
@@ -731,24 +742,20 @@ void swiglu_bwd_dispatch(const T* g, const T* u, const T* dy, T* dg, T* du, int6
 }
 
 AUTOMOE_BODY float rmsnorm_row_body(const void* x, const float* w, float eps, void* y,
-                                    c10::ScalarType dtype, int64_t n) {
-  AUTOMOE_TYPED(dtype, T,
-                return rmsnorm_typed(static_cast<const T*>(x), w, eps, static_cast<T*>(y), n))
-}
+                                    c10::ScalarType dtype, int64_t n){
+    AUTOMOE_TYPED(dtype, T,
+                  return rmsnorm_typed(static_cast<const T*>(x), w, eps, static_cast<T*>(y), n))}
 
 AUTOMOE_BODY void rmsnorm_row_bwd_body(const void* g, const void* x, const float* w, float k,
-                                       float* dw_acc, void* dx, c10::ScalarType dtype, int64_t n) {
-  AUTOMOE_TYPED(dtype, T,
-                rmsnorm_bwd_typed(static_cast<const T*>(g), static_cast<const T*>(x), w, k,
-                                  dw_acc, static_cast<T*>(dx), n))
-}
+                                       float* dw_acc, void* dx, c10::ScalarType dtype, int64_t n){
+    AUTOMOE_TYPED(dtype, T,
+                  rmsnorm_bwd_typed(static_cast<const T*>(g), static_cast<const T*>(x), w, k,
+                                    dw_acc, static_cast<T*>(dx), n))}
 
-AUTOMOE_BODY void rotate_heads_body(const void* x, const float* c, const float* s,
-                                          float sign, void* y, c10::ScalarType dtype,
-                                          int64_t heads, int64_t h) {
-  AUTOMOE_TYPED(dtype, T,
-                rotate_typed(static_cast<const T*>(x), c, s, sign, static_cast<T*>(y), heads, h))
-}
+AUTOMOE_BODY void rotate_heads_body(const void* x, const float* c, const float* s, float sign,
+                                    void* y, c10::ScalarType dtype, int64_t heads, int64_t h){
+    AUTOMOE_TYPED(dtype, T,
+                  rotate_typed(static_cast<const T*>(x), c, s, sign, static_cast<T*>(y), heads, h))}
 
 // Largest of the lanes-wise maxima; `bad` collects NaNs.
 AUTOMOE_BODY float max_of(const float* x, int64_t n, bool* bad) {
@@ -777,10 +784,26 @@ AUTOMOE_BODY float max_of(const float* x, int64_t n, bool* bad) {
   return m;
 }
 
+AUTOMOE_BODY float min_of(const float* x, int64_t n) {
+  float mn[kLanes];
+  for (int j = 0; j < kLanes; ++j) mn[j] = INFINITY;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) mn[j] = x[i + j] < mn[j] ? x[i + j] : mn[j];
+  }
+  float m = INFINITY;
+  for (; i < n; ++i) m = x[i] < m ? x[i] : m;
+  for (int j = 0; j < kLanes; ++j) m = mn[j] < m ? mn[j] : m;
+  return m;
+}
+
+// exp_approx clamps below -87.3 (exp(-inf) would come out ~1e-38, not 0, and every score further
+// down would tie), so a row reaching below kExpExact is computed with std::exp: NaN, infinities
+// and masked (-inf) experts come out as ATen's softmax / sigmoid give them.
 AUTOMOE_BODY void softmax_rows_body(const float* x, float* y, int64_t n) {
   bool bad = false;
   const float m = max_of(x, n, &bad);
-  if (bad || !std::isfinite(m)) {  // NaN / infinities propagate as in ATen
+  if (bad || !std::isfinite(m) || min_of(x, n) - m < kExpExact) {
     float sum = 0.f;
     for (int64_t i = 0; i < n; ++i) sum += (y[i] = std::exp(x[i] - m));
     for (int64_t i = 0; i < n; ++i) y[i] *= 1.f / sum;
@@ -799,6 +822,13 @@ AUTOMOE_BODY void softmax_rows_body(const float* x, float* y, int64_t n) {
 }
 
 AUTOMOE_BODY void sigmoid_row_body(const float* x, float* y, int64_t n) {
+  if (min_of(x, n) < kExpExact) {  // (a NaN alone does not need this: it stays NaN below)
+    for (int64_t i = 0; i < n; ++i) {  // exp(x) / (1 + exp(x)) keeps x far below 0 apart
+      const float e = std::exp(x[i] < 0.f ? x[i] : -x[i]);
+      y[i] = x[i] < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+    }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] != x[i] ? x[i] : sigmoid(x[i]);
 }
 
@@ -821,37 +851,34 @@ AUTOMOE_BODY bool topk_body(const float* x, int64_t n, int64_t k, float* w, int6
 }  // namespace
 
 void swiglu_row(const void* g, const void* u, void* y, c10::ScalarType dtype, int64_t n) {
-  AUTOMOE_TYPED(dtype, T,
-                swiglu_dispatch(static_cast<const T*>(g), static_cast<const T*>(u),
-                                static_cast<T*>(y), n))
+  AUTOMOE_TYPED(
+      dtype, T,
+      swiglu_dispatch(static_cast<const T*>(g), static_cast<const T*>(u), static_cast<T*>(y), n))
 }
 void swiglu_row_bwd(const void* g, const void* u, const void* dy, void* dg, void* du,
-                    c10::ScalarType dtype, int64_t n) {
-  AUTOMOE_TYPED(dtype, T,
-                swiglu_bwd_dispatch(static_cast<const T*>(g), static_cast<const T*>(u),
-                                    static_cast<const T*>(dy), static_cast<T*>(dg),
-                                    static_cast<T*>(du), n))
-}
-AUTOMOE_ROW_FN(float, rmsnorm_row,
-               (const void* x, const float* w, float eps, void* y, c10::ScalarType dtype,
-                int64_t n),
-               (x, w, eps, y, dtype, n))
-AUTOMOE_ROW_FN(void, rmsnorm_row_bwd,
-               (const void* g, const void* x, const float* w, float k, float* dw_acc, void* dx,
-                c10::ScalarType dtype, int64_t n),
-               (g, x, w, k, dw_acc, dx, dtype, n))
-AUTOMOE_ROW_FN(void, rotate_heads,
-               (const void* x, const float* c, const float* s, float sign, void* y,
-                c10::ScalarType dtype, int64_t heads, int64_t h),
-               (x, c, s, sign, y, dtype, heads, h))
-namespace {
-AUTOMOE_ROW_FN(void, softmax_rows, (const float* x, float* y, int64_t n), (x, y, n))
-}  // namespace
+                    c10::ScalarType dtype, int64_t n){AUTOMOE_TYPED(
+    dtype, T,
+    swiglu_bwd_dispatch(static_cast<const T*>(g), static_cast<const T*>(u),
+                        static_cast<const T*>(dy), static_cast<T*>(dg), static_cast<T*>(du),
+                        n))} AUTOMOE_ROW_FN(float, rmsnorm_row,
+                                            (const void* x, const float* w, float eps, void* y,
+                                             c10::ScalarType dtype, int64_t n),
+                                            (x, w, eps, y, dtype, n))
+    AUTOMOE_ROW_FN(void, rmsnorm_row_bwd,
+                   (const void* g, const void* x, const float* w, float k, float* dw_acc, void* dx,
+                    c10::ScalarType dtype, int64_t n),
+                   (g, x, w, k, dw_acc, dx, dtype, n))
+        AUTOMOE_ROW_FN(void, rotate_heads,
+                       (const void* x, const float* c, const float* s, float sign, void* y,
+                        c10::ScalarType dtype, int64_t heads, int64_t h),
+                       (x, c, s, sign, y, dtype, heads, h)) namespace {
+            AUTOMOE_ROW_FN(void, softmax_rows, (const float* x, float* y, int64_t n), (x, y, n))}
+// namespace
 AUTOMOE_ROW_FN(void, sigmoid_row, (const float* x, float* y, int64_t n), (x, y, n))
 
-// Rows of a multiple of 8 take the AVX2 kernels at AVX2 and above (router rows are short: wider
-// vectors would not pay); others the vectorised bodies.
-void softmax(const float* x, float* y, int64_t n) {
+    // Rows of a multiple of 8 take the AVX2 kernels at AVX2 and above (router rows are short: wider
+    // vectors would not pay); others the vectorised bodies.
+    void softmax(const float* x, float* y, int64_t n) {
 #if defined(AUTOMOE_VEC_X86)
   if (n % 8 == 0 && active_isa() >= Isa::kAvx2 && softmax_avx2(x, y, n)) return;
 #endif

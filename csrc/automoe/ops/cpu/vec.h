@@ -42,18 +42,19 @@ float rmsnorm_row(const void* x, const float* w, float eps, void* y, c10::Scalar
                   int64_t n);
 // Its backward for a row with inverse RMS k: dw_acc += g * x * k, and
 // dx = k * (g * w - x * k * m), m = k * sum(g * w * x) / n.
-void rmsnorm_row_bwd(const void* g, const void* x, const float* w, float k, float* dw_acc,
-                     void* dx, c10::ScalarType dtype, int64_t n);
+void rmsnorm_row_bwd(const void* g, const void* x, const float* w, float k, float* dw_acc, void* dx,
+                     c10::ScalarType dtype, int64_t n);
 // Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
 // row by the angles (c[i], sign * s[i]).
 void rotate_heads(const void* x, const float* c, const float* s, float sign, void* y,
                   c10::ScalarType dtype, int64_t heads, int64_t h);
 
-// Router rows (float32). y = softmax(x) (max-subtracted, exp as above); a row whose maximum is
-// not finite or that holds a NaN is computed with std::exp instead, so NaN and infinities come
-// out as ATen's softmax gives them.
+// Router rows (float32). y = softmax(x) (max-subtracted, exp as above); a row that holds a NaN,
+// whose maximum is not finite, or that spans more than 87 below its maximum (exp's clamp) is
+// computed with std::exp instead, so NaN, infinities and -inf (masked) experts come out as ATen's
+// softmax gives them.
 void softmax(const float* x, float* y, int64_t n);
-// y = 1 / (1 + exp(-x))
+// y = 1 / (1 + exp(-x)); a row reaching below -87 with std::exp, as softmax.
 void sigmoid_row(const float* x, float* y, int64_t n);
 // The k largest of x[0, n), largest first, equal values by lower index first, into idx (scratch:
 // n floats). Returns false, with idx unspecified, when x holds a NaN or one of the k is -inf (the

@@ -1,5 +1,6 @@
 // CPU permute / unpermute. The plan is a histogram + exclusive prefix sum + one stable pass (no
-// sort), each over chunks of tokens in parallel; the gathers run parallel over rows; every reduction is per output row in slot order, so
+// sort), the histogram and the pass over chunks of tokens in parallel; the gathers run parallel
+// over rows; every reduction is per output row in slot order, so
 // results are deterministic and need no atomics.
 #include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
@@ -15,7 +16,7 @@
 namespace automoe::ops::cpu {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& idx_TK,
-                                                             int64_t num_experts) {
+                                                            int64_t num_experts) {
   const int64_t TK = idx_TK.numel();
   const auto opts = idx_TK.options().dtype(at::kLong);
   at::Tensor offsets = at::zeros({num_experts + 1}, opts);
@@ -30,7 +31,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& id
   // Chunks of whole tokens, each with its own histogram; a chunk's cursor for expert e starts
   // after e's rows of all earlier chunks, so the result is the sequential one (slot order within
   // an expert) whatever the chunking and the thread count.
-  const int64_t chunk = std::max<int64_t>(1, K * std::max<int64_t>(1, 4096 / std::max<int64_t>(K, 1)));
+  const int64_t k_or_1 = std::max<int64_t>(K, 1);
+  const int64_t chunk = std::max<int64_t>(1, K * std::max<int64_t>(1, 4096 / k_or_1));
   const int64_t chunks = std::max<int64_t>(1, (TK + chunk - 1) / chunk);
   std::vector<int64_t> cursor(chunks * E, 0);
   // (Locals in the loops: captured references could alias the int64 outputs, forcing reloads.)
@@ -58,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& id
     for (int64_t c = begin; c < end; ++c) {
       int64_t* cur = cursor.data() + c * n_exp;
       const int64_t last = std::min(total, (c + 1) * step);
-      for (int64_t i = c * step, t = i / std::max<int64_t>(k_slots, 1); i < last; ++t) {
+      for (int64_t i = c * step, t = i / k_or_1; i < last; ++t) {
         for (int64_t k = 0; k < k_slots; ++k, ++i) {  // (token, slot): no division per slot
           const int64_t e = idx[i];
           if (e < 0 || e >= n_exp) {
