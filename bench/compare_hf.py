@@ -250,9 +250,13 @@ def run_json(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
 
 
 def optimizer_flags(setting: str) -> list[str]:
-    """--automoe-optimizer's MASTERS/MOMENTS (e.g. none/bfloat16) as `automoe bench` flags."""
-    masters, _, moments = setting.partition("/")
-    return ["--master-weights", masters, "--state-dtype", moments or "float32"]
+    """--automoe-optimizer's MASTERS/MOMENTS[/in_backward] (e.g. none/bfloat16/in_backward) as
+    `automoe bench` flags."""
+    parts = setting.split("/")
+    if len(parts) > 3 or (len(parts) == 3 and parts[2] != "in_backward"):
+        raise SystemExit(f"--automoe-optimizer: {setting!r} is not MASTERS/MOMENTS[/in_backward]")
+    flags = ["--master-weights", parts[0], "--state-dtype", parts[1] if len(parts) > 1 else "float32"]
+    return flags + (["--optimizer-in-backward"] if len(parts) == 3 else [])
 
 
 def common_flags(args, lora: bool = True) -> list[str]:
@@ -535,7 +539,9 @@ def main(argv=None) -> int:
     p.add_argument("--automoe-optimizer", default="float32/float32",
                    help="AutoMoE optimizer precisions to run, MASTERS/MOMENTS each "
                         "(optimizer.master_weights / state_dtype), e.g. "
-                        "float32/float32,remainders/bfloat16,none/bfloat16")
+                        "float32/float32,remainders/bfloat16,none/bfloat16; a third part "
+                        "in_backward updates in the backward (optimizer.in_backward), e.g. "
+                        "none/bfloat16/in_backward")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank: both sides fine-tune rank-R adapters "
                    "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
     p.add_argument("--dropin", action="store_true",

@@ -408,6 +408,89 @@ def test_bfloat16_optimizer_precision_options_train_checkpoint_and_refuse_a_mism
     assert sorted(metrics(run)) == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("dtype,masters,moments,checkpointing", [
+    ("bfloat16", "none", "bfloat16", True), ("bfloat16", "float32", "float32", False),
+    ("float32", "float32", "float32", False)])
+def test_optimizer_in_backward_makes_the_same_weights_and_state_as_the_step_after_it(
+        model_dir, tmp_path, dtype, masters, moments, checkpointing):
+    """optimizer.in_backward updates each tensor in its gradient's hook, during the backward:
+    bit for bit the weights, moments and losses of the ordinary step (the same update on the same
+    gradients, so nothing the backward still needs was changed under it), the gradient norm the
+    same up to the summation order; with activation checkpointing too."""
+    runs = {}
+    for in_bwd in (False, True):
+        name = f"{dtype}-{masters}-{in_bwd}"
+        optimizer = {"max_grad_norm": 0.0, "in_backward": in_bwd, "weight_decay": 0.1}
+        if dtype == "bfloat16":
+            optimizer.update(master_weights=masters, state_dtype=moments)
+        recipe = base_recipe(model_dir, tmp_path, name, model={"dtype": dtype},
+                             train={"max_steps": 3,
+                                    "activation_checkpointing": checkpointing and in_bwd},
+                             optimizer=optimizer, checkpoint={"every": 3})
+        run_train(recipe, tmp_path)
+        runs[in_bwd] = tmp_path / name
+    ref, got = metrics(runs[False]), metrics(runs[True])
+    assert sorted(got) == [1, 2, 3]
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == ref[step]["loss"], step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        a, b = (load_tensors(runs[k] / "step-3" / f) for k in (False, True))
+        assert sorted(a) == sorted(b)
+        for k in a:  # (the default generator is seeded only where something draws from it)
+            assert k.startswith("rng.") or torch.equal(a[k], b[k]), (f, k)
+    # ... and trained: the weights moved
+    start = load_tensors(model_dir / "model.safetensors")
+    after = load_tensors(runs[True] / "step-3" / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(start[q].float(), after[q].float())
+
+
+def test_optimizer_in_backward_refuses_what_it_cannot_honour_by_name(model_dir, tmp_path):
+    def error(**sections):
+        recipe = base_recipe(model_dir, tmp_path, f"refused-{time.monotonic_ns()}", **sections)
+        proc = run_train(recipe, tmp_path, check=False)
+        assert proc.returncode != 0
+        return proc.stderr
+
+    assert "set optimizer.max_grad_norm: 0 (it is 1)" in error(optimizer={"in_backward": True})
+    assert "train.grad_accumulation_steps is 2" in error(
+        optimizer={"in_backward": True, "max_grad_norm": 0.0}, train={"grad_accumulation_steps": 2})
+    assert "optimizer.in_backward with peft" in error(
+        optimizer={"in_backward": True, "max_grad_norm": 0.0},
+        peft={"r": 2, "target_modules": ["q_proj"]})
+
+
+def test_optimizer_in_backward_skips_a_non_finite_step_without_touching_the_weights(model_dir, tmp_path):
+    """A NaN loss makes the first gradient the backward completes non-finite: no tensor is
+    updated, the step is skipped as without in_backward, and the skip says how many tensors the
+    backward had updated (none)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "nan-model"
+    shutil.copytree(model_dir, broken)
+    weights = load_file(str(broken / "model.safetensors"))
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    recipe = base_recipe(broken, tmp_path, "nan", model={"dtype": "bfloat16"},
+                         train={"max_steps": 5, "max_nonfinite_steps": 2},
+                         optimizer={"in_backward": True, "max_grad_norm": 0.0,
+                                    "master_weights": "none", "state_dtype": "bfloat16"})
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode == 3, proc.stderr
+    run = tmp_path / "nan"
+    skips = metrics(run, "skip")
+    assert len(skips) == 2 and all(s["tensors_updated"] == 0 for s in skips.values())
+    saved = load_tensors(run / "step-2" / "model.safetensors")
+    common = [k for k in saved if k in weights]  # (the experts are stored fused there)
+    assert len(common) >= 10
+    for k in common:
+        assert torch.testing.assert_close(saved[k], weights[k].to(saved[k].dtype), rtol=0, atol=0,
+                                          equal_nan=True) is None, k
+
+
 def test_non_finite_steps_are_skipped_then_the_run_stops_with_a_checkpoint(model_dir, tmp_path):
     import shutil
 

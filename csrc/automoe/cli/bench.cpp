@@ -58,6 +58,9 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --master-weights NAME  float32 | remainders | none: where bf16 training keeps its float32
                          masters (optimizer.master_weights)                (default float32)
   --state-dtype NAME     float32 | bfloat16: AdamW's moments (optimizer.state_dtype)
+  --optimizer-in-backward  each tensor updated in the backward, its gradient freed at once
+                         (optimizer.in_backward; no clipping: the backward time includes
+                         the optimizer's)
   --fake-balanced-gate   round-robin routing (balanced experts)
   --lora R               LoRA fine-tuning: rank-R adapters (alpha 2R) on q/k/v/o_proj and the
                          routed experts (gate_up_proj, down_proj), float32, the base frozen
@@ -81,6 +84,7 @@ struct Options {
   bool fake_gate = false, print_config = false, peak = false, list_types = false;
   int64_t lora = 0;  // LoRA rank; 0: full fine-tune
   std::string master_weights = "float32", state_dtype = "float32";
+  bool in_backward = false;
   std::string json_out;
 };
 
@@ -137,6 +141,8 @@ Options parse(const Args& args) {
       o.master_weights = value();
     else if (a == "--state-dtype")
       o.state_dtype = value();
+    else if (a == "--optimizer-in-backward")
+      o.in_backward = true;
     else if (a == "--fake-balanced-gate")
       o.fake_gate = true;
     else if (a == "--print-config")
@@ -281,6 +287,9 @@ int bench(const Args& args) {
   train::OptimizerSection optim_cfg;
   optim_cfg.master_weights = o.master_weights;
   optim_cfg.state_dtype = o.state_dtype;
+  optim_cfg.in_backward = o.in_backward;
+  AUTOMOE_CHECK(!(o.in_backward && o.lora > 0), "--optimizer-in-backward: not with --lora");
+  if (o.in_backward) optim_cfg.max_grad_norm = 0;  // (the recipe demands it too)
   train::TrainState ts =
       train::make_train_state(model, o.dtype, dev, std::move(sites), /*zero=*/false, optim_cfg);
   int64_t trainable_params = 0;
@@ -305,6 +314,7 @@ int bench(const Args& args) {
     sync(dev);
     const double f = ms_since(t0);
     t0 = Clock::now();
+    train::begin_step(ts, optim_cfg, optim_cfg.lr);
     train::backward_micro_batch(ts, loss, /*last=*/true);
     sync(dev);
     const double b = ms_since(t0);
@@ -332,6 +342,7 @@ int bench(const Args& args) {
                    (o.master_weights != "float32" || o.state_dtype != "float32"
                         ? ", masters=" + o.master_weights + ", moments=" + o.state_dtype
                         : std::string()) +
+                   (o.in_backward ? ", in backward" : "") +
                    ")"},
       {"lora", o.lora},
       {"trainable_parameters", trainable_params},
@@ -345,6 +356,7 @@ int bench(const Args& args) {
       {"fake_balanced_gate", o.fake_gate},
       {"master_weights", o.master_weights},
       {"state_dtype", o.state_dtype},
+      {"optimizer_in_backward", o.in_backward},
       {"num_parameters", num_params},
       {"forward_ms", fwd_ms},
       {"backward_ms", bwd_ms},

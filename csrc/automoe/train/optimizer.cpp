@@ -204,7 +204,28 @@ void AdamW::begin_backward(bool last) {
 void AdamW::on_gradient(size_t i, const at::Tensor& param) {
   at::NoGradGuard no_grad;
   at::Tensor& g = const_cast<at::Tensor&>(param).mutable_grad();
-  if (!g.defined() || !sharded()) return;
+  if (!g.defined()) return;
+  if (in_bwd_) {
+    AUTOMOE_CHECK(armed_, "gradient of ", names[i],
+                  " with optimizer.in_backward, but no step was armed (AdamW::arm)");
+    // (Each parameter's gradient is complete once per backward — activation checkpointing goes
+    // through autograd::grad — so a second one would be a second backward in the step.)
+    AUTOMOE_CHECK(!bwd_done_[i], "gradient of ", names[i],
+                  " arrived twice in one step with optimizer.in_backward");
+    const at::Tensor grad_i = std::move(g);
+    g = at::Tensor();  // freed when this update is done: the gradients never all exist together
+    const double sq = sum_squares({grad_i});
+    bwd_sq_ += sq;
+    if (!std::isfinite(sq)) bwd_poisoned_ = true;
+    if (bwd_poisoned_) return;  // this and every later tensor of the step keep their weights
+    step[i].add_(1.0);
+    update_one(i, grad_i, bwd_cfg_, bwd_lr_);
+    if (!param.is_same(master[i])) const_cast<at::Tensor&>(param).copy_(master[i]);
+    bwd_done_[i] = true;
+    ++bwd_updated_;
+    return;
+  }
+  if (!sharded()) return;
   const auto [b, k] = where_[i];
   Slice& s = zero_[b];
   // (Each parameter's gradient is accumulated once per backward — activation checkpointing goes
@@ -322,6 +343,7 @@ void AdamW::reduce_grads(const parallel::World& world) {
 }
 
 void AdamW::update(const OptimizerSection& o, double lr) {
+  AUTOMOE_CHECK(!in_bwd_, "AdamW::update: the updates run in the backward (finish_in_backward)");
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> g[2][5];
   at::_foreach_add_(step, 1.0);  // the fused kernel reads the step count, it does not advance it
@@ -359,56 +381,103 @@ void AdamW::update(const OptimizerSection& o, double lr) {
 }
 
 void AdamW::update_mixed(const OptimizerSection& o, double lr) {
-  // The step count every tensor shares (advanced by update()).
-  const double t = step.empty() ? 0.0 : step.front().item<double>();
-  const double bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
   for (size_t i = 0; i < master.size(); ++i) {
-    at::Tensor& p = master[i];
-    at::Tensor g = grad[i].defined() ? grad[i] : at::zeros_like(p, p.options().requires_grad(false));
-    const double wd = decay[i] ? o.weight_decay : 0.0;
-    if (p.device().is_cpu()) {
-      if (!g.is_contiguous()) g = g.contiguous();
-      AUTOMOE_CHECK(p.is_contiguous() && exp_avg[i].is_contiguous() && exp_avg_sq[i].is_contiguous(),
-                    "AdamW: ", names[i], ": state is not contiguous");
-      ops::cpu::vec::AdamwRow r;
-      r.p = p.data_ptr();
-      r.p_dtype = p.scalar_type();
-      r.rem = masters == Masters::kRemainders ? remainder[i].data_ptr<int16_t>() : nullptr;
-      r.g = g.data_ptr();
-      r.g_dtype = g.scalar_type();
-      r.m = exp_avg[i].data_ptr();
-      r.v = exp_avg_sq[i].data_ptr();
-      r.s_dtype = exp_avg[i].scalar_type();
-      r.decay = static_cast<float>(1.0 - lr * wd);
-      r.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
-      r.beta2 = static_cast<float>(o.beta2);
-      r.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
-      r.eps = static_cast<float>(o.eps);
-      r.step_size = static_cast<float>(lr / bc1);
-      r.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
-      r.g_scale = static_cast<float>(grad_scale_);
-      at::parallel_for(0, p.numel(), 1 << 14, [&](int64_t b, int64_t e) {
-        ops::cpu::vec::adamw(r, b, e - b);
-      });
-      continue;
-    }
-    // Other devices: the same update through float32 copies of one tensor at a time.
-    at::Tensor w = master_f32(i);
-    at::Tensor g32 = g.to(at::kFloat);
-    if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
-    at::Tensor m = exp_avg[i].to(at::kFloat), v = exp_avg_sq[i].to(at::kFloat);
-    at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
-                      /*amsgrad=*/false, /*maximize=*/false);
-    if (masters == Masters::kRemainders) {
-      at::Tensor hi, lo;
-      split_master(w, hi, lo);
-      p.copy_(hi.view(p.sizes()));
-      remainder[i].copy_(lo.view(p.sizes()));
-    } else if (masters == Masters::kNone) {
-      p.copy_(w);
-    }
-    if (!exp_avg[i].is_same(m)) exp_avg[i].copy_(m);
-    if (!exp_avg_sq[i].is_same(v)) exp_avg_sq[i].copy_(v);
+    const at::Tensor& p = master[i];
+    update_one(i, grad[i].defined() ? grad[i] : at::zeros_like(p, p.options().requires_grad(false)),
+               o, lr);
+  }
+}
+
+void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection& o, double lr) {
+  at::NoGradGuard no_grad;
+  at::Tensor& p = master[i];
+  at::Tensor g = g_in;
+  const double wd = decay[i] ? o.weight_decay : 0.0;
+  if (!own_grads_) {  // float32 masters, float32 gradients: ATen's fused kernel
+    at::_fused_adamw_({p}, {g}, {exp_avg[i]}, {exp_avg_sq[i]}, {}, {step[i]}, lr, o.beta1, o.beta2,
+                      wd, o.eps, /*amsgrad=*/false, /*maximize=*/false);
+    return;
+  }
+  if (p.device().is_cpu()) {
+    const double t = step[i].item<double>();  // (advanced by the caller)
+    const double bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
+    if (!g.is_contiguous()) g = g.contiguous();
+    AUTOMOE_CHECK(p.is_contiguous() && exp_avg[i].is_contiguous() && exp_avg_sq[i].is_contiguous(),
+                  "AdamW: ", names[i], ": state is not contiguous");
+    ops::cpu::vec::AdamwRow r;
+    r.p = p.data_ptr();
+    r.p_dtype = p.scalar_type();
+    r.rem = masters == Masters::kRemainders ? remainder[i].data_ptr<int16_t>() : nullptr;
+    r.g = g.data_ptr();
+    r.g_dtype = g.scalar_type();
+    r.m = exp_avg[i].data_ptr();
+    r.v = exp_avg_sq[i].data_ptr();
+    r.s_dtype = exp_avg[i].scalar_type();
+    r.decay = static_cast<float>(1.0 - lr * wd);
+    r.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
+    r.beta2 = static_cast<float>(o.beta2);
+    r.one_minus_beta2 = static_cast<float>(1.0 - o.beta2);
+    r.eps = static_cast<float>(o.eps);
+    r.step_size = static_cast<float>(lr / bc1);
+    r.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    r.g_scale = static_cast<float>(grad_scale_);
+    at::parallel_for(0, p.numel(), 1 << 14, [&](int64_t b, int64_t e) {
+      ops::cpu::vec::adamw(r, b, e - b);
+    });
+    return;
+  }
+  // Other devices: the same update through float32 copies of one tensor at a time.
+  at::Tensor w = master_f32(i);
+  at::Tensor g32 = g.to(at::kFloat);
+  if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
+  at::Tensor m = exp_avg[i].to(at::kFloat), v = exp_avg_sq[i].to(at::kFloat);
+  at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
+                    /*amsgrad=*/false, /*maximize=*/false);
+  if (masters == Masters::kRemainders) {
+    at::Tensor hi, lo;
+    split_master(w, hi, lo);
+    p.copy_(hi.view(p.sizes()));
+    remainder[i].copy_(lo.view(p.sizes()));
+  } else if (masters == Masters::kNone) {
+    p.copy_(w);
+  }
+  if (!exp_avg[i].is_same(m)) exp_avg[i].copy_(m);
+  if (!exp_avg_sq[i].is_same(v)) exp_avg_sq[i].copy_(v);
+}
+
+void AdamW::update_in_backward(std::vector<at::Tensor>& params) {
+  AUTOMOE_CHECK(!sharded(), "optimizer.in_backward cannot be combined with ZeRO");
+  AUTOMOE_CHECK(params.size() == master.size(), "AdamW: ", params.size(), " parameters for ",
+                master.size(), " masters");
+  in_bwd_ = true;
+  bwd_done_.assign(master.size(), false);
+  for (size_t i = 0; i < params.size(); ++i) {
+    torch::autograd::impl::set_post_acc_grad_hooks(params[i], std::make_unique<GradientHook>(this, i));
+  }
+}
+
+void AdamW::arm(const OptimizerSection& o, double lr) {
+  bwd_cfg_ = o;
+  bwd_lr_ = lr;
+  armed_ = true;
+  // A new step: nothing updated, nothing summed.
+  std::fill(bwd_done_.begin(), bwd_done_.end(), false);
+  bwd_poisoned_ = false;
+  bwd_sq_ = 0;
+  bwd_updated_ = 0;
+}
+
+void AdamW::finish_in_backward(std::vector<at::Tensor>& params) {
+  at::NoGradGuard no_grad;
+  AUTOMOE_CHECK(armed_, "AdamW: finish_in_backward without arm()");
+  if (bwd_poisoned_) return;  // (the caller skips the step)
+  for (size_t i = 0; i < master.size(); ++i) {
+    if (bwd_done_[i]) continue;
+    step[i].add_(1.0);
+    update_one(i, at::zeros_like(master[i], master[i].options().requires_grad(false)), bwd_cfg_,
+               bwd_lr_);
+    if (!params[i].is_same(master[i])) params[i].copy_(master[i]);
+    bwd_done_[i] = true;
   }
 }
 
@@ -459,12 +528,9 @@ double bf16_sum_squares(const at::Tensor& t) {
   return total;
 }
 
-}  // namespace
-
-double AdamW::grad_norm(const parallel::World& world) const {
-  // Each tensor's sum of squares accumulated in float32 (bf16 gradients too), the tensors' in
-  // double.
-  auto sq = [](const std::vector<at::Tensor>& v) -> at::Tensor {
+// The sum of squares of tensors, as a double tensor (undefined for none): each tensor's
+// accumulated in float32 (bf16 gradients too), the tensors' in double.
+at::Tensor sum_squares_tensor(const std::vector<at::Tensor>& v) {
     std::vector<at::Tensor> rest;
     double cpu_bf16 = 0;
     bool any_bf16 = false;
@@ -490,7 +556,18 @@ double AdamW::grad_norm(const parallel::World& world) const {
       out = out.defined() ? out + c : c;
     }
     return out;
-  };
+}
+
+}  // namespace
+
+double AdamW::sum_squares(const std::vector<at::Tensor>& v) {
+  const at::Tensor t = sum_squares_tensor(v);
+  return t.defined() ? t.item<double>() : 0.0;
+}
+
+double AdamW::grad_norm(const parallel::World& world) const {
+  if (in_bwd_) return std::sqrt(bwd_sq_);  // (one process: summed by the backward's hooks)
+  const auto sq = sum_squares_tensor;
   if (sharded()) {  // each element lies in exactly one rank's slice: one sum over the world
     std::vector<at::Tensor> parts;
     for (const Slice& s : zero_) parts.push_back(s.grad);

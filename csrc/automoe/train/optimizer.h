@@ -92,6 +92,9 @@ struct AdamW {
   // Global L2 norm of the gradients (before clipping), as a host double: the dense part once,
   // the experts' part summed over the EP group (`world` one process: local).
   double grad_norm(const parallel::World& world = {}) const;
+  // The sum of squares of tensors (each accumulated in float32, the tensors' in double), as
+  // grad_norm() sums them.
+  static double sum_squares(const std::vector<at::Tensor>& v);
   // (own_grads: remembered, and applied in float32 by update(), so that bf16 gradients are not
   // rounded again.)
   void scale_grads(double s);
@@ -99,8 +102,22 @@ struct AdamW {
   // The updated weights into the tensors the forward reads (`params[i]` for names[i]): a copy
   // (bf16 compute) or nothing (float32: they are the masters); under ZeRO an all-gather.
   void publish(std::vector<at::Tensor>& params);
-  // Called by the gradient hook of parameter i (ZeRO).
+  // Called by the gradient hook of parameter i (ZeRO, in_backward).
   void on_gradient(size_t i, const at::Tensor& param);
+
+  // optimizer.in_backward (one process, no ZeRO): from now on parameter i's update runs in the
+  // hook autograd calls once its gradient in `params[i]` (what the forward reads, names[i]'s at i)
+  // is complete, with the gradient freed at once; `this` must not move afterwards. Before each
+  // backward, arm() gives the step's settings and learning rate.
+  void update_in_backward(std::vector<at::Tensor>& params);
+  bool in_backward() const { return in_bwd_; }
+  void arm(const OptimizerSection& o, double lr);
+  // After the backward (in_backward): the tensors no gradient reached are updated with a zero
+  // one, as update() does, and published into `params`.
+  void finish_in_backward(std::vector<at::Tensor>& params);
+  // Tensors the step's backward has updated (in_backward); a non-finite gradient stops the
+  // step's updates (those already made stay) and makes grad_norm() non-finite.
+  int64_t updated_in_backward() const { return bwd_updated_; }
 
  private:
   // One bucket of tensors sharing a group (ZeRO): their flat layout and this rank's slice.
@@ -137,6 +154,16 @@ struct AdamW {
   bool own_grads_ = false;
   double grad_scale_ = 1.0;  // own_grads: clipping's factor, applied in update()
   void update_mixed(const OptimizerSection& o, double lr);
+  // Parameter i's AdamW update with gradient `g` (own_grads: any dtype; else float32), reading
+  // step[i] (already advanced).
+  void update_one(size_t i, const at::Tensor& g, const OptimizerSection& o, double lr);
+  // in_backward: the armed step's settings; per parameter whether the step has updated it; the
+  // gradients' sum of squares so far; a non-finite gradient seen.
+  bool in_bwd_ = false, bwd_poisoned_ = false, armed_ = false;
+  OptimizerSection bwd_cfg_;
+  double bwd_lr_ = 0, bwd_sq_ = 0;
+  int64_t bwd_updated_ = 0;
+  std::vector<bool> bwd_done_;
   bool last_ = false;       // this backward ends the step's accumulation
   size_t next_launch_ = 0;  // buckets launch in order (the same on every rank)
   at::Tensor gather(const Slice& s, const at::Tensor& part) const;  // [size] -> [total]

@@ -255,6 +255,19 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.optimizer.master_weights =
       o.str("master_weights", r.optimizer.master_weights, {"float32", "remainders", "none"});
   r.optimizer.state_dtype = o.str("state_dtype", r.optimizer.state_dtype, {"float32", "bfloat16"});
+  r.optimizer.in_backward = o.boolean("in_backward", false);
+  if (r.optimizer.in_backward) {
+    // The update of the first tensor whose gradient is complete cannot wait for the others'.
+    AUTOMOE_CHECK(r.optimizer.max_grad_norm == 0, o.where("in_backward"),
+                  "clipping needs the global gradient norm before any tensor is updated; with "
+                  "in_backward: true set optimizer.max_grad_norm: 0 (it is ",
+                  r.optimizer.max_grad_norm, ")");
+    AUTOMOE_CHECK(r.train.grad_accumulation_steps == 1, o.where("in_backward"),
+                  "each tensor is updated by the backward that completes its gradient, so a step "
+                  "is one micro-batch; train.grad_accumulation_steps is ",
+                  r.train.grad_accumulation_steps,
+                  " (raise train.micro_batch_size instead, or drop in_backward)");
+  }
   o.finish();
 
   Section s(root, "schedule", origin);
@@ -354,6 +367,9 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
                   "\" with peft: LoRA's adapters train in float32 (the frozen base has no "
                   "optimizer state); remove the key");
   }
+  AUTOMOE_CHECK(!(r.optimizer.in_backward && r.peft.enabled), origin,
+                ": optimizer.in_backward with peft: LoRA's adapter gradients are a few MB, there is "
+                "nothing to save by updating in the backward; remove the key");
   return r;
 }
 
@@ -386,7 +402,8 @@ std::string Recipe::to_json() const {
                     {"weight_decay", optimizer.weight_decay},
                     {"max_grad_norm", optimizer.max_grad_norm},
                     {"master_weights", optimizer.master_weights},
-                    {"state_dtype", optimizer.state_dtype}};
+                    {"state_dtype", optimizer.state_dtype},
+                    {"in_backward", optimizer.in_backward}};
   j["schedule"] = {{"type", schedule.type},
                    {"warmup_steps", schedule.warmup_steps},
                    {"warmup_ratio", schedule.warmup_ratio},

@@ -88,6 +88,16 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
   return s;
 }
 
+void begin_step(TrainState& s, const OptimizerSection& o, double lr) {
+  if (!o.in_backward) return;
+  if (!s.opt.in_backward()) {
+    AUTOMOE_CHECK(!s.lora, "optimizer.in_backward: not with LoRA (peft)");
+    AUTOMOE_CHECK(!s.opt.sharded(), "optimizer.in_backward: not with ZeRO (parallel.zero)");
+    s.opt.update_in_backward(s.model_params);
+  }
+  s.opt.arm(o, lr);
+}
+
 ForwardResult train_micro_batch(TrainState& s, Decoder& decoder, const ForwardArgs& a, bool last,
                                 const std::function<void()>& device_sync, double* wait_s) {
   ForwardResult r = decoder.forward(a);
@@ -125,7 +135,7 @@ void backward_micro_batch(TrainState& s, const at::Tensor& loss, bool last,
 }
 
 void adopt_gradients(TrainState& s) {
-  if (s.own_grads || s.opt.sharded()) return;
+  if (s.own_grads || s.opt.sharded() || s.opt.in_backward()) return;
   for (size_t i = 0; i < s.model_params.size(); ++i) {
     at::Tensor& g = s.model_params[i].mutable_grad();
     if (!g.defined()) g = at::zeros_like(s.model_params[i]);
@@ -134,10 +144,17 @@ void adopt_gradients(TrainState& s) {
 }
 
 void clip_gradients(TrainState& s, double norm, double max_norm) {
+  AUTOMOE_CHECK(!(s.opt.in_backward() && max_norm > 0),
+                "optimizer.in_backward: the weights were updated in the backward, they cannot be "
+                "clipped now (optimizer.max_grad_norm must be 0)");
   if (max_norm > 0 && norm > max_norm) s.opt.scale_grads(max_norm / (norm + 1e-6));
 }
 
 void update_weights(TrainState& s, const OptimizerSection& o, double lr) {
+  if (s.opt.in_backward()) {
+    s.opt.finish_in_backward(s.model_params);
+    return;
+  }
   s.opt.update(o, lr);
   s.opt.publish(s.model_params);
 }

@@ -44,6 +44,11 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
                             std::vector<LoraSite> lora_sites, bool zero = false,
                             const OptimizerSection& precision = {});
 
+// Before a step's micro-batches: with optimizer.in_backward (`o`), the step's learning rate for
+// the updates its backward runs (the gradient hooks are registered on the first call, so `s` must
+// not move after it); otherwise nothing.
+void begin_step(TrainState& s, const OptimizerSection& o, double lr);
+
 // One micro-batch's forward and backward: decoder.forward(a) (`a` complete: training flags, loss
 // normalisation), then backward_micro_batch on its loss. train_micro_batch does both.
 //
@@ -62,7 +67,8 @@ ForwardResult train_micro_batch(TrainState& s, Decoder& decoder, const ForwardAr
 void adopt_gradients(TrainState& s);
 // Scales the gradients to `max_norm` when their norm (from AdamW::grad_norm) exceeds it (> 0).
 void clip_gradients(TrainState& s, double norm, double max_norm);
-// The fused AdamW update of the masters, then the new weights into what the forward reads.
+// The fused AdamW update of the masters, then the new weights into what the forward reads
+// (in_backward: only of the tensors the backward did not update, with a zero gradient).
 void update_weights(TrainState& s, const OptimizerSection& o, double lr);
 // Drops the step's gradients (set to none, as torch.optim's zero_grad does).
 void release_gradients(TrainState& s);

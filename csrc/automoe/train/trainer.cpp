@@ -253,6 +253,9 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // Rank 0 owns the run directory: the lock, metrics, the recipe record; every rank reads it.
   const bool lead = world.rank == 0;
   const bool dist = world.distributed();
+  AUTOMOE_CHECK(!(dist && rc.optimizer.in_backward),
+                "optimizer.in_backward: one process only (", world.mesh.world,
+                " here): each rank's gradients must be summed over the ranks before any update");
   if (lead) claim_run_dir(run);  // ours (marker), locked, cleaned of a killed save's leftovers
   // Every rank sees the directory as rank 0 left it (a shared file system across nodes).
   if (dist) parallel::all_gather_ints(world.world, {0}, world.device, "run directory");
@@ -662,6 +665,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
       return batcher.next(cursor);
     };
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
+    begin_step(ts, rc.optimizer, lr);  // (optimizer.in_backward: the backward updates)
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
     // ZeRO-2 reduces the gradients after every backward: every rank runs all its micro-batches.
@@ -734,15 +738,21 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     if (!finite) {
       st.skipped_steps += 1;
       st.consecutive_nonfinite += 1;
+      // (optimizer.in_backward: the tensors whose finite gradients came first were updated)
+      const int64_t partial = opt.in_backward() ? opt.updated_in_backward() : 0;
       release_grads();
       emit({{"type", "skip"},
             {"step", st.step},
             {"reason", std::isfinite(ce_sum) ? "non-finite gradient norm" : "non-finite loss"},
+            {"tensors_updated", partial},
             {"consecutive", st.consecutive_nonfinite}});
       progress.line("step " + std::to_string(st.step) + ": non-finite " +
                     (std::isfinite(ce_sum) ? "gradient norm" : "loss") +
-                    ", update skipped (" + std::to_string(st.consecutive_nonfinite) +
-                    " in a row)");
+                    (partial ? ", the rest of the update skipped (optimizer.in_backward had "
+                               "already updated " + std::to_string(partial) + " of " +
+                               std::to_string(opt.names.size()) + " tensors)"
+                             : ", update skipped") +
+                    " (" + std::to_string(st.consecutive_nonfinite) + " in a row)");
       win.skipped += 1;
       if (st.consecutive_nonfinite >= rc.train.max_nonfinite_steps) {
         checkpoint();
