@@ -21,6 +21,10 @@ class BackendConfig:
     rms_norm: str = "fused"  # "fused" | "torch"
     rope: str = "fused"  # "fused" | "torch"
     swiglu: str = "fused"  # "fused" | "torch"
+    # dense linear layers (attention projections, dense MLPs, shared experts, the LM head):
+    # "auto" (bf16 on a CPU without native bf16 GEMM: AutoMoE's GEMM engine; else at::linear) |
+    # "torch" (at::linear)
+    linear: str = "auto"
     # "torch": full logits then cross-entropy (logits returned, as in Transformers);
     # "fused_linear_ce": chunked LM head + loss, no logits returned when labels are given
     loss: str = "torch"

@@ -235,6 +235,20 @@ def grouped_gemm_cases():
                    OPS.grouped_gemm_reference, grad=(0, 1), cast=(0, 1))
 
 
+def linear_cases():
+    # The dense linear: batched rows (3-D input), odd sizes, one row, a bias. Where ATen's bf16
+    # GEMM is not native it runs on the CPU GEMM engine (forward, dX, dW); the reference is
+    # torch's linear in float64.
+    for shape, K, O, bias in [((2, 5), 33, 19, False), ((1,), 7, 3, True), ((3, 41), 64, 96, True),
+                              ((130,), 300, 260, False)]:
+        def make(g, shape=shape, K=K, O=O, bias=bias):
+            return [randn(g, *shape, K), randn(g, O, K, scale=0.2),
+                    randn(g, O, scale=0.5) if bias else None]
+        yield Case(f"linear-{'x'.join(map(str, shape))}-K{K}-O{O}{'-bias' if bias else ''}", make,
+                   OPS.linear, torch.nn.functional.linear, grad=(0, 1, 2) if bias else (0, 1),
+                   cast=(0, 1, 2))
+
+
 def grouped_gemm_lora_cases():
     # LoRA inside the grouped GEMM: an empty expert, r = 1, a single row (T = 1), rows past the
     # groups; scaling as PEFT's alpha / r. The frozen base weight (w) gets no gradient.
@@ -273,7 +287,8 @@ def cross_entropy_cases():
 
 
 CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
-         *grouped_gemm_cases(), *grouped_gemm_lora_cases(), *cross_entropy_cases()]
+         *grouped_gemm_cases(), *linear_cases(), *grouped_gemm_lora_cases(),
+         *cross_entropy_cases()]
 
 
 def run_case(case: Case, dtype, device):

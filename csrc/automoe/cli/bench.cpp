@@ -53,6 +53,8 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
   --device cpu|cuda      (default cpu)
   --attn sdpa|eager      attention backend        (default sdpa; eager for GPT-OSS's sinks)
   --experts NAME         experts backend: grouped | torch_mm | eager    (default grouped)
+  --linear NAME          auto | torch: the dense linear layers' GEMM (BackendConfig linear)
+                                                                        (default auto)
   --loss NAME            fused_linear_ce | torch                        (default fused_linear_ce,
                          as automoe train)
   --master-weights NAME  float32 | remainders | none: where bf16 training keeps its float32
@@ -81,6 +83,7 @@ struct Options {
   std::string attn;  // "" = sdpa, or eager where the model's attention has sinks
   std::string experts = "grouped";
   std::string loss = "fused_linear_ce";
+  std::string linear = "auto";
   bool fake_gate = false, print_config = false, peak = false, list_types = false;
   int64_t lora = 0;  // LoRA rank; 0: full fine-tune
   std::string master_weights = "float32", state_dtype = "float32";
@@ -131,6 +134,8 @@ Options parse(const Args& args) {
       o.attn = value();
     else if (a == "--experts")
       o.experts = value();
+    else if (a == "--linear")
+      o.linear = value();
     else if (a == "--loss")
       o.loss = value();
     else if (a == "--json")
@@ -265,7 +270,8 @@ int bench(const Args& args) {
   const int64_t rss_before = rss_now();
   const std::string attn = !o.attn.empty() ? o.attn : spec.attn.sinks ? "eager" : "sdpa";
   BackendConfig backend =
-      BackendConfig::from_map({{"attn", attn}, {"experts", o.experts}, {"loss", o.loss}},
+      BackendConfig::from_map({{"attn", attn}, {"experts", o.experts}, {"loss", o.loss},
+                               {"linear", o.linear}},
                               "automoe bench");
   backend.fake_balanced_gate = o.fake_gate;
   NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
@@ -338,6 +344,7 @@ int bench(const Args& args) {
   json j = {
       {"side", "automoe"},
       {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss +
+                   (o.linear != "auto" ? ", linear=" + o.linear : std::string()) +
                    (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) +
                    (o.master_weights != "float32" || o.state_dtype != "float32"
                         ? ", masters=" + o.master_weights + ", moments=" + o.state_dtype

@@ -18,6 +18,7 @@ const std::map<std::string, std::vector<std::string>>& implemented() {
       {"attn", {"sdpa", "eager"}},      {"experts", {"grouped", "torch_mm", "eager"}},
       {"rms_norm", {"fused", "torch"}}, {"rope", {"fused", "torch"}},
       {"swiglu", {"fused", "torch"}},   {"loss", {"torch", "fused_linear_ce"}},
+      {"linear", {"auto", "torch"}},
       {"dispatcher", {"auto", "local", "allgather", "alltoall", "alltoall_overlap"}},        {"fake_balanced_gate", {"false", "true"}},
   };
   return fields;
@@ -57,6 +58,7 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
     if (key == "rms_norm") cfg.fused_rms_norm = value == "fused";
     if (key == "rope") cfg.fused_rope = value == "fused";
     if (key == "swiglu") cfg.fused_swiglu = value == "fused";
+    if (key == "linear") cfg.engine_linear = value == "auto";
     if (key == "loss") {
       cfg.loss = value == "fused_linear_ce" ? LossBackend::kFusedLinearCE : LossBackend::kTorch;
     }
@@ -74,6 +76,7 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   out["rms_norm"] = fused_rms_norm ? "fused" : "torch";
   out["rope"] = fused_rope ? "fused" : "torch";
   out["swiglu"] = fused_swiglu ? "fused" : "torch";
+  out["linear"] = engine_linear ? "auto" : "torch";
   out["loss"] = loss == LossBackend::kFusedLinearCE ? "fused_linear_ce" : "torch";
   out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
   out["dispatcher"] = dispatcher;
@@ -147,14 +150,24 @@ ComponentOps resolve(const BackendConfig& b) {
   } else {
     o.rope = &ops::rope_reference;
   }
+  using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+  const Linear linear = b.engine_linear
+                            ? static_cast<Linear>(&ops::linear)
+                            : [](const at::Tensor& x, const at::Tensor& w,
+                                 const std::optional<at::Tensor>& bias) { return at::linear(x, w, bias); };
+  o.linear = linear;
   if (b.fused_swiglu) {
-    o.mlp = [](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u, const at::Tensor& d) {
-      return at::linear(ops::swiglu(at::linear(x, at::cat({g, u}, 0))), d);
+    o.mlp = [linear](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u,
+                     const at::Tensor& d) {
+      return linear(ops::swiglu(linear(x, at::cat({g, u}, 0), std::nullopt)), d, std::nullopt);
     };
   } else {
     // Transformers' separate gate and up projections, then the SwiGLU reference.
-    o.mlp = [](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u, const at::Tensor& d) {
-      return at::linear(ops::swiglu_reference(at::cat({at::linear(x, g), at::linear(x, u)}, -1)), d);
+    o.mlp = [linear](const at::Tensor& x, const at::Tensor& g, const at::Tensor& u,
+                     const at::Tensor& d) {
+      return linear(ops::swiglu_reference(at::cat({linear(x, g, std::nullopt),
+                                                   linear(x, u, std::nullopt)}, -1)),
+                    d, std::nullopt);
     };
   }
   switch (b.experts) {

@@ -24,6 +24,10 @@ struct BackendConfig {
   bool fused_rms_norm = true;                         // rms_norm: "fused" | "torch"
   bool fused_rope = true;                             // rope: "fused" | "torch"
   bool fused_swiglu = true;                           // swiglu: "fused" | "torch"
+  // The dense linear layers (attention projections, dense MLPs, shared experts): "auto"
+  // (ops::linear: the CPU GEMM engine for bf16 where ATen's bf16 GEMM is not native, at::linear
+  // elsewhere) | "torch" (at::linear always).
+  bool engine_linear = true;
   // "torch": full logits, then cross-entropy; "fused_linear_ce": chunked LM head + loss, and
   // no logits are returned when labels are given (what keeps [T, V] out of memory).
   LossBackend loss = LossBackend::kTorch;
@@ -52,6 +56,10 @@ struct ComponentOps {
   std::function<at::Tensor(const at::Tensor& x_BSND, const at::Tensor& cos_BSh,
                            const at::Tensor& sin_BSh, bool interleaved)>
       rope;
+  // y = x·wᵀ (+ bias): every dense linear layer (ops::linear or at::linear).
+  std::function<at::Tensor(const at::Tensor& x, const at::Tensor& w,
+                           const std::optional<at::Tensor>& bias)>
+      linear;
   // down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
   std::function<at::Tensor(const at::Tensor& x, const at::Tensor& w_gate, const at::Tensor& w_up,
                            const at::Tensor& w_down)>

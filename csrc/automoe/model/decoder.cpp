@@ -142,7 +142,7 @@ void Decoder::set_adapters(std::vector<LoraSite> sites) {
 }
 
 at::Tensor Decoder::linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const {
-  at::Tensor y = at::linear(x, p(w), opt_param(params_, bias));
+  at::Tensor y = ops_.linear(x, p(w), opt_param(params_, bias));
   const LoraSite* s = adapter(w);
   if (!s) return y;
   // PEFT's lora.Linear: base(x) + lora_B(lora_A(dropout(x))) * scaling with x cast to the
@@ -522,7 +522,7 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
       kept_BSH = h_BSH.narrow(1, std::max<int64_t>(S - a.logits_to_keep, 0),
                               std::min(a.logits_to_keep, S));
     }
-    r.logits = at::linear(kept_BSH, p(slots_.lm_head));
+    r.logits = ops_.linear(kept_BSH, p(slots_.lm_head), std::nullopt);
   }
 
   if (a.labels) {

@@ -133,6 +133,8 @@ TORCH_LIBRARY(automoe, m) {
   m.def("grouped_gemm(Tensor x, Tensor w, Tensor offsets) -> Tensor", TORCH_FN(grouped_gemm));
   m.def("grouped_gemm_reference(Tensor x, Tensor w, Tensor offsets) -> Tensor",
         TORCH_FN(grouped_gemm_reference));
+  // (its reference is at::linear itself: torch.nn.functional.linear)
+  m.def("linear(Tensor x, Tensor w, Tensor? bias=None) -> Tensor", TORCH_FN(linear));
   const char* lora_args = "(Tensor x, Tensor w, Tensor a, Tensor b, Tensor offsets, float scaling) -> Tensor";
   m.def((std::string("grouped_gemm_lora") + lora_args).c_str(), TORCH_FN(grouped_gemm_lora));
   m.def((std::string("grouped_gemm_lora_reference") + lora_args).c_str(),

@@ -11,7 +11,6 @@
 #include <algorithm>
 
 #include "automoe/ops/common.h"
-#include "automoe/ops/cpu/isa.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/ops.h"
@@ -32,14 +31,7 @@ cpu::GemmOperand operand(const at::Tensor& t, int64_t row_stride, int64_t col_st
 // native (oneDNN with AVX-512-BF16 or AMX: as fast as our engine's best path or faster), on our
 // engine below that (without native bf16 ATen's bf16 GEMM crawls); float32 on whichever of ATen's
 // BLAS and our engine measured faster here (gemm_cpu.h). float64 and CUDA: at::mm.
-bool use_cpu_engine(const at::Tensor& t) {
-  if (!t.is_cpu()) return false;
-  if (t.scalar_type() == at::kBFloat16) {  // ATen's native bf16 GEMM is oneDNN's
-    return cpu::active_isa() < cpu::Isa::kAvx512Bf16 || !at::hasMKLDNN() ||
-           !at::globalContext().userEnabledMkldnn();
-  }
-  return t.scalar_type() == at::kFloat && !cpu::aten_faster_fp32();
-}
+bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && cpu::engine_preferred(t.scalar_type()); }
 
 // a [M, K] · bᵀ where b [N, K]: float32 (float64 for float64) [M, N]. Off the CPU engine the
 // GEMM runs in the inputs' dtype (cuBLAS bf16 tensor cores) and the result is widened, the same

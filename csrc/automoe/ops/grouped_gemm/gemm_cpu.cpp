@@ -704,6 +704,14 @@ bool brgemm_measured_faster() {
 
 }  // namespace
 
+bool engine_preferred(c10::ScalarType dtype) {
+  if (dtype == at::kBFloat16) {  // ATen's native bf16 GEMM is oneDNN's
+    return active_isa() < Isa::kAvx512Bf16 || !at::hasMKLDNN() ||
+           !at::globalContext().userEnabledMkldnn();
+  }
+  return dtype == at::kFloat && !aten_faster_fp32();
+}
+
 bool aten_faster_fp32() {
   const Isa isa = active_isa();
   if (isa < Isa::kAvx2) return true;  // the generic loop never beats a BLAS

@@ -4,6 +4,7 @@
 
 #include "automoe/ops/common.h"
 #include "automoe/ops/cuda_status.h"
+#include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe::ops {
@@ -146,6 +147,20 @@ at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const a
   if (x_NK.is_cuda() && !use_cuda_kernel("grouped_gemm"))
     return grouped_gemm_reference(x_NK, w_GOK, offsets);
   return GroupedGemmFn::apply(x_NK, w_GOK, offsets);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  const bool engine = x.is_cpu() && w.is_cpu() && x.scalar_type() == at::kBFloat16 &&
+                      w.scalar_type() == at::kBFloat16 && w.dim() == 2 && x.dim() >= 1 &&
+                      x.size(-1) == w.size(1) && cpu::engine_preferred(at::kBFloat16);
+  if (!engine) return at::linear(x, w, bias);  // (which also names any mismatch)
+  const at::Tensor x_NK = x.reshape({-1, w.size(1)});
+  const at::Tensor offsets = at::tensor({int64_t{0}, x_NK.size(0)}, at::kLong);
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape.back() = w.size(0);
+  at::Tensor y = GroupedGemmFn::apply(x_NK, w.unsqueeze(0), offsets).view(shape);
+  if (bias && bias->defined()) y = y + *bias;
+  return y;
 }
 
 at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
