@@ -6,6 +6,7 @@
 #include <torch/autograd.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +16,7 @@
 #include "automoe/model/decoder.h"
 #include "automoe/train/dataset.h"
 #include "automoe/train/recipe.h"
+#include "automoe/train/step.h"
 #include "tiny_spec.h"
 
 namespace automoe::train {
@@ -379,6 +381,62 @@ TEST(DocumentIds, PackedDocumentsGiveTheLogitsOfSeparateForwards) {
   for (const auto& c : rp.expert_counts) EXPECT_EQ(c.sum().item<int64_t>(), 9 * 2);
   packed.attention_mask = at::ones({1, 11}, at::kLong);
   EXPECT_THROW(model.forward(packed), Error);
+}
+
+// optimizer.in_backward through the real hooks: a step whose backward meets a non-finite gradient
+// after updating some tensors is skipped with every tensor's step count where it was (the one
+// count a checkpoint records); a finite step then advances them all by one and updates every
+// tensor, the one no gradient reached too (with a zero gradient, as the ordinary step).
+TEST(OptimizerInBackward, SkippedStepsKeepOneStepCountAndFiniteStepsUpdateEverything) {
+  at::manual_seed(3);
+  TrainState s;
+  NamedTensors masters;
+  for (const char* n : {"a", "b", "c"}) masters.emplace_back(n, at::randn({4, 3}));
+  s.opt.init(masters, {false, false, false}, /*own_grads=*/false);
+  for (const auto& [n, t] : masters) {
+    t.set_requires_grad(true);
+    s.model_params.push_back(t);
+  }
+  OptimizerSection o;
+  o.in_backward = true;
+  o.max_grad_norm = 0;
+  o.weight_decay = 0.1;
+  const std::vector<at::Tensor> before{masters[0].second.detach().clone(),
+                                       masters[1].second.detach().clone(),
+                                       masters[2].second.detach().clone()};
+  // Step 1: a finite loss whose gradient for b is NaN (sqrt's derivative at 0, times 0); a's
+  // finite gradient is complete first (autograd runs the first operand's branch first here)
+  // and is applied.
+  begin_step(s, o, 1e-2);
+  const at::Tensor loss1 = (s.model_params[0] * 2).sum() + at::sqrt(s.model_params[1] * 0).sum();
+  backward_micro_batch(s, loss1, true);
+  EXPECT_FALSE(std::isfinite(s.opt.grad_norm()));
+  EXPECT_EQ(s.opt.updated_in_backward(), 1);  // a partly applied step
+  EXPECT_FALSE(at::equal(s.model_params[0].detach(), before[0]));
+  EXPECT_TRUE(at::equal(s.model_params[1].detach(), before[1]));  // never updated
+  release_gradients(s);                                             // skipped
+  for (const auto& st : s.opt.step) EXPECT_EQ(st.item<double>(), 0.0);
+  // Step 2: finite; c gets no gradient and is updated after the backward (weight decay).
+  begin_step(s, o, 1e-2);
+  const at::Tensor a_before = s.model_params[0].detach().clone();
+  backward_micro_batch(s, (s.model_params[0] * 3).sum() + s.model_params[1].sum(), true);
+  EXPECT_EQ(s.opt.updated_in_backward(), 2);
+  EXPECT_NEAR(s.opt.grad_norm(), std::sqrt(12 * 9.0 + 12 * 1.0), 1e-5);  // (float32 norms)
+  update_weights(s, o, 1e-2);
+  release_gradients(s);
+  for (const auto& st : s.opt.step) EXPECT_EQ(st.item<double>(), 1.0);
+  EXPECT_FALSE(at::equal(s.model_params[0].detach(), a_before));
+  EXPECT_FALSE(at::equal(s.model_params[1].detach(), before[1]));
+  EXPECT_TRUE(at::allclose(s.model_params[2].detach(), before[2] * (1 - 1e-2 * 0.1)));
+  // A non-finite loss (here with finite gradients: inf * 0 is not in the graph) updates nothing.
+  begin_step(s, o, 1e-2);
+  const at::Tensor w_before = s.model_params[0].detach().clone();
+  const at::Tensor loss3 = s.model_params[0].sum() + at::scalar_tensor(INFINITY);
+  backward_micro_batch(s, loss3, true);
+  EXPECT_EQ(s.opt.updated_in_backward(), 0);
+  release_gradients(s);
+  EXPECT_TRUE(at::equal(s.model_params[0].detach(), w_before));
+  for (const auto& st : s.opt.step) EXPECT_EQ(st.item<double>(), 1.0);
 }
 
 }  // namespace

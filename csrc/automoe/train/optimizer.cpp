@@ -479,6 +479,16 @@ void AdamW::finish_in_backward(std::vector<at::Tensor>& params) {
     if (!params[i].is_same(master[i])) params[i].copy_(master[i]);
     bwd_done_[i] = true;
   }
+  armed_ = false;  // finished
+}
+
+void AdamW::disarm() {
+  if (!in_bwd_ || !armed_) return;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < master.size(); ++i) {
+    if (bwd_done_[i]) step[i].sub_(1.0);
+  }
+  armed_ = false;
 }
 
 void AdamW::publish(std::vector<at::Tensor>& params) {

@@ -118,6 +118,12 @@ struct AdamW {
   // Tensors the step's backward has updated (in_backward); a non-finite gradient stops the
   // step's updates (those already made stay) and makes grad_norm() non-finite.
   int64_t updated_in_backward() const { return bwd_updated_; }
+  // No tensor of this step is updated from here on (a non-finite loss, before its backward).
+  void stop_updates() { bwd_poisoned_ = true; }
+  // The step is over (in_backward): when it was skipped rather than finished, the step counts
+  // of the tensors its backward had updated go back, so that every tensor keeps the one count
+  // a checkpoint records (their weights and moments keep the update: it cannot be undone).
+  void disarm();
 
  private:
   // One bucket of tensors sharing a group (ZeRO): their flat layout and this rank's slice.

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <chrono>
+#include <cmath>
 #include <utility>
 
 #include "automoe/core/error.h"
@@ -107,6 +108,8 @@ ForwardResult train_micro_batch(TrainState& s, Decoder& decoder, const ForwardAr
 
 void backward_micro_batch(TrainState& s, const at::Tensor& loss, bool last,
                           const std::function<void()>& device_sync, double* wait_s) {
+  // (in_backward: a non-finite loss can come with finite gradients; its step updates nothing)
+  if (s.opt.in_backward() && !std::isfinite(loss.item<double>())) s.opt.stop_updates();
   if (s.opt.sharded()) s.opt.begin_backward(last);
   loss.backward();
   if (s.opt.sharded()) {
@@ -160,6 +163,7 @@ void update_weights(TrainState& s, const OptimizerSection& o, double lr) {
 }
 
 void release_gradients(TrainState& s) {
+  s.opt.disarm();  // (in_backward)
   if (s.own_grads || s.opt.sharded()) {
     s.opt.zero_grads();
   } else {

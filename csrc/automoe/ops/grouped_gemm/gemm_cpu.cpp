@@ -706,8 +706,11 @@ bool brgemm_measured_faster() {
 
 bool engine_preferred(c10::ScalarType dtype) {
   if (dtype == at::kBFloat16) {  // ATen's native bf16 GEMM is oneDNN's
-    return active_isa() < Isa::kAvx512Bf16 || !at::hasMKLDNN() ||
-           !at::globalContext().userEnabledMkldnn();
+    // (below AVX2 the engine is a plain loop: ATen's, whatever it runs, is the better bet —
+    // and on other architectures ATen may have native bf16 the ISA table does not know)
+    const Isa isa = active_isa();
+    return isa >= Isa::kAvx2 && (isa < Isa::kAvx512Bf16 || !at::hasMKLDNN() ||
+                                 !at::globalContext().userEnabledMkldnn());
   }
   return dtype == at::kFloat && !aten_faster_fp32();
 }

@@ -54,9 +54,10 @@ void force_gemm_path(const std::string& name);
 // measured once per process and instruction-set level (gemm_cpu.cpp). The grouped GEMM and the
 // fused cross-entropy run float32 on the faster one.
 bool aten_faster_fp32();
-// Whether a CPU GEMM of this dtype runs faster on gemm_batch than on at::mm here: bf16 where
-// ATen's bf16 GEMM is not native (no AVX512_BF16 / AMX, or no oneDNN: ATen's fallback measured
-// 0.3-21 GFLOP/s on an AVX2 EPYC, against ~130 for the engine), float32 by aten_faster_fp32();
+// Whether a CPU GEMM of this dtype runs faster on gemm_batch than on at::mm here: bf16 on an
+// AVX2 or AVX-512 CPU whose ATen bf16 GEMM is not native (no AVX512_BF16 / AMX, or no oneDNN:
+// ATen's fallback measured 0.3-21 GFLOP/s on an AVX2 EPYC, against ~130 for the engine; below
+// AVX2 the engine is a plain loop and ATen keeps it), float32 by aten_faster_fp32();
 // other dtypes never. The fused cross-entropy and the dense linear (ops::linear) choose by it.
 bool engine_preferred(c10::ScalarType dtype);
 // What the measured choices found, e.g. "brgemm 610 vs avx512 300 GFLOP/s (one thread); aten

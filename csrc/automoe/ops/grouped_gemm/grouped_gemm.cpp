@@ -150,9 +150,12 @@ at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const a
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  // (a bias of another dtype, or empty operands: at::linear's promotion rules and messages)
   const bool engine = x.is_cpu() && w.is_cpu() && x.scalar_type() == at::kBFloat16 &&
                       w.scalar_type() == at::kBFloat16 && w.dim() == 2 && x.dim() >= 1 &&
-                      x.size(-1) == w.size(1) && cpu::engine_preferred(at::kBFloat16);
+                      x.size(-1) == w.size(1) && w.numel() > 0 && x.numel() > 0 &&
+                      (!bias || !bias->defined() || bias->scalar_type() == at::kBFloat16) &&
+                      cpu::engine_preferred(at::kBFloat16);
   if (!engine) return at::linear(x, w, bias);  // (which also names any mismatch)
   const at::Tensor x_NK = x.reshape({-1, w.size(1)});
   const at::Tensor offsets = at::tensor({int64_t{0}, x_NK.size(0)}, at::kLong);
