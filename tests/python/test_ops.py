@@ -14,9 +14,11 @@ cases are also checked against finite differences (torch.autograd.gradcheck).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import pytest
+
 import torch
 
 import automoe  # noqa: F401  (registers torch.ops.automoe)
@@ -829,6 +831,152 @@ def test_adamw_remainders_keep_the_float32_masters_bit_for_bit(cpu_path):
             assert torch.equal(w, _C._split_master(master)[0])
         for a, b in zip(m1 + v1, m2 + v2):
             assert torch.equal(a, b)
+
+
+# ---- 8-bit moments (optimizer.state_dtype: 8bit) -------------------------------------------------
+
+
+def dynamic_map_reference(signed):
+    """The block-wise 8-bit optimizers' dynamic map (Dettmers et al. 2022) from its description:
+    decade 10^(i-6), i = 0..6, holds the middles of [0.1, 1] cut into 2^i equal bins (unsigned:
+    2^(i+1)), signed with their negatives; plus 0 and 1."""
+    vals = [0.0, 1.0]
+    for i in range(7):
+        bins = 2 ** i if signed else 2 ** (i + 1)
+        for k in range(bins):
+            middle = 10.0 ** (i - 6) * (0.1 + 0.9 * (k + 0.5) / bins)
+            vals += [middle, -middle] if signed else [middle]
+    return torch.tensor(sorted(vals), dtype=torch.float64)
+
+
+def test_8bit_map_is_the_dynamic_map_with_its_midpoints():
+    from automoe import _C
+
+    for signed in (True, False):
+        values, mids = _C._qmap8(signed)
+        ref = dynamic_map_reference(signed)
+        assert values.shape == (256,) and mids.shape == (255,)
+        assert torch.equal(values, ref.float())
+        assert bool((values[1:] > values[:-1]).all())
+        assert 0.0 in values.tolist() and 1.0 in values.tolist()
+        v64 = values.double()
+        assert torch.equal(mids, ((v64[1:] + v64[:-1]) / 2).float())
+        if not signed:
+            assert float(values.min()) == 0.0
+
+
+def quantize_reference(x, signed, block=256):
+    """Codes and scales of x ([..., cols], float64) as AdamW's 8-bit state keeps them: blocks of
+    `block` along the last dimension, each divided by its largest magnitude, nearest map value
+    (the number of midpoints below)."""
+    from automoe import _C
+
+    _, mids = _C._qmap8(signed)
+    cols = x.shape[-1]
+    nb = -(-cols // block)
+    rows = x.reshape(-1, cols)
+    padded = torch.nn.functional.pad(rows, (0, nb * block - cols)).view(rows.shape[0], nb, block)
+    scale = padded.abs().amax(-1)
+    normalized = padded * torch.where(scale > 0, 1 / scale, torch.zeros_like(scale)).unsqueeze(-1)
+    codes = torch.searchsorted(mids.double(), normalized.contiguous(), right=False)
+    codes = codes.view(rows.shape[0], nb * block)[:, :cols].reshape(x.shape)
+    return codes.to(torch.uint8), scale.view(*x.shape[:-1], nb) if x.dim() > 1 else scale.view(nb)
+
+
+def dequantize_reference(codes, scale, signed, block=256):
+    from automoe import _C
+
+    values, _ = _C._qmap8(signed)
+    cols = codes.shape[-1]
+    s = scale.double().reshape(-1, scale.shape[-1]).repeat_interleave(block, 1)[:, :cols]
+    return (values.double()[codes.long()].reshape(-1, cols) * s).reshape(codes.shape)
+
+
+ADAMW8_SHAPES = [(17, 300), (3, 5, 600), (4099,), (37, 19)]  # partial blocks; the last stays float32
+
+
+def test_adamw_8bit_moments_step_as_a_float64_reference(cpu_path):
+    """state_dtype 8bit: each step dequantizes the moments block by block, updates weight and
+    moments in float32 as AdamW does, and quantizes the moments again with the block's new absmax
+    (the weight update uses the unrounded moments) — against float64 arithmetic on the same state,
+    step after step, for float32 and bf16 weights, float32 and bf16 gradients, with clipping's
+    scale; tensors under 4096 elements keep float32 moments."""
+    from automoe import _C
+
+    lr, (b1, b2), eps, wd = ADAMW["lr"], ADAMW["betas"], ADAMW["eps"], ADAMW["weight_decay"]
+    g = torch.Generator().manual_seed(11)
+    for wdtype, gdtype, scale_g in ((torch.float32, torch.float32, 1.0),
+                                    (torch.float32, torch.bfloat16, 0.37),
+                                    (torch.bfloat16, torch.bfloat16, 1.0)):
+        params = [(torch.randn(s, generator=g) * 0.05).to(wdtype) for s in ADAMW8_SHAPES]
+        q8 = [p.numel() >= 4096 for p in params]
+        m = [torch.zeros(p.shape, dtype=torch.uint8 if q else torch.float32) for p, q in zip(params, q8)]
+        v = [torch.zeros_like(t) for t in m]
+        sc_shape = [(*p.shape[:-1], -(-p.shape[-1] // 256)) for p in params]
+        ms = [torch.zeros(s) if q else torch.zeros(0) for s, q in zip(sc_shape, q8)]
+        vs = [torch.zeros_like(t) for t in ms]
+        codes_differ = codes_total = 0
+        for step in range(1, 7):
+            grads = [(torch.randn(p.shape, generator=g) * (1 + 3 * torch.rand(p.shape, generator=g))
+                      ).to(gdtype) for p in params]
+            before = [(p.double(), a.clone(), b.clone(), c.clone(), d.clone())
+                      for p, a, b, c, d in zip(params, m, v, ms, vs)]
+            _C._adamw_step(params, grads, m, v, [], step, lr, b1, b2, eps, wd, scale_g,
+                           exp_avg_scales=ms, exp_avg_sq_scales=vs)
+            for i, (p0, m0, v0, s0, t0) in enumerate(before):
+                gr = grads[i].double() * float(torch.tensor(scale_g, dtype=torch.float32))
+                if q8[i]:
+                    mm, vv = dequantize_reference(m0, s0, True), dequantize_reference(v0, t0, False)
+                else:
+                    mm, vv = m0.double(), v0.double()
+                mm = mm + (1 - b1) * (gr - mm)
+                vv = vv * b2 + (1 - b2) * gr * gr
+                denom = vv.sqrt() / math.sqrt(1 - b2 ** step) + eps
+                p_ref = p0 * (1 - lr * wd) - lr / (1 - b1 ** step) * mm / denom
+                tol = dict(rtol=1e-5, atol=1e-7) if wdtype == torch.float32 else \
+                    dict(rtol=2 ** -7, atol=1e-6)  # one bf16 ulp: float32 vs float64 at a tie
+                torch.testing.assert_close(params[i].double(), p_ref.to(wdtype).double(), **tol)
+                if not q8[i]:
+                    torch.testing.assert_close(m[i].double(), mm, rtol=1e-5, atol=1e-6)
+                    continue
+                for got, got_s, want, signed in ((m[i], ms[i], mm, True), (v[i], vs[i], vv, False)):
+                    want_c, want_s = quantize_reference(want, signed)
+                    torch.testing.assert_close(got_s.double(), want_s, rtol=1e-5, atol=0)
+                    diff = (got.int() - want_c.int()).abs()
+                    assert int(diff.max()) <= 1  # float32 vs float64 at a midpoint
+                    codes_differ += int((diff > 0).sum())
+                    codes_total += diff.numel()
+        assert codes_differ <= codes_total // 1000, (codes_differ, codes_total)
+        # ... and the moments were quantized: the codes span the map
+        assert len(torch.unique(m[0])) > 100
+
+
+def test_8bit_aten_composition_quantizes_as_the_reference():
+    """AdamW::quantize8 / dequantize8 (the ATen ops the step uses off the CPU, e.g. on CUDA)
+    against the float64 reference: the same codes, scales and values, zero blocks included."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(5)
+    for shape in [(3, 7, 300), (4099,), (2, 256)]:
+        for signed in (True, False):
+            x = torch.randn(shape, generator=g) * torch.logspace(-6, 0, shape[-1])
+            x = x if signed else x.abs()
+            x.view(-1, shape[-1])[0, :256] = 0  # an all-zero block
+            codes = torch.zeros(shape, dtype=torch.uint8)
+            scale = torch.zeros(*shape[:-1], -(-shape[-1] // 256)) if len(shape) > 1 else \
+                torch.zeros(-(-shape[-1] // 256))
+            _C._quantize8(x, codes, scale, signed)
+            want_c, want_s = quantize_reference(x.double(), signed)
+            torch.testing.assert_close(scale.double(), want_s, rtol=0, atol=0)
+            diff = (codes.int() - want_c.int()).abs()
+            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, x.numel() // 1000)
+            back = _C._dequantize8(codes, scale, signed)
+            torch.testing.assert_close(back.double(), dequantize_reference(codes, scale, signed),
+                                       rtol=1e-6, atol=0)
+            # the nearest map value: off by at most half the map's widest gap (0.9 / 64 near the
+            # top, where a block's most negative value, -absmax, meets -0.993) times the absmax
+            err = (back.double() - x.double()).abs()
+            assert float(err.max()) <= 0.0071 * float(x.abs().max()) + 1e-12
 
 
 def test_remainder_split_and_join_are_exact_for_every_float():

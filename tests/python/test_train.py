@@ -408,8 +408,65 @@ def test_bfloat16_optimizer_precision_options_train_checkpoint_and_refuse_a_mism
     assert sorted(metrics(run)) == [1, 2, 3, 4]
 
 
+def test_8bit_moments_train_checkpoint_codes_and_scales_and_resume_to_the_same_losses(model_dir, tmp_path):
+    """optimizer.state_dtype 8bit: the checkpoint holds uint8 codes for tensors of 4096 elements
+    or more, with float32 block scales ([..., ceil(cols / 256)]) that dequantize to the moments a
+    bf16-moment run keeps (to the map's resolution), float32 moments for the small ones; the
+    losses follow the bf16-moment run's; a run stopped at step 2 and resumed makes the same
+    losses and weights as one that went straight to step 4."""
+    from automoe import _C
+
+    def recipe(name, moments, steps):
+        return base_recipe(model_dir, tmp_path, name, model={"dtype": "bfloat16"},
+                           train={"max_steps": steps},
+                           optimizer={"master_weights": "none", "state_dtype": moments},
+                           checkpoint={"every": 2})
+
+    run_train(recipe("straight", "8bit", 4), tmp_path)
+    run_train(recipe("bf16", "bfloat16", 2), tmp_path)
+    stopped = recipe("stopped", "8bit", 2)
+    run_train(stopped, tmp_path)
+    stopped["train"]["max_steps"] = 4
+    run_train(stopped, tmp_path)
+
+    ref, got, bf16 = (metrics(tmp_path / n) for n in ("straight", "stopped", "bf16"))
+    assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
+    for step in ref:
+        assert got[step]["loss"] == ref[step]["loss"], step
+    assert ref[1]["loss"] == bf16[1]["loss"]
+    assert ref[2]["loss"] == pytest.approx(bf16[2]["loss"], rel=1e-2)
+    a, b = (load_tensors(tmp_path / n / "step-4" / "model.safetensors") for n in ("straight", "stopped"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    state = load_tensors(tmp_path / "straight" / "step-2" / "optimizer.safetensors")
+    state16 = load_tensors(tmp_path / "bf16" / "step-2" / "optimizer.safetensors")
+    weights = load_tensors(tmp_path / "straight" / "step-2" / "model.safetensors")
+    quantized = 0
+    for name, w in weights.items():
+        if f"exp_avg.{name}" not in state:
+            continue
+        m, v = state[f"exp_avg.{name}"], state[f"exp_avg_sq.{name}"]
+        if w.numel() < 4096:
+            assert m.dtype == v.dtype == torch.float32 and f"exp_avg_scale.{name}" not in state
+            continue
+        quantized += 1
+        sm, sv = state[f"exp_avg_scale.{name}"], state[f"exp_avg_sq_scale.{name}"]
+        assert m.dtype == v.dtype == torch.uint8 and m.shape == w.shape, name
+        blocks = -(-w.shape[-1] // 256)
+        assert sm.dtype == torch.float32 and sm.shape == (*w.shape[:-1], blocks), name
+        # the same gradients at step 1, one update apart at step 2: the moments agree to the map's
+        # resolution (and bf16's) relative to their magnitude
+        for codes, scale, signed, ref16 in ((m, sm, True, state16[f"exp_avg.{name}"]),
+                                            (v, sv, False, state16[f"exp_avg_sq.{name}"])):
+            deq = _C._dequantize8(codes, scale, signed).float()
+            err = (deq - ref16.float()).abs().max()
+            assert err <= 0.05 * ref16.float().abs().max(), name
+    assert quantized >= 3  # embeddings, LM head, the experts' gate_up
+
+
 @pytest.mark.parametrize("dtype,masters,moments,checkpointing", [
-    ("bfloat16", "none", "bfloat16", True), ("bfloat16", "float32", "float32", False),
+    ("bfloat16", "none", "bfloat16", True), ("bfloat16", "none", "8bit", False),
+    ("bfloat16", "float32", "float32", False),
     ("float32", "float32", "float32", False)])
 def test_optimizer_in_backward_makes_the_same_weights_and_state_as_the_step_after_it(
         model_dir, tmp_path, dtype, masters, moments, checkpointing):

@@ -59,7 +59,7 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
                          as automoe train)
   --master-weights NAME  float32 | remainders | none: where bf16 training keeps its float32
                          masters (optimizer.master_weights)                (default float32)
-  --state-dtype NAME     float32 | bfloat16: AdamW's moments (optimizer.state_dtype)
+  --state-dtype NAME     float32 | bfloat16 | 8bit: AdamW's moments (optimizer.state_dtype)
   --optimizer-in-backward  each tensor updated in the backward, its gradient freed at once
                          (optimizer.in_backward; no clipping: the backward time includes
                          the optimizer's)
@@ -170,8 +170,8 @@ Options parse(const Args& args) {
   AUTOMOE_CHECK(o.master_weights == "float32" || o.master_weights == "remainders" ||
                     o.master_weights == "none",
                 "--master-weights: expected float32, remainders or none, got ", o.master_weights);
-  AUTOMOE_CHECK(o.state_dtype == "float32" || o.state_dtype == "bfloat16",
-                "--state-dtype: expected float32 or bfloat16, got ", o.state_dtype);
+  AUTOMOE_CHECK(o.state_dtype == "float32" || o.state_dtype == "bfloat16" || o.state_dtype == "8bit",
+                "--state-dtype: expected float32, bfloat16 or 8bit, got ", o.state_dtype);
   return o;
 }
 

@@ -15,6 +15,7 @@
 #include "automoe/model/kv_cache.h"
 #include "automoe/moe/dispatcher.h"
 #include "automoe/moe/experts.h"
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/parallel/world.h"
 #include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
 #include "automoe/train/optimizer.h"
@@ -377,11 +378,15 @@ PYBIND11_MODULE(_C, m) {
       [](std::vector<at::Tensor> params, std::vector<at::Tensor> grads,
          std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
          std::vector<at::Tensor> remainders, int64_t step, double lr, double beta1, double beta2,
-         double eps, double weight_decay, double grad_scale) {
+         double eps, double weight_decay, double grad_scale, std::vector<at::Tensor> exp_avg_scales,
+         std::vector<at::Tensor> exp_avg_sq_scales) {
         // The trainer's AdamW update for bf16 training (optimizer.master_weights / state_dtype),
         // one step on the given tensors in place, every tensor in the decay group: for tests
-        // against torch.optim.AdamW.
+        // against torch.optim.AdamW. 8-bit moments: uint8 codes with their block scales.
         const size_t n = params.size();
+        const bool q8 = !exp_avg_scales.empty();
+        AUTOMOE_CHECK(!q8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
+                      "_adamw_step: 8-bit moments need both scales for every parameter");
         AUTOMOE_CHECK(n > 0 && grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n &&
                           (remainders.empty() || remainders.size() == n),
                       "_adamw_step: one gradient, moment pair (and remainder) per parameter");
@@ -394,11 +399,24 @@ PYBIND11_MODULE(_C, m) {
         py::gil_scoped_release no_gil;
         train::AdamW opt;
         opt.init(named, std::vector<bool>(n, false), /*own_grads=*/true, /*full_state=*/true, kind,
-                 exp_avgs[0].scalar_type(), remainders);
+                 q8 ? at::kByte : exp_avgs[0].scalar_type(), remainders);
         opt.decay.assign(n, true);
         for (size_t i = 0; i < n; ++i) {
           opt.exp_avg[i] = exp_avgs[i];
           opt.exp_avg_sq[i] = exp_avg_sqs[i];
+          if (q8 && !opt.quantized(i)) {  // (under 4096 elements: float32 moments)
+            AUTOMOE_CHECK(exp_avgs[i].scalar_type() == at::kFloat, "_adamw_step: parameter ", i,
+                          ": float32 moments expected (", params[i].numel(), " elements)");
+          } else if (q8) {
+            AUTOMOE_CHECK(exp_avgs[i].scalar_type() == at::kByte &&
+                              exp_avg_sqs[i].scalar_type() == at::kByte &&
+                              exp_avg_scales[i].sizes() == opt.exp_avg_scale[i].sizes() &&
+                              exp_avg_sq_scales[i].sizes() == opt.exp_avg_scale[i].sizes(),
+                          "_adamw_step: parameter ", i, ": uint8 codes and scales of shape ",
+                          opt.exp_avg_scale[i].sizes(), " expected");
+            opt.exp_avg_scale[i] = exp_avg_scales[i];
+            opt.exp_avg_sq_scale[i] = exp_avg_sq_scales[i];
+          }
           opt.step[i].fill_(static_cast<double>(step - 1));
           opt.accumulate(i, grads[i]);
         }
@@ -412,7 +430,33 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("params"), py::arg("grads"), py::arg("exp_avgs"), py::arg("exp_avg_sqs"),
       py::arg("remainders"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
-      py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0);
+      py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0,
+      py::arg("exp_avg_scales") = std::vector<at::Tensor>{},
+      py::arg("exp_avg_sq_scales") = std::vector<at::Tensor>{});
+  m.def(
+      "_qmap8",
+      [](bool is_signed) {
+        // The 8-bit moments' map (optimizer.state_dtype: 8bit): its 256 values and 255 midpoints.
+        const at::Tensor v = at::from_blob(const_cast<float*>(ops::cpu::vec::qmap8(is_signed)),
+                                           {256}, at::kFloat).clone();
+        const at::Tensor m = at::from_blob(const_cast<float*>(ops::cpu::vec::qmid8(is_signed)),
+                                           {255}, at::kFloat).clone();
+        return py::make_tuple(v, m);
+      },
+      py::arg("is_signed"));
+  m.def(
+      "_quantize8",
+      [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, bool is_signed) {
+        // AdamW::quantize8 (the ATen composition the non-CPU step uses), into codes and scale.
+        train::AdamW::quantize8(x, codes, scale, is_signed);
+      },
+      py::arg("x"), py::arg("codes"), py::arg("scale"), py::arg("is_signed"));
+  m.def(
+      "_dequantize8",
+      [](const at::Tensor& codes, const at::Tensor& scale, bool is_signed) {
+        return train::AdamW::dequantize8(codes, scale, is_signed);
+      },
+      py::arg("codes"), py::arg("scale"), py::arg("is_signed"));
   m.def(
       "_split_master",
       [](const at::Tensor& f32) {

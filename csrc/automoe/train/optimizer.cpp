@@ -29,6 +29,60 @@ const char* AdamW::masters_name(Masters m) {
   }
 }
 
+c10::ScalarType AdamW::parse_state_dtype(const std::string& name) {
+  if (name == "float32") return at::kFloat;
+  if (name == "bfloat16") return at::kBFloat16;
+  if (name == "8bit") return at::kByte;
+  fail("optimizer.state_dtype: \"", name, "\" is not one of: float32, bfloat16, 8bit");
+}
+
+const char* AdamW::state_dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16: return "bfloat16";
+    case at::kByte: return "8bit";
+    default: return "float32";
+  }
+}
+
+namespace {
+
+using ops::cpu::vec::kQuantBlock;
+
+// A tensor's rows for the 8-bit moments: its last dimension.
+int64_t quant_cols(const at::Tensor& t) { return t.dim() == 0 ? 1 : std::max<int64_t>(1, t.size(-1)); }
+
+at::Tensor qtable(const float* values, int64_t n, const at::Device& dev) {
+  return at::from_blob(const_cast<float*>(values), {n}, at::kFloat).to(dev, /*non_blocking=*/false,
+                                                                         /*copy=*/true);
+}
+
+}  // namespace
+
+at::Tensor AdamW::dequantize8(const at::Tensor& codes, const at::Tensor& scale, bool is_signed) {
+  at::NoGradGuard no_grad;
+  const int64_t cols = quant_cols(codes), rows = codes.numel() / cols, nb = scale.size(-1);
+  const at::Tensor q = qtable(ops::cpu::vec::qmap8(is_signed), 256, codes.device());
+  const at::Tensor x = q.index_select(0, codes.reshape(-1).to(at::kLong)).view({rows, cols});
+  const at::Tensor s = scale.reshape({rows, nb}).repeat_interleave(kQuantBlock, 1).narrow(1, 0, cols);
+  return (x * s).view(codes.sizes());
+}
+
+void AdamW::quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                      bool is_signed) {
+  at::NoGradGuard no_grad;
+  const int64_t cols = quant_cols(codes), rows = codes.numel() / cols, nb = scale.size(-1);
+  at::Tensor xr = x.to(at::kFloat).reshape({rows, cols});
+  if (nb * kQuantBlock != cols) xr = at::constant_pad_nd(xr, {0, nb * kQuantBlock - cols});
+  const at::Tensor blocks = xr.view({rows, nb, kQuantBlock});
+  const at::Tensor absmax = blocks.abs().amax(-1);
+  const at::Tensor inv = at::where(absmax > 0, absmax.reciprocal(), at::zeros_like(absmax));
+  const at::Tensor mids = qtable(ops::cpu::vec::qmid8(is_signed), 255, codes.device());
+  // (the number of midpoints below each value: the nearest map value, ties to the lower)
+  const at::Tensor c = at::bucketize(blocks * inv.unsqueeze(-1), mids, /*out_int32=*/true);
+  codes.copy_(c.view({rows, nb * kQuantBlock}).narrow(1, 0, cols).reshape(codes.sizes()));
+  scale.copy_(absmax.view(scale.sizes()));
+}
+
 void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed_expert,
                  bool own_grads, bool full_state, Masters kind, c10::ScalarType moments,
                  std::vector<at::Tensor> remainders) {
@@ -43,9 +97,22 @@ void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed
     names.push_back(masters_in[i].first);
     master.push_back(t);
     grad.emplace_back();  // (own_grads: taken from the first backward)
-    const at::TensorOptions so = t.options().dtype(moments).requires_grad(false);
+    // 8-bit: zero scales make every code stand for 0.
+    const bool q8 = moments == at::kByte && t.numel() >= k8bitMinNumel;
+    const c10::ScalarType md = moments == at::kByte && !q8 ? at::kFloat : moments;
+    const at::TensorOptions so = t.options().dtype(md).requires_grad(false);
     exp_avg.push_back(full_state ? at::zeros(t.sizes(), so) : at::Tensor());
     exp_avg_sq.push_back(full_state ? at::zeros(t.sizes(), so) : at::Tensor());
+    at::Tensor scale;
+    if (q8 && full_state) {
+      // [..., blocks]: the parameter's leading dimensions kept, so that an expert's rows of the
+      // scales go with its rows of the codes (checkpoints under expert parallelism).
+      std::vector<int64_t> shape = t.dim() > 1 ? t.sizes().vec() : std::vector<int64_t>{1};
+      shape.back() = (quant_cols(t) + kQuantBlock - 1) / kQuantBlock;
+      scale = at::zeros(shape, so.dtype(at::kFloat));
+    }
+    exp_avg_scale.push_back(scale);
+    exp_avg_sq_scale.push_back(scale.defined() ? at::zeros_like(scale) : at::Tensor());
     step.push_back(at::zeros({}, t.options().dtype(at::kFloat).requires_grad(false)));
     decay.push_back(t.dim() >= 2);
     expert.push_back(routed_expert[i]);
@@ -413,6 +480,12 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
     r.m = exp_avg[i].data_ptr();
     r.v = exp_avg_sq[i].data_ptr();
     r.s_dtype = exp_avg[i].scalar_type();
+    const bool q8 = quantized(i);
+    if (q8) {
+      r.m_scale = exp_avg_scale[i].data_ptr<float>();
+      r.v_scale = exp_avg_sq_scale[i].data_ptr<float>();
+      r.cols = quant_cols(p);
+    }
     r.decay = static_cast<float>(1.0 - lr * wd);
     r.one_minus_beta1 = static_cast<float>(1.0 - o.beta1);
     r.beta2 = static_cast<float>(o.beta2);
@@ -421,6 +494,12 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
     r.step_size = static_cast<float>(lr / bc1);
     r.bc2_sqrt = static_cast<float>(std::sqrt(bc2));
     r.g_scale = static_cast<float>(grad_scale_);
+    if (q8) {  // whole rows, so that no block is split between threads
+      const int64_t rows = p.numel() / r.cols;
+      at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / r.cols),
+                       [&](int64_t b, int64_t e) { ops::cpu::vec::adamw8(r, b, e - b); });
+      return;
+    }
     at::parallel_for(0, p.numel(), 1 << 14, [&](int64_t b, int64_t e) {
       ops::cpu::vec::adamw(r, b, e - b);
     });
@@ -430,7 +509,10 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
   at::Tensor w = master_f32(i);
   at::Tensor g32 = g.to(at::kFloat);
   if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
-  at::Tensor m = exp_avg[i].to(at::kFloat), v = exp_avg_sq[i].to(at::kFloat);
+  const bool q8 = quantized(i);
+  at::Tensor m = q8 ? dequantize8(exp_avg[i], exp_avg_scale[i], true) : exp_avg[i].to(at::kFloat);
+  at::Tensor v =
+      q8 ? dequantize8(exp_avg_sq[i], exp_avg_sq_scale[i], false) : exp_avg_sq[i].to(at::kFloat);
   at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
                     /*amsgrad=*/false, /*maximize=*/false);
   if (masters == Masters::kRemainders) {
@@ -440,6 +522,11 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
     remainder[i].copy_(lo.view(p.sizes()));
   } else if (masters == Masters::kNone) {
     p.copy_(w);
+  }
+  if (q8) {
+    quantize8(m, exp_avg[i], exp_avg_scale[i], true);
+    quantize8(v, exp_avg_sq[i], exp_avg_sq_scale[i], false);
+    return;
   }
   if (!exp_avg[i].is_same(m)) exp_avg[i].copy_(m);
   if (!exp_avg_sq[i].is_same(v)) exp_avg_sq[i].copy_(v);

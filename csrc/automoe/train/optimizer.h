@@ -36,7 +36,24 @@ struct AdamW {
   // the bf16 weight the forward reads, as it is under kNone.
   std::vector<at::Tensor> remainder;
   Masters masters = Masters::kFloat32;
-  c10::ScalarType state_dtype = c10::ScalarType::Float;  // the moments'
+  // The moments' (OptimizerSection::state_dtype): Float, BFloat16, or Byte for block-wise 8-bit
+  // moments — then exp_avg[i] / exp_avg_sq[i] are uint8 codes (ops/cpu/vec.h qmap8) of the
+  // parameter's shape, each block of kQuantBlock elements along its last dimension scaled by
+  // exp_avg_scale[i] / exp_avg_sq_scale[i] (float32, the parameter's shape with the last
+  // dimension ceil(cols / kQuantBlock));
+  // tensors under k8bitMinNumel elements keep float32 moments (scales undefined), as
+  // bitsandbytes and torchao do.
+  c10::ScalarType state_dtype = c10::ScalarType::Float;
+  std::vector<at::Tensor> exp_avg_scale, exp_avg_sq_scale;
+  static constexpr int64_t k8bitMinNumel = 4096;
+  static c10::ScalarType parse_state_dtype(const std::string& name);  // float32|bfloat16|8bit
+  static const char* state_dtype_name(c10::ScalarType t);
+  bool quantized(size_t i) const { return exp_avg_scale.size() > i && exp_avg_scale[i].defined(); }
+  // 8-bit moments through ATen ops (any device; the CPU step uses the fused kernel): codes and
+  // their block scales as float32, and float32 values into codes and scales (both written).
+  static at::Tensor dequantize8(const at::Tensor& codes, const at::Tensor& scale, bool is_signed);
+  static void quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                        bool is_signed);
 
   // own_grads (bf16 compute): the optimizer takes each backward's gradients from the parameters
   // (grad[i]: bf16 as autograd made it, float32 once a second micro-batch adds to it); otherwise

@@ -254,7 +254,7 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   r.optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
   r.optimizer.master_weights =
       o.str("master_weights", r.optimizer.master_weights, {"float32", "remainders", "none"});
-  r.optimizer.state_dtype = o.str("state_dtype", r.optimizer.state_dtype, {"float32", "bfloat16"});
+  r.optimizer.state_dtype = o.str("state_dtype", r.optimizer.state_dtype, {"float32", "bfloat16", "8bit"});
   r.optimizer.in_backward = o.boolean("in_backward", false);
   if (r.optimizer.in_backward) {
     // The update of the first tensor whose gradient is complete cannot wait for the others'.

@@ -64,7 +64,7 @@ struct OptimizerSection {
   // TransformerEngine's FusedAdam(store_param_remainders=True)) or "none" (the bf16 weights are the
   // masters: updates round to bf16, as a Transformers bf16 model with torch.optim.AdamW trains).
   std::string master_weights = "float32";
-  std::string state_dtype = "float32";  // AdamW's moments: float32 | bfloat16
+  std::string state_dtype = "float32";  // AdamW's moments: float32 | bfloat16 | 8bit (block-wise)
   // Each tensor's update runs in the backward, as soon as its gradient is complete, and the
   // gradient is freed at once (torchtune's optimizer_in_bwd): no gradient is ever held for the
   // whole model. Needs max_grad_norm 0 (no global norm before the first update), one micro-batch

@@ -39,7 +39,7 @@ void fsync_path(const fs::path& p) {
 // How the optimizer keeps its state (trainer_state.json's optimizer_precision).
 json precision_json(const AdamW& opt) {
   return {{"master_weights", AdamW::masters_name(opt.masters)},
-          {"state_dtype", opt.state_dtype == at::kBFloat16 ? "bfloat16" : "float32"}};
+          {"state_dtype", AdamW::state_dtype_name(opt.state_dtype)}};
 }
 
 std::string experts_file(int64_t ep_rank, int64_t ep) {
@@ -96,6 +96,10 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
     w.emplace_back(opt.names[i], opt.master[i]);
     s.emplace_back("exp_avg." + opt.names[i], opt.exp_avg[i]);
     s.emplace_back("exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+    if (opt.quantized(i)) {  // 8-bit moments: the codes above, their block scales here
+      s.emplace_back("exp_avg_scale." + opt.names[i], opt.exp_avg_scale[i]);
+      s.emplace_back("exp_avg_sq_scale." + opt.names[i], opt.exp_avg_sq_scale[i]);
+    }
     if (opt.masters == AdamW::Masters::kRemainders) {
       s.emplace_back("remainder." + opt.names[i], opt.remainder[i]);
     }
@@ -302,11 +306,19 @@ json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
       load_rows(model, opt.names[i], opt.master[i]);
       load_rows(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
       load_rows(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+      if (opt.quantized(i)) {
+        load_rows(state, "exp_avg_scale." + opt.names[i], opt.exp_avg_scale[i]);
+        load_rows(state, "exp_avg_sq_scale." + opt.names[i], opt.exp_avg_sq_scale[i]);
+      }
       if (!opt.remainder.empty()) load_rows(state, "remainder." + opt.names[i], opt.remainder[i]);
     } else {
       load_into(model, opt.names[i], opt.master[i]);
       load_into(state, "exp_avg." + opt.names[i], opt.exp_avg[i]);
       load_into(state, "exp_avg_sq." + opt.names[i], opt.exp_avg_sq[i]);
+      if (opt.quantized(i)) {
+        load_into(state, "exp_avg_scale." + opt.names[i], opt.exp_avg_scale[i]);
+        load_into(state, "exp_avg_sq_scale." + opt.names[i], opt.exp_avg_sq_scale[i]);
+      }
       if (!opt.remainder.empty()) load_into(state, "remainder." + opt.names[i], opt.remainder[i]);
     }
     if (state.contains("step")) load_into(state, "step", opt.step[i]);

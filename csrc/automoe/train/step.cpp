@@ -17,8 +17,7 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
   TrainState s;
   s.lora = !lora_sites.empty();
   const AdamW::Masters kind = AdamW::parse_masters(precision.master_weights);
-  const c10::ScalarType moments =
-      precision.state_dtype == "bfloat16" ? at::kBFloat16 : at::kFloat;
+  const c10::ScalarType moments = AdamW::parse_state_dtype(precision.state_dtype);
   const bool lean = kind != AdamW::Masters::kFloat32 || moments != at::kFloat;
   AUTOMOE_CHECK(!lean || (compute == at::kBFloat16 && !s.lora && !zero),
                 "optimizer.master_weights: ", precision.master_weights, ", state_dtype: ",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -556,33 +557,47 @@ AUTOMOE_BODY float join_bits(uint16_t hi, int16_t lo) {
   return bits_to_float((static_cast<uint32_t>(hi) << 16) + low - (lo < 0 ? 0x10000u : 0u));
 }
 
-// P: 0 float32 weight, 1 bf16 weight (the master), 2 bf16 weight + remainder; G, S: 0 float32,
-// 1 bf16 (gradient, moments).
+// One element's AdamW update in float32, in place (ATen's fused AdamW formula).
+AUTOMOE_BODY void adamw_math(const AdamwRow& r, float g, float& p, float& m, float& v) {
+  p *= r.decay;
+  m += r.one_minus_beta1 * (g - m);
+  v = v * r.beta2 + r.one_minus_beta2 * g * g;
+  const float denom = std::sqrt(v) / r.bc2_sqrt + r.eps;
+  p -= r.step_size * m / denom;
+}
+
+// P: 0 float32 weight, 1 bf16 weight (the master), 2 bf16 weight + remainder.
+template <int P>
+AUTOMOE_BODY float load_weight(const void* p, const int16_t* rem, int64_t i) {
+  if (P == 0) return static_cast<const float*>(p)[i];
+  const uint16_t h = static_cast<const uint16_t*>(p)[i];
+  return P == 1 ? bf16_bits_to_float(h) : join_bits(h, rem[i]);
+}
+template <int P>
+AUTOMOE_BODY void store_weight(void* p, int16_t* rem, int64_t i, float w) {
+  if (P == 0) static_cast<float*>(p)[i] = w;
+  if (P == 1) static_cast<uint16_t*>(p)[i] = to_bf16(w);
+  if (P == 2) split_bits(w, static_cast<uint16_t*>(p) + i, rem + i);
+}
+
+// P as above; G, S: 0 float32, 1 bf16 (gradient, moments).
 template <int P, int G, int S>
 AUTOMOE_BODY void adamw_typed(const AdamwRow& r, int64_t b, int64_t n) {
-  auto* pf = static_cast<float*>(r.p) + b;
-  auto* ph = static_cast<uint16_t*>(r.p) + b;
-  int16_t* rem = r.rem + (P == 2 ? b : 0);
+  int16_t* rem = P == 2 ? r.rem + b : nullptr;
+  void* pw = static_cast<char*>(r.p) + b * (P == 0 ? 4 : 2);
   const auto* gf = static_cast<const float*>(r.g) + b;
   const auto* gh = static_cast<const uint16_t*>(r.g) + b;
   auto* mf = static_cast<float*>(r.m) + b;
   auto* mh = static_cast<uint16_t*>(r.m) + b;
   auto* vf = static_cast<float*>(r.v) + b;
   auto* vh = static_cast<uint16_t*>(r.v) + b;
-  const float one_minus_b1 = r.one_minus_beta1, one_minus_b2 = r.one_minus_beta2;
   for (int64_t i = 0; i < n; ++i) {
-    float p = P == 0 ? pf[i] : P == 1 ? bf16_bits_to_float(ph[i]) : join_bits(ph[i], rem[i]);
+    float p = load_weight<P>(pw, rem, i);
     const float g = (G == 0 ? gf[i] : bf16_bits_to_float(gh[i])) * r.g_scale;
     float m = S == 0 ? mf[i] : bf16_bits_to_float(mh[i]);
     float v = S == 0 ? vf[i] : bf16_bits_to_float(vh[i]);
-    p *= r.decay;
-    m += one_minus_b1 * (g - m);
-    v = v * r.beta2 + one_minus_b2 * g * g;
-    const float denom = std::sqrt(v) / r.bc2_sqrt + r.eps;
-    p -= r.step_size * m / denom;
-    if (P == 0) pf[i] = p;
-    if (P == 1) ph[i] = to_bf16(p);
-    if (P == 2) split_bits(p, ph + i, rem + i);
+    adamw_math(r, g, p, m, v);
+    store_weight<P>(pw, rem, i, p);
     if (S == 0) {
       mf[i] = m;
       vf[i] = v;
@@ -612,8 +627,119 @@ AUTOMOE_BODY void adamw_body(const AdamwRow& r, int64_t b, int64_t n) {
   }
 }
 
+// ---- 8-bit moments ----
+
+struct QMap8 {
+  float value[256];
+  float mid[255];  // between value[j] and value[j + 1]
+};
+
+QMap8 make_qmap8(bool is_signed) {
+  // Decade i (1e-6 .. 1) holds 2^i values (signed: and their negatives) or 2^(i+1) (unsigned): the
+  // middles of [0.1, 1] cut into that many equal bins, times the decade; then 0 and 1. 127 * 2 + 2
+  // or 254 + 2 = 256 values.
+  std::vector<double> v{0.0, 1.0};
+  for (int i = 0; i < 7; ++i) {
+    const int bins = is_signed ? 1 << i : 1 << (i + 1);
+    const double decade = std::pow(10.0, i - 6);
+    for (int k = 0; k < bins; ++k) {
+      const double middle = 0.1 + 0.9 * (k + 0.5) / bins;
+      v.push_back(decade * middle);
+      if (is_signed) v.push_back(-decade * middle);
+    }
+  }
+  std::sort(v.begin(), v.end());
+  QMap8 q{};
+  for (int j = 0; j < 256; ++j) q.value[j] = static_cast<float>(v[j]);
+  for (int j = 0; j < 255; ++j) {
+    q.mid[j] = static_cast<float>((static_cast<double>(q.value[j]) + q.value[j + 1]) / 2);
+  }
+  return q;
+}
+
+const QMap8& qmap8_table(bool is_signed) {
+  static const QMap8 s = make_qmap8(true), u = make_qmap8(false);
+  return is_signed ? s : u;
+}
+
+// How many midpoints lie below x: the nearest value's index (ties to the lower; NaN: 0).
+AUTOMOE_BODY uint8_t nearest8(const float* mid, float x) {
+  int lo = 0;
+  for (int step = 128; step > 0; step >>= 1) {
+    if (lo + step <= 255 && mid[lo + step - 1] < x) lo += step;
+  }
+  return static_cast<uint8_t>(lo);
+}
+
+template <int P, int G>
+AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
+  const QMap8& qm = qmap8_table(true);
+  const QMap8& qv = qmap8_table(false);
+  const int64_t cols = r.cols, nb = (cols + kQuantBlock - 1) / kQuantBlock;
+  float mb[kQuantBlock], vb[kQuantBlock];
+  for (int64_t row = row0; row < row0 + rows; ++row) {
+    for (int64_t k = 0; k < nb; ++k) {
+      const int64_t c0 = k * kQuantBlock, n = std::min(kQuantBlock, cols - c0);
+      const int64_t b = row * cols + c0;
+      int16_t* rem = P == 2 ? r.rem + b : nullptr;
+      void* pw = static_cast<char*>(r.p) + b * (P == 0 ? 4 : 2);
+      const auto* gf = static_cast<const float*>(r.g) + b;
+      const auto* gh = static_cast<const uint16_t*>(r.g) + b;
+      uint8_t* mc = static_cast<uint8_t*>(r.m) + b;
+      uint8_t* vc = static_cast<uint8_t*>(r.v) + b;
+      float& sm = r.m_scale[row * nb + k];
+      float& sv = r.v_scale[row * nb + k];
+      float am = 0.f, av = 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        float p = load_weight<P>(pw, rem, i);
+        const float g = (G == 0 ? gf[i] : bf16_bits_to_float(gh[i])) * r.g_scale;
+        float m = qm.value[mc[i]] * sm;
+        float v = qv.value[vc[i]] * sv;
+        adamw_math(r, g, p, m, v);
+        store_weight<P>(pw, rem, i, p);
+        mb[i] = m;
+        vb[i] = v;
+        am = std::max(am, std::fabs(m));
+        av = std::max(av, v);
+      }
+      const float im = am > 0.f ? 1.f / am : 0.f, iv = av > 0.f ? 1.f / av : 0.f;
+      for (int64_t i = 0; i < n; ++i) {
+        mc[i] = nearest8(qm.mid, mb[i] * im);
+        vc[i] = nearest8(qv.mid, vb[i] * iv);
+      }
+      sm = am;
+      sv = av;
+    }
+  }
+}
+
+template <int P>
+AUTOMOE_BODY void adamw8_by_grad(const AdamwRow& r, int64_t row0, int64_t rows) {
+  if (r.g_dtype == c10::ScalarType::Float) {
+    adamw8_typed<P, 0>(r, row0, rows);
+  } else {
+    adamw8_typed<P, 1>(r, row0, rows);
+  }
+}
+
+AUTOMOE_BODY void adamw8_body(const AdamwRow& r, int64_t row0, int64_t rows) {
+  if (r.p_dtype == c10::ScalarType::Float) {
+    adamw8_by_grad<0>(r, row0, rows);
+  } else if (r.rem == nullptr) {
+    adamw8_by_grad<1>(r, row0, rows);
+  } else {
+    adamw8_by_grad<2>(r, row0, rows);
+  }
+}
+
 }  // namespace
 
+const float* qmap8(bool is_signed) { return qmap8_table(is_signed).value; }
+const float* qmid8(bool is_signed) { return qmap8_table(is_signed).mid; }
+uint8_t quantize8(float x, bool is_signed) { return nearest8(qmap8_table(is_signed).mid, x); }
+
+AUTOMOE_ROW_FN(void, adamw8, (const AdamwRow& r, int64_t row_begin, int64_t rows),
+               (r, row_begin, rows))
 AUTOMOE_ROW_FN(void, adamw, (const AdamwRow& r, int64_t begin, int64_t n), (r, begin, n))
 
 // ---- one-pass rows in their own dtype -------------------------------------------------------

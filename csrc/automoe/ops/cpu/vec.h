@@ -82,7 +82,31 @@ struct AdamwRow {
   float step_size = 0.f;  // lr / (1 - beta1^step)
   float bc2_sqrt = 1.f;   // sqrt(1 - beta2^step)
   float g_scale = 1.f;
+  // Block-wise 8-bit moments (adamw8 only): m and v are uint8 codes into qmap8(true) / qmap8(false),
+  // each block of up to kQuantBlock consecutive elements of a row of `cols` scaled by its own
+  // float32 absmax (m_scale / v_scale: [rows, ceil(cols / kQuantBlock)]).
+  float* m_scale = nullptr;
+  float* v_scale = nullptr;
+  int64_t cols = 0;
 };
 void adamw(const AdamwRow& r, int64_t begin, int64_t n);
+
+// 8-bit moments (optimizer.state_dtype: 8bit), the block-wise dynamic quantization of Dettmers et
+// al., "8-bit Optimizers via Block-wise Quantization" (2022), as bitsandbytes' and torchao's
+// AdamW8bit keep their state: each block's values divided by the block's largest magnitude, then
+// rounded to the nearest of 256 values of a dynamic map — decades 1e-6 .. 1, each split linearly,
+// the larger decades finer (signed for the first moment, unsigned for the second).
+constexpr int64_t kQuantBlock = 256;
+// The map's 256 values, ascending (exact 0 and 1 among them), and the 255 midpoints between
+// neighbours (each computed in double from the two values, then rounded).
+const float* qmap8(bool is_signed);
+const float* qmid8(bool is_signed);
+// The code of x (already divided by its block's absmax): the nearest map value's index, ties to
+// the lower; NaN to some code (never read out of range).
+uint8_t quantize8(float x, bool is_signed);
+// One AdamW step as adamw() over rows [row_begin, row_begin + rows) of a tensor viewed as
+// [rows, r.cols], the moments dequantized per block, updated in float32 and quantized again with
+// the block's new absmax (the weight update uses the unrounded moments).
+void adamw8(const AdamwRow& r, int64_t row_begin, int64_t rows);
 
 }  // namespace automoe::ops::cpu::vec
