@@ -865,6 +865,28 @@ def test_8bit_map_is_the_dynamic_map_with_its_midpoints():
             assert float(values.min()) == 0.0
 
 
+def test_8bit_code_table_finds_the_nearest_map_value_for_every_kind_of_float():
+    """The CPU kernel's code lookup (a table by the float's upper 16 bits, then one midpoint
+    compare) gives the nearest map value's index, ties to the lower, as a search of the sorted
+    midpoints does: at every midpoint and its float neighbours, map values, a sweep of 2^20 bit
+    patterns, zeros, infinities, subnormals."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(2)
+    for signed in (True, False):
+        values, mids = _C._qmap8(signed)
+        inf = torch.tensor(float("inf"))
+        near = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf), values])
+        bits = torch.randint(0, 2 ** 32, (1 << 20,), generator=g, dtype=torch.int64)
+        sweep = (bits - (bits >= 2 ** 31).long() * 2 ** 32).to(torch.int32).view(torch.float32)
+        special = torch.tensor([0.0, -0.0, 1.0, -1.0, 1e-45, -1e-45, 1e-38, float("inf"),
+                                -float("inf"), 3e38, -3e38])
+        x = torch.cat([near, sweep[torch.isfinite(sweep) | torch.isinf(sweep)], special])
+        want = torch.searchsorted(mids, x, right=False)
+        got = _C._code8(x, signed)
+        assert torch.equal(got.long(), want), x[got.long() != want][:8]
+
+
 def quantize_reference(x, signed, block=256):
     """Codes and scales of x ([..., cols], float64) as AdamW's 8-bit state keeps them: blocks of
     `block` along the last dimension, each divided by its largest magnitude, nearest map value
