@@ -539,9 +539,9 @@ def main(argv=None) -> int:
     p.add_argument("--automoe-optimizer", default="float32/float32",
                    help="AutoMoE optimizer precisions to run, MASTERS/MOMENTS each "
                         "(optimizer.master_weights / state_dtype), e.g. "
-                        "float32/float32,remainders/bfloat16,none/bfloat16; a third part "
-                        "in_backward updates in the backward (optimizer.in_backward), e.g. "
-                        "none/bfloat16/in_backward")
+                        "float32/float32,remainders/bfloat16,none/bfloat16,none/8bit; a third "
+                        "part in_backward updates in the backward (optimizer.in_backward), "
+                        "e.g. none/8bit/in_backward")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank: both sides fine-tune rank-R adapters "
                    "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
     p.add_argument("--dropin", action="store_true",

@@ -885,6 +885,16 @@ def test_8bit_code_table_finds_the_nearest_map_value_for_every_kind_of_float():
         want = torch.searchsorted(mids, x, right=False)
         got = _C._code8(x, signed)
         assert torch.equal(got.long(), want), x[got.long() != want][:8]
+        # The kernel's row (on AVX2 computed from the map's decades and bins): the same codes but
+        # within float rounding of a midpoint, where it may take the other neighbour.
+        finite = x[torch.isfinite(x)]
+        want = torch.searchsorted(mids, finite, right=False)
+        got = _C._code8(finite, signed, row=True).long()
+        off = got != want
+        assert int((got - want).abs().max()) <= 1
+        gap = (finite[off, None].double() - mids[None, :].double()).abs().min(dim=1).values
+        assert bool((gap <= 1e-6 * finite[off].double().abs()).all()), finite[off][gap.argmax()]
+        assert int(off.sum()) <= len(mids) * 3  # (only the midpoints and their neighbours)
 
 
 def quantize_reference(x, signed, block=256):

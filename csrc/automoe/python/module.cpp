@@ -446,17 +446,22 @@ PYBIND11_MODULE(_C, m) {
       py::arg("is_signed"));
   m.def(
       "_code8",
-      [](const at::Tensor& x, bool is_signed) {
-        // ops::cpu::vec::quantize8 (the CPU kernel's table lookup) of each float32 of x.
+      [](const at::Tensor& x, bool is_signed, bool row) {
+        // The 8-bit code of each float32 of x: ops::cpu::vec::quantize8 (the table), or with
+        // `row` quantize8_row (what the CPU kernel runs: vectorised on AVX2).
         AUTOMOE_CHECK(x.scalar_type() == at::kFloat, "_code8: float32 values expected");
         const at::Tensor xc = x.contiguous();
         at::Tensor out = at::empty(xc.sizes(), xc.options().dtype(at::kByte));
         const float* src = xc.data_ptr<float>();
         uint8_t* dst = out.data_ptr<uint8_t>();
-        for (int64_t i = 0; i < xc.numel(); ++i) dst[i] = ops::cpu::vec::quantize8(src[i], is_signed);
+        if (row) {
+          ops::cpu::vec::quantize8_row(src, 1.f, is_signed, dst, xc.numel());
+        } else {
+          for (int64_t i = 0; i < xc.numel(); ++i) dst[i] = ops::cpu::vec::quantize8(src[i], is_signed);
+        }
         return out;
       },
-      py::arg("x"), py::arg("is_signed"));
+      py::arg("x"), py::arg("is_signed"), py::arg("row") = false);
   m.def(
       "_quantize8",
       [](const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale, bool is_signed) {

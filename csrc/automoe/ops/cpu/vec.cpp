@@ -652,6 +652,15 @@ struct QMap8 {
     return ((bits >> 31) * kExps + e) * 128 + ((bits >> 16) & 0x7Fu);
   }
   static uint32_t key(uint32_t bits) { return (bits & 0xFFFFu) ^ (0u - (bits >> 31) & 0xFFFFu); }
+  // The map's structure, for the vector path: |x| lies in decade i = the number of bound[1..6]
+  // below it (bound[i]: the midpoint below the decade's first value; bound[0], below the first
+  // nonzero value: at or under it, the zero code); inside it the nearest value is bin
+  // k = floor(|x| F[i] - G[i]) clamped to [0, kmax[i]] (the midpoints between neighbours of a
+  // decade are its bins' edges), code zero_code +- (base[i] + k); above `top`, 255.
+  float bound[8] = {}, F[8] = {}, G[8] = {}, kmax[8] = {};
+  int32_t base[8] = {};
+  float top = 0.f;
+  int32_t zero_code = 0;
 };
 
 // How many midpoints lie below x: the nearest value's index (ties to the lower; NaN: 0).
@@ -685,6 +694,16 @@ const QMap8* make_qmap8(bool is_signed) {
     q.mid[j] = static_cast<float>((static_cast<double>(q.value[j]) + q.value[j + 1]) / 2);
   }
   q.mid[255] = std::numeric_limits<float>::infinity();
+  q.zero_code = is_signed ? 127 : 0;
+  for (int i = 0; i < 7; ++i) {
+    const int bins = is_signed ? 1 << i : 1 << (i + 1);
+    q.base[i] = is_signed ? bins : bins - 1;
+    q.bound[i] = q.mid[q.zero_code + q.base[i] - 1];
+    q.F[i] = static_cast<float>(bins / (0.9 * std::pow(10.0, i - 6)));
+    q.G[i] = static_cast<float>(0.1 * bins / 0.9);
+    q.kmax[i] = static_cast<float>(bins - 1);
+  }
+  q.top = q.mid[254];
   for (uint32_t sign = 0; sign < 2; ++sign) {
     for (uint32_t e = QMap8::kExpLo; e < QMap8::kExpLo + QMap8::kExps; ++e) {
       for (uint32_t m = 0; m < 128; ++m) {
@@ -718,12 +737,58 @@ AUTOMOE_BODY uint8_t code8(const QMap8& q, float x) {
   return static_cast<uint8_t>(q.code[s] + (QMap8::key(bits) > q.threshold[s] ? 1 : 0));
 }
 
+#if defined(AUTOMOE_VEC_X86)
+// 8 values at a time: the code of x * inv from the map's structure (QMap8::bound ..), no table
+// loads; the nearest value as code8 finds it but where x lies within float rounding of a
+// midpoint (there one code either side). How many were done.
+__attribute__((target("avx2,fma"))) int64_t quant8_avx2(const float* x, float inv,
+                                                        const QMap8& q, uint8_t* c, int64_t n) {
+  const __m256 iv = _mm256_set1_ps(inv), zero = _mm256_setzero_ps();
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 F = _mm256_loadu_ps(q.F), G = _mm256_loadu_ps(q.G), kmax = _mm256_loadu_ps(q.kmax);
+  const __m256i base = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.base));
+  __m256 bound[7];
+  for (int j = 0; j < 7; ++j) bound[j] = _mm256_set1_ps(q.bound[j]);
+  const __m256 top = _mm256_set1_ps(q.top);
+  const __m256i zero_code = _mm256_set1_epi32(q.zero_code), top_code = _mm256_set1_epi32(255);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), iv);
+    const __m256 a = _mm256_and_ps(v, abs_mask);
+    __m256i decade = _mm256_setzero_si256();
+    for (int j = 1; j < 7; ++j) {  // (a true compare is -1)
+      decade = _mm256_sub_epi32(decade,
+                                _mm256_castps_si256(_mm256_cmp_ps(bound[j], a, _CMP_LT_OQ)));
+    }
+    __m256 t = _mm256_fmsub_ps(a, _mm256_permutevar8x32_ps(F, decade),
+                               _mm256_permutevar8x32_ps(G, decade));
+    // (max first: a NaN becomes 0)
+    t = _mm256_min_ps(_mm256_max_ps(t, zero), _mm256_permutevar8x32_ps(kmax, decade));
+    const __m256i off =
+        _mm256_add_epi32(_mm256_permutevar8x32_epi32(base, decade), _mm256_cvttps_epi32(t));
+    const __m256i neg = _mm256_srai_epi32(_mm256_castps_si256(v), 31);  // -1 where negative
+    __m256i code = _mm256_add_epi32(zero_code, _mm256_sub_epi32(_mm256_xor_si256(off, neg), neg));
+    code = _mm256_blendv_epi8(code, zero_code,
+                              _mm256_castps_si256(_mm256_cmp_ps(a, bound[0], _CMP_LE_OQ)));
+    code = _mm256_blendv_epi8(code, top_code,
+                              _mm256_castps_si256(_mm256_cmp_ps(v, top, _CMP_GT_OQ)));
+    const __m128i w =
+        _mm_packus_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(c + i), _mm_packus_epi16(w, w));
+  }
+  return i;
+}
+#endif
+
 template <int P, int G>
 AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
   const QMap8& qm = qmap8_table(true);
   const QMap8& qv = qmap8_table(false);
   const int64_t cols = r.cols, nb = (cols + kQuantBlock - 1) / kQuantBlock;
   float mb[kQuantBlock], vb[kQuantBlock];
+#if defined(AUTOMOE_VEC_X86)
+  const bool avx2 = active_isa() >= Isa::kAvx2;
+#endif
   for (int64_t row = row0; row < row0 + rows; ++row) {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t c0 = k * kQuantBlock, n = std::min(kQuantBlock, cols - c0);
@@ -769,8 +834,14 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
         av = std::max(av, avl[j]);
       }
       const float im = am > 0.f ? 1.f / am : 0.f, iv = av > 0.f ? 1.f / av : 0.f;
-      // (scalar table loads: AVX2 gathers measured slower here, on an AMD EPYC Zen 3)
-      for (int64_t e = 0; e < n; ++e) {
+      int64_t e = 0;
+#if defined(AUTOMOE_VEC_X86)
+      if (avx2) {
+        e = quant8_avx2(mb, im, qm, mc, n);
+        quant8_avx2(vb, iv, qv, vc, n);
+      }
+#endif
+      for (; e < n; ++e) {
         mc[e] = code8(qm, mb[e] * im);
         vc[e] = code8(qv, vb[e] * iv);
       }
@@ -804,6 +875,15 @@ AUTOMOE_BODY void adamw8_body(const AdamwRow& r, int64_t row0, int64_t rows) {
 const float* qmap8(bool is_signed) { return qmap8_table(is_signed).value; }
 const float* qmid8(bool is_signed) { return qmap8_table(is_signed).mid; }
 uint8_t quantize8(float x, bool is_signed) { return code8(qmap8_table(is_signed), x); }
+
+void quantize8_row(const float* x, float inv, bool is_signed, uint8_t* codes, int64_t n) {
+  const QMap8& q = qmap8_table(is_signed);
+  int64_t e = 0;
+#if defined(AUTOMOE_VEC_X86)
+  if (active_isa() >= Isa::kAvx2) e = quant8_avx2(x, inv, q, codes, n);
+#endif
+  for (; e < n; ++e) codes[e] = code8(q, x[e] * inv);
+}
 
 AUTOMOE_ROW_FN(void, adamw8, (const AdamwRow& r, int64_t row_begin, int64_t rows),
                (r, row_begin, rows))

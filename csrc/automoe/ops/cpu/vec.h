@@ -104,6 +104,9 @@ const float* qmid8(bool is_signed);
 // The code of x (already divided by its block's absmax): the nearest map value's index, ties to
 // the lower; NaN to some code (never read out of range).
 uint8_t quantize8(float x, bool is_signed);
+// The codes of x[0, n) * inv as adamw8 makes them: on AVX2 8 at a time from the map's structure
+// (within float rounding of a midpoint one code either side of quantize8's), else quantize8.
+void quantize8_row(const float* x, float inv, bool is_signed, uint8_t* codes, int64_t n);
 // One AdamW step as adamw() over rows [row_begin, row_begin + rows) of a tensor viewed as
 // [rows, r.cols], the moments dequantized per block, updated in float32 and quantized again with
 // the block's new absmax (the weight update uses the unrounded moments).
