@@ -372,6 +372,49 @@ def test_bf16_masters_and_moments_train_data_parallel_without_zero_and_are_refus
            "in full without ZeRO" in proc.stderr, proc.stderr[-4000:]
 
 
+def test_8bit_moments_saved_under_ep2_resume_data_parallel_and_in_backward_is_refused(model_dir, tmp_path):
+    """optimizer.state_dtype 8bit under expert parallelism: each EP rank's experts file holds its
+    experts' codes and block scales (rows per expert), which dequantize to the single process's
+    moments; the checkpoint resumes with the experts replicated (ep 1, dp 2) and continues the
+    single process's losses. optimizer.in_backward on two processes is refused by name."""
+    def recipe(run, **parallel):
+        r = ep_recipe(model_dir, tmp_path, run, **parallel)
+        r["model"]["dtype"] = "bfloat16"
+        r["optimizer"].update(master_weights="none", state_dtype="8bit")
+        r["checkpoint"]["every"] = 2
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("run", ep=2, zero=0), tmp_path, 2)
+    from automoe import _C
+
+    one = load_tensors(tmp_path / "one" / "step-2" / "optimizer.safetensors")
+    step2 = tmp_path / "run" / "step-2"
+    parts = [load_tensors(step2 / f"experts-0000{r}-of-00002.safetensors") for r in (0, 1)]
+    name = next(k[len("exp_avg_scale."):] for k in parts[0] if k.startswith("exp_avg_scale.") and "experts" in k)
+    codes = torch.cat([p[f"exp_avg.{name}"] for p in parts])
+    scales = torch.cat([p[f"exp_avg_scale.{name}"] for p in parts])
+    assert codes.dtype == torch.uint8 and codes.shape == one[f"exp_avg.{name}"].shape
+    got = _C._dequantize8(codes, scales, True)
+    want = _C._dequantize8(one[f"exp_avg.{name}"], one[f"exp_avg_scale.{name}"], True)
+    assert (got - want).abs().max() <= 0.05 * want.abs().max(), name  # bf16 compute elsewhere
+
+    shutil.rmtree(tmp_path / "run" / "step-3")
+    shutil.rmtree(tmp_path / "run" / "export")
+    (tmp_path / "run" / "latest").write_text("step-2\n")
+    run_ranks(recipe("run", ep=1, zero=0), tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "run")
+    assert sorted(got) == [1, 2, 3]
+    assert got[3]["loss"] == pytest.approx(ref[3]["loss"], rel=2e-3)
+
+    r = recipe("ib", ep=1, zero=0)
+    r["optimizer"].update(in_backward=True, max_grad_norm=0.0)
+    r["train"]["grad_accumulation_steps"] = 1
+    proc = run_ranks(r, tmp_path, 2, check=False)
+    assert proc.returncode != 0
+    assert "optimizer.in_backward: one process only" in proc.stderr, proc.stderr[-4000:]
+
+
 def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
     from test_train_families import SIZES
     from automoe.demo import build_checkpoint

@@ -404,7 +404,7 @@ PYBIND11_MODULE(_C, m) {
         for (size_t i = 0; i < n; ++i) {
           opt.exp_avg[i] = exp_avgs[i];
           opt.exp_avg_sq[i] = exp_avg_sqs[i];
-          if (q8 && !opt.quantized(i)) {  // (under 4096 elements: float32 moments)
+          if (q8 && !opt.quantized(i)) {  // (1-D: float32 moments)
             AUTOMOE_CHECK(exp_avgs[i].scalar_type() == at::kFloat, "_adamw_step: parameter ", i,
                           ": float32 moments expected (", params[i].numel(), " elements)");
           } else if (q8) {

@@ -98,7 +98,7 @@ void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed
     master.push_back(t);
     grad.emplace_back();  // (own_grads: taken from the first backward)
     // 8-bit: zero scales make every code stand for 0.
-    const bool q8 = moments == at::kByte && t.numel() >= k8bitMinNumel;
+    const bool q8 = moments == at::kByte && t.dim() >= 2;
     const c10::ScalarType md = moments == at::kByte && !q8 ? at::kFloat : moments;
     const at::TensorOptions so = t.options().dtype(md).requires_grad(false);
     exp_avg.push_back(full_state ? at::zeros(t.sizes(), so) : at::Tensor());

@@ -41,11 +41,11 @@ struct AdamW {
   // parameter's shape, each block of kQuantBlock elements along its last dimension scaled by
   // exp_avg_scale[i] / exp_avg_sq_scale[i] (float32, the parameter's shape with the last
   // dimension ceil(cols / kQuantBlock));
-  // tensors under k8bitMinNumel elements keep float32 moments (scales undefined), as
-  // bitsandbytes and torchao do.
+  // 1-D tensors (norms, biases) keep float32 moments (scales undefined) — bitsandbytes and
+  // torchao keep small tensors' so; by dimension rather than size, so that a routed expert
+  // tensor is quantized or not whatever its share under expert parallelism.
   c10::ScalarType state_dtype = c10::ScalarType::Float;
   std::vector<at::Tensor> exp_avg_scale, exp_avg_sq_scale;
-  static constexpr int64_t k8bitMinNumel = 4096;
   static c10::ScalarType parse_state_dtype(const std::string& name);  // float32|bfloat16|8bit
   static const char* state_dtype_name(c10::ScalarType t);
   bool quantized(size_t i) const { return exp_avg_scale.size() > i && exp_avg_scale[i].defined(); }
