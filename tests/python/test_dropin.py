@@ -294,3 +294,29 @@ def test_from_pretrained_does_not_modify_the_config_passed_in(checkpoint_factory
     config = AutoConfig.from_pretrained(path)
     model = automoe.AutoModelForCausalLM.from_pretrained(path, config=config, output_router_logits=True)
     assert model.config.output_router_logits and not config.output_router_logits
+
+
+def test_double_backward_is_refused_on_fused_ops_and_matches_transformers_on_the_reference_ones(checkpoint_factory):
+    """A gradient penalty (create_graph=True): the fused backends refuse it by name; with every
+    component on its reference backend the second-order gradient is Transformers'."""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = checkpoint_factory("e5_top2_gqa2_untied")
+    ids = torch.randint(0, 90, (2, 7), generator=torch.Generator().manual_seed(0))
+
+    def penalty(model):
+        loss = model(ids, labels=ids).loss
+        emb = model.get_input_embeddings().weight
+        (g,) = torch.autograd.grad(loss, emb, create_graph=True)
+        (gg,) = torch.autograd.grad(g.pow(2).sum(), emb)
+        return gg
+
+    fused = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    with pytest.raises(Exception, match="no double backward"):
+        penalty(fused)
+    reference = automoe.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager",
+        backend={"experts": "eager", "rms_norm": "torch", "rope": "torch", "swiglu": "torch",
+                 "linear": "torch", "loss": "torch"})
+    hf = HFModel.from_pretrained(path, attn_implementation="eager", experts_implementation="eager")
+    assert rel_err(penalty(reference), penalty(hf)) <= 1e-4

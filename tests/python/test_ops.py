@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Callable
 
 import pytest
@@ -732,6 +733,42 @@ def test_cuda_kernels_table_in_docs_matches_the_engine():
     assert doc_names == list(names)
     doc_default = [r[0].strip().split()[0] for r in rows if not r[-1].strip().startswith("ATen")]
     assert sorted(doc_default) == sorted(validated)
+
+
+# ---- no double backward -----------------------------------------------------------------------
+
+DOUBLE_BACKWARD_CASES = {}
+for _c in CASES:  # the first case of each op
+    DOUBLE_BACKWARD_CASES.setdefault(_c.name.split("-")[0].split("(")[0], _c)
+
+
+@pytest.mark.parametrize("case", list(DOUBLE_BACKWARD_CASES.values()), ids=list(DOUBLE_BACKWARD_CASES))
+def test_fused_ops_refuse_a_double_backward_by_name(case):
+    """The fused ops compute their gradients outside autograd: a backward that builds a graph
+    (create_graph=True) is refused by name rather than silently missing their second-order part;
+    the plain backward of the same graph still runs."""
+    g = torch.Generator().manual_seed(0)
+    # (linear in bf16: where ATen's bf16 GEMM is not native that is the engine's path)
+    dtype = torch.bfloat16 if case.name.startswith("linear-") else torch.float32
+    inputs = [t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+              for t in case.make(g)]
+    for i in case.grad:
+        inputs[i].requires_grad_(True)
+    leaves = [inputs[i] for i in case.grad]
+
+    def loss():
+        out = as_tuple(case.fused(*inputs))
+        return sum((out[i].float() * (1 + torch.arange(out[i].numel()).view_as(out[i]) % 3)).sum()
+                   for i in case.float_outputs if out[i].requires_grad)
+
+    try:
+        second = torch.autograd.grad(loss(), leaves, create_graph=True)
+    except Exception as e:  # noqa: BLE001 (the op's error, through autograd)
+        assert re.search(r"automoe\.\w.*: no double backward", str(e)), str(e)
+    else:  # only ops::linear hands some calls to at::linear, whose backward builds the graph
+        assert case.name.startswith("linear-") and all(gr.requires_grad for gr in second)
+    grads = torch.autograd.grad(loss(), leaves, allow_unused=True)
+    assert any(gr is not None for gr in grads)
 
 
 # ---- the trainer's AdamW for bf16 weights (optimizer.master_weights / state_dtype) --------------

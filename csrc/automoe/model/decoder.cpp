@@ -699,6 +699,10 @@ struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    AUTOMOE_CHECK(!c10::GradMode::is_enabled(),
+                  "activation checkpointing: no double backward (create_graph=True): the "
+                  "recomputed layer's backward does not build a graph; turn activation "
+                  "checkpointing off for second-order gradients");
     const auto saved = ctx->get_saved_variables();  // throws if a parameter changed in place
     auto rec = c10::static_intrusive_pointer_cast<LayerRecompute>(
         ctx->saved_data["recompute"].toCapsule());

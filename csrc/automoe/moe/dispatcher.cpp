@@ -79,6 +79,9 @@ class ExchangeRows : public torch::autograd::Function<ExchangeRows> {
     return ex->start(x, ex->send, ex->recv);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    AUTOMOE_CHECK(!c10::GradMode::is_enabled(),
+                  "expert parallelism: no double backward (create_graph=True) through the "
+                  "experts' exchange");
     auto ex = c10::static_intrusive_pointer_cast<Exchange>(ctx->saved_data["exchange"].toCapsule());
     at::Tensor g = grads[0];
     if (!g.defined()) g = at::zeros(ex->out_shape, ex->out_options);  // the peers still exchange

@@ -1,6 +1,7 @@
 #include "automoe/ops/common.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
 
 #include <atomic>
 
@@ -64,6 +65,14 @@ void no_kernel(const char* op, const at::Tensor& t) {
                      "match torch's CUDA version at build time)"
                    : " (CPU is supported)");
 #endif
+}
+
+void no_double_backward(const char* op) {
+  AUTOMOE_CHECK(!c10::GradMode::is_enabled(), "automoe.", op,
+                ": no double backward — the fused op's gradients are computed outside autograd, "
+                "so a backward with create_graph=True (second-order gradients) would miss them. "
+                "Use the reference backends for it (backend: experts eager, rms_norm / rope / "
+                "swiglu / linear / loss torch)");
 }
 
 }  // namespace automoe::ops::detail

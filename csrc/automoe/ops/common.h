@@ -18,6 +18,10 @@ void check_same_device(const char* op, std::initializer_list<std::pair<const cha
 void check_same_dtype(const char* op, const char* a, const at::Tensor& ta, const char* b,
                       const at::Tensor& tb);
 [[noreturn]] void no_kernel(const char* op, const at::Tensor& t);
+// Called first by every op's backward: the kernels compute gradients on raw memory, outside
+// autograd, so a backward that builds a graph (create_graph=True: second-order gradients) would
+// silently miss their part of it. Refused by name instead, pointing at the reference backends.
+void no_double_backward(const char* op);
 
 }  // namespace automoe::ops::detail
 

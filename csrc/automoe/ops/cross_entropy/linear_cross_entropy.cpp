@@ -104,6 +104,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("linear_cross_entropy");
     const auto s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &labels = s[2], &lse = s[3];
     const int64_t ignore_index = ctx->saved_data["ignore_index"].toInt();

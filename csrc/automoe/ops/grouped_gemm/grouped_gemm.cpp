@@ -21,6 +21,7 @@ struct GroupedGemmFn : torch::autograd::Function<GroupedGemmFn> {
     return AUTOMOE_KERNEL(grouped_gemm_fwd, xc, xc, wc, offsets);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("grouped_gemm (and linear)");
     const auto s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &offsets = s[2];
     const at::Tensor dy = grads[0].contiguous();
@@ -76,6 +77,7 @@ struct GroupedGemmLoraFn : torch::autograd::Function<GroupedGemmLoraFn> {
     return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("grouped_gemm_lora");
     const auto s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &a = s[2], &b = s[3], &offsets = s[4], &u = s[5];
     const double scaling = ctx->saved_data["scaling"].toDouble();

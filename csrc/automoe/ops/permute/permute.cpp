@@ -20,6 +20,7 @@ struct PermuteFn : torch::autograd::Function<PermuteFn> {
     return AUTOMOE_KERNEL(permute_fwd, xc, xc, src);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("permute");
     const at::Tensor slot_pos = ctx->get_saved_variables()[0];
     const at::Tensor g = grads[0].contiguous();
     return {AUTOMOE_KERNEL(permute_bwd, g, g, slot_pos), at::Tensor(), at::Tensor()};
@@ -34,6 +35,7 @@ struct UnpermuteFn : torch::autograd::Function<UnpermuteFn> {
     return AUTOMOE_KERNEL(unpermute_fwd, yc, yc, slot_pos, wc);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("unpermute");
     const auto s = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     auto [gy, gw] = AUTOMOE_KERNEL(unpermute_bwd, g, g, s[0], s[1], s[2]);

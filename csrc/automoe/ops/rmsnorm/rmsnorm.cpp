@@ -23,6 +23,7 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
     return y;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("rms_norm");
     const auto s = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     auto [dx, dw] = AUTOMOE_KERNEL(rmsnorm_bwd, g, g, s[0], s[1], s[2]);

@@ -21,6 +21,7 @@ struct RopeFn : torch::autograd::Function<RopeFn> {
     return AUTOMOE_KERNEL(rope_apply, xc, xc, c, s, interleaved, /*inverse=*/false);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("rope");
     const auto s = ctx->get_saved_variables();
     const at::Tensor g = grads[0].contiguous();
     // A rotation's transpose is the rotation by the opposite angle.

@@ -53,6 +53,7 @@ struct RouterFn : torch::autograd::Function<RouterFn> {
     return {w, idx, scores};
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("router");
     const auto saved = ctx->get_saved_variables();
     RouterParams p;
     p.top_k = ctx->saved_data["top_k"].toInt();

@@ -22,6 +22,7 @@ struct SwigluFn : torch::autograd::Function<SwigluFn> {
     return AUTOMOE_KERNEL(swiglu_fwd, x, x, p.gpt_oss, p.alpha, p.limit);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("swiglu");
     const at::Tensor x = ctx->get_saved_variables()[0];
     const at::Tensor g = grads[0].contiguous();
     return {AUTOMOE_KERNEL(swiglu_bwd, g, g, x, ctx->saved_data["gpt_oss"].toBool(),
