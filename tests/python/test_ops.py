@@ -765,8 +765,12 @@ def test_fused_ops_refuse_a_double_backward_by_name(case):
         second = torch.autograd.grad(loss(), leaves, create_graph=True)
     except Exception as e:  # noqa: BLE001 (the op's error, through autograd)
         assert re.search(r"automoe\.\w.*: no double backward", str(e)), str(e)
-    else:  # only ops::linear hands some calls to at::linear, whose backward builds the graph
+    else:  # only ops::linear hands some calls to at::linear, whose backward builds the graph:
+        # those where ATen's bf16 GEMM is native (never on a CPU without AVX512_BF16 / AMX)
         assert case.name.startswith("linear-") and all(gr.requires_grad for gr in second)
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+        assert "avx512_bf16" in flags or "amx_bf16" in flags
     grads = torch.autograd.grad(loss(), leaves, allow_unused=True)
     assert any(gr is not None for gr in grads)
 
@@ -961,7 +965,8 @@ def dequantize_reference(codes, scale, signed, block=256):
     return (values.double()[codes.long()].reshape(-1, cols) * s).reshape(codes.shape)
 
 
-ADAMW8_SHAPES = [(17, 300), (3, 5, 600), (37, 19), (4099,)]  # partial blocks; 1-D: float32
+# partial blocks; (300, 600): rows split between threads; 1-D: float32
+ADAMW8_SHAPES = [(17, 300), (3, 5, 600), (37, 19), (300, 600), (4099,)]
 
 
 def test_adamw_8bit_moments_step_as_a_float64_reference(cpu_path):
@@ -1018,6 +1023,95 @@ def test_adamw_8bit_moments_step_as_a_float64_reference(cpu_path):
         assert codes_differ <= codes_total // 1000, (codes_differ, codes_total)
         # ... and the moments were quantized: the codes span the map
         assert len(torch.unique(m[0])) > 100
+
+
+@pytest.mark.parametrize("masters,moments", [("float32", torch.float32), ("remainders", torch.bfloat16),
+                                             ("none", torch.bfloat16), ("none", "8bit")])
+def test_adamw_aten_update_matches_the_cpu_kernel(masters, moments):
+    """The update other devices run (ATen ops, row chunks; here forced on CPU tensors) against the
+    fused CPU kernel, six steps from the same state: float32 / remainder / bf16 masters, float32,
+    bf16 and 8-bit moments."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(4)
+    shapes = [(17, 300), (3, 5, 600), (37, 19), (4099,)]
+    params0 = [torch.randn(s, generator=g) * 0.05 for s in shapes]
+    grads = [[torch.randn(s, generator=g).bfloat16() for s in shapes] for _ in range(6)]
+
+    def run(aten, steps=6):
+        if masters == "float32":
+            params, rems = [p.clone() for p in params0], []
+        elif masters == "remainders":
+            split = [_C._split_master(p) for p in params0]
+            params, rems = [s[0] for s in split], [s[1] for s in split]
+        else:
+            params, rems = [p.bfloat16() for p in params0], []
+        q8 = moments == "8bit"
+        sd = [torch.uint8 if q8 and p.dim() >= 2 else (torch.float32 if q8 else moments) for p in params]
+        m = [torch.zeros(p.shape, dtype=d) for p, d in zip(params, sd)]
+        v = [torch.zeros_like(t) for t in m]
+        sc = [torch.zeros(*p.shape[:-1], -(-p.shape[-1] // 256)) if q8 and p.dim() >= 2 else torch.zeros(0)
+              for p in params]
+        sc2 = [torch.zeros_like(t) for t in sc]
+        extra = dict(exp_avg_scales=sc, exp_avg_sq_scales=sc2) if q8 else {}
+        for step, gs in enumerate(grads[:steps], start=1):
+            _C._adamw_step(params, gs, m, v, rems, step, ADAMW["lr"], *ADAMW["betas"], ADAMW["eps"],
+                           ADAMW["weight_decay"], 0.5, aten=aten, **extra)
+        return params, m, v, sc
+
+    if moments == "8bit":  # one step from zero moments: the same weights, codes and scales
+        (pa, ma, va, sa), (pk, mk, vk, sk) = run(True, 1), run(False, 1)
+        for a, k in zip(pa, pk):  # bf16: a rare weight one ulp apart (FMA or not)
+            assert int((a != k).sum()) <= max(1, a.numel() // 1000)
+            torch.testing.assert_close(a.float(), k.float(), rtol=2 ** -7, atol=0)
+        for a, k in zip(sa, sk):
+            torch.testing.assert_close(a, k, rtol=1e-6, atol=0)
+        for a, k in zip(ma + va, mk + vk):
+            diff = (a.int() - k.int()).abs()  # (at midpoints: float rounding on either path)
+            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= max(1, a.numel() // 500)
+    (pa, ma, va, sa), (pk, mk, vk, sk) = run(True), run(False)
+    for a, k in zip(pa, pk):
+        assert a.dtype == k.dtype
+        if moments == "8bit":
+            # A code one apart at a midpoint (float rounding on either path) changes that weight's
+            # later steps, by up to Adam's step size where exp_avg_sq's code is coarse.
+            diff = (a.float() - k.float()).abs()
+            assert float((diff > ADAMW["lr"] * 0.02).float().mean()) <= 0.01
+            assert float(diff.max()) <= 2 * ADAMW["lr"]
+        elif a.dtype == torch.bfloat16:  # (FMA or not: a rare weight a bf16 ulp or two apart)
+            assert int((a != k).sum()) <= max(1, a.numel() // 500)
+            torch.testing.assert_close(a.float(), k.float(), rtol=2 ** -6, atol=ADAMW["lr"] / 64)
+        else:
+            torch.testing.assert_close(a, k, rtol=1e-6, atol=1e-7)
+    for a, k in zip(ma + va, mk + vk):
+        if a.dtype == torch.uint8:  # (compounded as above: a few codes apart)
+            assert int(((a.int() - k.int()).abs() > 0).sum()) <= max(1, a.numel() // 100)
+        else:
+            torch.testing.assert_close(a.float(), k.float(), rtol=2 ** -7, atol=1e-6)
+    for a, k in zip(sa, sk):
+        torch.testing.assert_close(a, k, rtol=2e-2, atol=0)
+
+
+def test_8bit_blocks_below_the_smallest_normal_float_flush_to_zero_without_nan(cpu_path):
+    """A block whose moments decay below the smallest normal float (rows no gradient reaches any
+    more) is stored as zero — its reciprocal would overflow — on the kernel and the ATen path."""
+    from automoe import _C
+
+    for aten in (False, True):
+        p = [torch.randn(4, 512) * 0.05]
+        m = [torch.full((4, 512), 200, dtype=torch.uint8)]
+        v = [torch.full((4, 512), 200, dtype=torch.uint8)]
+        sm = [torch.tensor([[3e-39, 1.0]] * 4)]  # block 0: subnormal absmax, block 1 normal
+        sv = [torch.tensor([[1e-45, 1.0]] * 4)]
+        grads = torch.zeros(4, 512)
+        grads[:, 256:] = 1.0
+        _C._adamw_step(p, [grads], m, v, [], 3, ADAMW["lr"], *ADAMW["betas"], ADAMW["eps"],
+                       0.0, 1.0, exp_avg_scales=sm, exp_avg_sq_scales=sv, aten=aten)
+        assert torch.isfinite(p[0]).all()
+        assert torch.equal(sm[0][:, 0], torch.zeros(4)) and torch.equal(sv[0][:, 0], torch.zeros(4))
+        for codes, signed in ((m[0], True), (v[0], False)):
+            assert bool((_C._dequantize8(codes, (sm if signed else sv)[0], signed)[:, :256] == 0).all())
+        assert bool((sm[0][:, 1] > 0).all())
 
 
 def test_8bit_aten_composition_quantizes_as_the_reference():

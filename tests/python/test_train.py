@@ -433,7 +433,6 @@ def test_8bit_moments_train_checkpoint_codes_and_scales_and_resume_to_the_same_l
     assert sorted(got) == sorted(ref) == [1, 2, 3, 4]
     for step in ref:
         assert got[step]["loss"] == ref[step]["loss"], step
-    assert ref[1]["loss"] == bf16[1]["loss"]
     assert ref[2]["loss"] == pytest.approx(bf16[2]["loss"], rel=1e-2)
     a, b = (load_tensors(tmp_path / n / "step-4" / "model.safetensors") for n in ("straight", "stopped"))
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -379,10 +379,11 @@ PYBIND11_MODULE(_C, m) {
          std::vector<at::Tensor> exp_avgs, std::vector<at::Tensor> exp_avg_sqs,
          std::vector<at::Tensor> remainders, int64_t step, double lr, double beta1, double beta2,
          double eps, double weight_decay, double grad_scale, std::vector<at::Tensor> exp_avg_scales,
-         std::vector<at::Tensor> exp_avg_sq_scales) {
+         std::vector<at::Tensor> exp_avg_sq_scales, bool aten) {
         // The trainer's AdamW update for bf16 training (optimizer.master_weights / state_dtype),
         // one step on the given tensors in place, every tensor in the decay group: for tests
-        // against torch.optim.AdamW. 8-bit moments: uint8 codes with their block scales.
+        // against torch.optim.AdamW. 8-bit moments: uint8 codes with their block scales. `aten`:
+        // the update other devices run (ATen ops), here on CPU tensors.
         const size_t n = params.size();
         const bool q8 = !exp_avg_scales.empty();
         AUTOMOE_CHECK(!q8 || (exp_avg_scales.size() == n && exp_avg_sq_scales.size() == n),
@@ -401,6 +402,7 @@ PYBIND11_MODULE(_C, m) {
         opt.init(named, std::vector<bool>(n, false), /*own_grads=*/true, /*full_state=*/true, kind,
                  q8 ? at::kByte : exp_avgs[0].scalar_type(), remainders);
         opt.decay.assign(n, true);
+        opt.aten_update = aten;
         for (size_t i = 0; i < n; ++i) {
           opt.exp_avg[i] = exp_avgs[i];
           opt.exp_avg_sq[i] = exp_avg_sqs[i];
@@ -410,6 +412,10 @@ PYBIND11_MODULE(_C, m) {
           } else if (q8) {
             AUTOMOE_CHECK(exp_avgs[i].scalar_type() == at::kByte &&
                               exp_avg_sqs[i].scalar_type() == at::kByte &&
+                              exp_avgs[i].sizes() == params[i].sizes() &&
+                              exp_avg_sqs[i].sizes() == params[i].sizes() &&
+                              exp_avg_scales[i].scalar_type() == at::kFloat &&
+                              exp_avg_sq_scales[i].scalar_type() == at::kFloat &&
                               exp_avg_scales[i].sizes() == opt.exp_avg_scale[i].sizes() &&
                               exp_avg_sq_scales[i].sizes() == opt.exp_avg_scale[i].sizes(),
                           "_adamw_step: parameter ", i, ": uint8 codes and scales of shape ",
@@ -432,7 +438,7 @@ PYBIND11_MODULE(_C, m) {
       py::arg("remainders"), py::arg("step"), py::arg("lr"), py::arg("beta1"), py::arg("beta2"),
       py::arg("eps"), py::arg("weight_decay"), py::arg("grad_scale") = 1.0,
       py::arg("exp_avg_scales") = std::vector<at::Tensor>{},
-      py::arg("exp_avg_sq_scales") = std::vector<at::Tensor>{});
+      py::arg("exp_avg_sq_scales") = std::vector<at::Tensor>{}, py::arg("aten") = false);
   m.def(
       "_qmap8",
       [](bool is_signed) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "automoe/core/error.h"
 #include "automoe/ops/cpu/vec.h"
@@ -62,9 +63,11 @@ at::Tensor AdamW::dequantize8(const at::Tensor& codes, const at::Tensor& scale, 
   at::NoGradGuard no_grad;
   const int64_t cols = quant_cols(codes), rows = codes.numel() / cols, nb = scale.size(-1);
   const at::Tensor q = qtable(ops::cpu::vec::qmap8(is_signed), 256, codes.device());
-  const at::Tensor x = q.index_select(0, codes.reshape(-1).to(at::kLong)).view({rows, cols});
-  const at::Tensor s = scale.reshape({rows, nb}).repeat_interleave(kQuantBlock, 1).narrow(1, 0, cols);
-  return (x * s).view(codes.sizes());
+  at::Tensor x = q.index_select(0, codes.reshape(-1).to(at::kInt)).view({rows, cols});
+  if (nb * kQuantBlock != cols) x = at::constant_pad_nd(x, {0, nb * kQuantBlock - cols});
+  x = x.view({rows, nb, kQuantBlock}) * scale.reshape({rows, nb, 1});
+  // (contiguous: the fused AdamW reads its tensors as flat memory)
+  return x.view({rows, nb * kQuantBlock}).narrow(1, 0, cols).contiguous().view(codes.sizes());
 }
 
 void AdamW::quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -74,7 +77,10 @@ void AdamW::quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Te
   at::Tensor xr = x.to(at::kFloat).reshape({rows, cols});
   if (nb * kQuantBlock != cols) xr = at::constant_pad_nd(xr, {0, nb * kQuantBlock - cols});
   const at::Tensor blocks = xr.view({rows, nb, kQuantBlock});
-  const at::Tensor absmax = blocks.abs().amax(-1);
+  // (a block whose largest magnitude is below the smallest normal float is flushed to zero, as
+  // the CPU kernel does: its reciprocal would overflow)
+  at::Tensor absmax = blocks.abs().amax(-1);
+  absmax = at::where(absmax >= std::numeric_limits<float>::min(), absmax, at::zeros_like(absmax));
   const at::Tensor inv = at::where(absmax > 0, absmax.reciprocal(), at::zeros_like(absmax));
   const at::Tensor mids = qtable(ops::cpu::vec::qmid8(is_signed), 255, codes.device());
   // (the number of midpoints below each value: the nearest map value, ties to the lower)
@@ -465,11 +471,14 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
                       wd, o.eps, /*amsgrad=*/false, /*maximize=*/false);
     return;
   }
-  if (p.device().is_cpu()) {
+  if (p.device().is_cpu() && !aten_update) {
     const double t = step[i].item<double>();  // (advanced by the caller)
     const double bc1 = 1.0 - std::pow(o.beta1, t), bc2 = 1.0 - std::pow(o.beta2, t);
     if (!g.is_contiguous()) g = g.contiguous();
-    AUTOMOE_CHECK(p.is_contiguous() && exp_avg[i].is_contiguous() && exp_avg_sq[i].is_contiguous(),
+    const bool scales_ok = !quantized(i) || (exp_avg_scale[i].is_contiguous() &&
+                                             exp_avg_sq_scale[i].is_contiguous());
+    AUTOMOE_CHECK(p.is_contiguous() && exp_avg[i].is_contiguous() &&
+                      exp_avg_sq[i].is_contiguous() && scales_ok,
                   "AdamW: ", names[i], ": state is not contiguous");
     ops::cpu::vec::AdamwRow r;
     r.p = p.data_ptr();
@@ -505,31 +514,45 @@ void AdamW::update_one(size_t i, const at::Tensor& g_in, const OptimizerSection&
     });
     return;
   }
-  // Other devices: the same update through float32 copies of one tensor at a time.
-  at::Tensor w = master_f32(i);
-  at::Tensor g32 = g.to(at::kFloat);
-  if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
+  // Other devices: the same update through float32 copies, a chunk of rows at a time (so that the
+  // temporaries stay small whatever the tensor: ~16 M elements).
   const bool q8 = quantized(i);
-  at::Tensor m = q8 ? dequantize8(exp_avg[i], exp_avg_scale[i], true) : exp_avg[i].to(at::kFloat);
-  at::Tensor v =
-      q8 ? dequantize8(exp_avg_sq[i], exp_avg_sq_scale[i], false) : exp_avg_sq[i].to(at::kFloat);
-  at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
-                    /*amsgrad=*/false, /*maximize=*/false);
-  if (masters == Masters::kRemainders) {
-    at::Tensor hi, lo;
-    split_master(w, hi, lo);
-    p.copy_(hi.view(p.sizes()));
-    remainder[i].copy_(lo.view(p.sizes()));
-  } else if (masters == Masters::kNone) {
-    p.copy_(w);
+  const int64_t cols = quant_cols(p), rows = p.numel() / cols;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{1} << 24) / cols);
+  auto as_rows = [&](const at::Tensor& t) { return t.reshape({rows, -1}); };
+  const at::Tensor p2 = as_rows(p), g2 = as_rows(g), m2 = as_rows(exp_avg[i]),
+                   v2 = as_rows(exp_avg_sq[i]);
+  const at::Tensor r2 = masters == Masters::kRemainders ? as_rows(remainder[i]) : at::Tensor();
+  const at::Tensor ms2 = q8 ? as_rows(exp_avg_scale[i]) : at::Tensor();
+  const at::Tensor vs2 = q8 ? as_rows(exp_avg_sq_scale[i]) : at::Tensor();
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows - r0);
+    auto part = [&](const at::Tensor& t) { return t.narrow(0, r0, n); };
+    at::Tensor w = masters == Masters::kRemainders ? join_master(part(p2), part(r2))
+                   : masters == Masters::kNone     ? part(p2).to(at::kFloat)
+                                                   : part(p2);  // (float32 masters: in place)
+    at::Tensor g32 = part(g2).to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+    if (grad_scale_ != 1.0) g32.mul_(grad_scale_);
+    at::Tensor m = q8 ? dequantize8(part(m2), part(ms2), true) : part(m2).to(at::kFloat);
+    at::Tensor v = q8 ? dequantize8(part(v2), part(vs2), false) : part(v2).to(at::kFloat);
+    at::_fused_adamw_({w}, {g32}, {m}, {v}, {}, {step[i]}, lr, o.beta1, o.beta2, wd, o.eps,
+                      /*amsgrad=*/false, /*maximize=*/false);
+    if (masters == Masters::kRemainders) {
+      at::Tensor hi, lo;
+      split_master(w, hi, lo);
+      part(p2).copy_(hi.view(w.sizes()));
+      part(r2).copy_(lo.view(w.sizes()));
+    } else if (masters == Masters::kNone) {
+      part(p2).copy_(w);
+    }
+    if (q8) {
+      quantize8(m, part(m2), part(ms2), true);
+      quantize8(v, part(v2), part(vs2), false);
+    } else {
+      if (part(m2).data_ptr() != m.data_ptr()) part(m2).copy_(m);
+      if (part(v2).data_ptr() != v.data_ptr()) part(v2).copy_(v);
+    }
   }
-  if (q8) {
-    quantize8(m, exp_avg[i], exp_avg_scale[i], true);
-    quantize8(v, exp_avg_sq[i], exp_avg_sq_scale[i], false);
-    return;
-  }
-  if (!exp_avg[i].is_same(m)) exp_avg[i].copy_(m);
-  if (!exp_avg_sq[i].is_same(v)) exp_avg_sq[i].copy_(v);
 }
 
 void AdamW::update_in_backward(std::vector<at::Tensor>& params) {

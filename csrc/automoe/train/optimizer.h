@@ -51,6 +51,8 @@ struct AdamW {
   bool quantized(size_t i) const { return exp_avg_scale.size() > i && exp_avg_scale[i].defined(); }
   // 8-bit moments through ATen ops (any device; the CPU step uses the fused kernel): codes and
   // their block scales as float32, and float32 values into codes and scales (both written).
+  // Tests: the update through ATen ops, as on devices other than the CPU, on CPU tensors too.
+  bool aten_update = false;
   static at::Tensor dequantize8(const at::Tensor& codes, const at::Tensor& scale, bool is_signed);
   static void quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                         bool is_signed);

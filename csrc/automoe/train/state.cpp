@@ -38,8 +38,13 @@ void fsync_path(const fs::path& p) {
 
 // How the optimizer keeps its state (trainer_state.json's optimizer_precision).
 json precision_json(const AdamW& opt) {
-  return {{"master_weights", AdamW::masters_name(opt.masters)},
-          {"state_dtype", AdamW::state_dtype_name(opt.state_dtype)}};
+  json j = {{"master_weights", AdamW::masters_name(opt.masters)},
+            {"state_dtype", AdamW::state_dtype_name(opt.state_dtype)}};
+  // 8-bit codes mean something only with their map and blocks: a later format is told apart.
+  if (opt.state_dtype == at::kByte) {
+    j["state_format"] = "dynamic map v1, blocks of 256 along the last dim";
+  }
+  return j;
 }
 
 std::string experts_file(int64_t ep_rank, int64_t ep) {

@@ -833,6 +833,10 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
         am = std::max(am, aml[j]);
         av = std::max(av, avl[j]);
       }
+      // A block whose largest magnitude is below the smallest normal float is flushed to zero
+      // (its reciprocal would overflow: 0 * inf); NaN never reaches the maxima.
+      if (!(am >= std::numeric_limits<float>::min())) am = 0.f;
+      if (!(av >= std::numeric_limits<float>::min())) av = 0.f;
       const float im = am > 0.f ? 1.f / am : 0.f, iv = av > 0.f ? 1.f / av : 0.f;
       int64_t e = 0;
 #if defined(AUTOMOE_VEC_X86)
