@@ -478,3 +478,24 @@ def test_gpt_oss_experts_under_expert_parallelism_are_refused(tmp_path, tokenize
     assert proc.returncode != 0
     assert "GPT-OSS's experts (biases, transposed storage) do not run under an expert-parallel" in proc.stderr, \
         proc.stderr[-4000:]
+
+
+def test_lora_dropout_on_two_ranks_resumes_with_each_ranks_masks(model_dir, tmp_path):
+    """Data-parallel ranks draw their LoRA dropout masks from (train.seed, rank, step): a run on
+    two processes stopped at step 2 and resumed continues with the losses of the uninterrupted
+    run (checkpoints used to carry rank 0's generator, which every rank restored)."""
+    def recipe(run):
+        r = ep_recipe(model_dir, tmp_path, run, ep=1)
+        r["train"]["max_steps"] = 4
+        r["checkpoint"]["every"] = 2
+        r["peft"] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj"],
+                     "lora_dropout": 0.5}
+        r["optimizer"]["lr"] = 1e-2
+        return r
+
+    run_ranks(recipe("straight"), tmp_path, 2)
+    run_ranks(recipe("split"), tmp_path, 2, "train.max_steps=2")
+    run_ranks(recipe("split"), tmp_path, 2)
+    ref, got = metrics(tmp_path / "straight"), metrics(tmp_path / "split")
+    for step in (1, 2, 3, 4):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step

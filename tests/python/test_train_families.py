@@ -118,3 +118,33 @@ def test_aux_loss_coefficient_is_refused_for_types_without_one(family, tmp_path,
                      tmp_path, check=False)
     assert proc.returncode == 1 and "model.router_aux_loss_coef" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_router_jitter_draws_from_the_seed_the_same_in_every_run_and_across_a_resume(
+        tmp_path, tmp_path_factory, tokenizer, monkeypatch):
+    """Mixtral's router_jitter_noise draws in `automoe train` come from train.seed (with the rank
+    and the step): two runs of one recipe train bit for bit alike, a run stopped at step 2 and
+    resumed draws what the uninterrupted run drew, and another seed draws other noise. (They
+    were drawn from an unseeded generator, different in every process.)"""
+    from automoe.demo import build_checkpoint
+
+    monkeypatch.setenv("AUTOMOE_CPU_ISA", "baseline")  # no per-process GEMM choice (see above)
+    model_dir = build_checkpoint(tmp_path_factory.mktemp("jitter") / "tiny", tokenizer,
+                                 family="mixtral", router_jitter_noise=0.5, **SIZES["mixtral"])
+
+    def run(name, seed=0, *overrides):
+        r = base_recipe(model_dir, tmp_path, name, data={"shuffle": False},  # seed: noise only
+                        train={"seed": seed}, checkpoint={"every": 2})
+        run_train(r, tmp_path, *overrides)
+        last = tmp_path / name / "step-4" / "model.safetensors"
+        return metrics(tmp_path / name), load_tensors(last) if last.exists() else None
+
+    (a, wa), (b, wb) = run("a"), run("b")
+    run("split", 0, "train.max_steps=2")
+    split, ws = run("split")  # resumes at step 2
+    other, _ = run("other", 1)
+    for step in (1, 2, 3, 4):
+        assert b[step]["loss"] == a[step]["loss"] and split[step]["loss"] == a[step]["loss"], step
+        assert other[step]["loss"] != a[step]["loss"], step
+    for k, t in wa.items():
+        assert torch.equal(wb[k], t) and torch.equal(ws[k], t), k

@@ -311,6 +311,7 @@ int bench(const Args& args) {
   const at::Tensor ids = at::randint(0, spec.vocab_size, {o.batch, o.seq}, gen).to(dev);
   std::vector<double> fwd, bwd, optim, losses;
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    train::seed_step(o.seed, 0, step);  // the trainer's draws (router jitter, LoRA dropout)
     sync(dev);
     auto t0 = Clock::now();
     ForwardArgs a{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true};

@@ -1,7 +1,6 @@
 #include "automoe/train/state.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -122,7 +121,6 @@ void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& o
     if (lead) {
       for (const auto& [name, t] : buffers) weights.emplace_back(name, t);
       if (!opt.step.empty()) state.emplace_back("step", opt.step.front());
-      state.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
       save_safetensors((tmp / "model.safetensors").string(), weights, {{"format", "pt"}});
       save_safetensors((tmp / "optimizer.safetensors").string(), state, {{"format", "pt"}});
       json j = extra;
@@ -329,10 +327,8 @@ json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
     if (state.contains("step")) load_into(state, "step", opt.step[i]);
   }
   for (auto& [name, t] : buffers) load_into(model, name, t);
-  if (state.contains("rng.cpu")) {
-    at::Generator gen = at::detail::getDefaultCPUGenerator();
-    gen.set_state(state.get("rng.cpu").clone());
-  }
+  // (Checkpoints before 2026-12-03 also hold rng.cpu, the lead rank's generator; unused since
+  // every step seeds its own draws: seed_step in step.h.)
   return j;
 }
 

@@ -11,6 +11,15 @@
 
 namespace automoe::train {
 
+void seed_step(uint64_t seed, int64_t rank, int64_t step) {
+  // splitmix64's finaliser over the three: nearby (seed, rank, step) give unrelated seeds.
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (static_cast<uint64_t>(rank) + 1) +
+               0xD1B54A32D192ED03ull * (static_cast<uint64_t>(step) + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  at::manual_seed(z ^ (z >> 31));
+}
+
 TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10::Device& dev,
                             std::vector<LoraSite> lora_sites, bool zero,
                             const OptimizerSection& precision) {

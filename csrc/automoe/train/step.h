@@ -44,6 +44,12 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
                             std::vector<LoraSite> lora_sites, bool zero = false,
                             const OptimizerSection& precision = {});
 
+// Seeds the default generators (CPU and every CUDA device) for one step's random draws — Mixtral's
+// router jitter, LoRA dropout — from (train.seed, rank, step): two runs of a recipe draw the same,
+// data-parallel ranks draw differently, and a resumed run draws what the uninterrupted one did
+// at any world size, with no generator state in the checkpoint.
+void seed_step(uint64_t seed, int64_t rank, int64_t step);
+
 // Before a step's micro-batches: with optimizer.in_backward (`o`), the step's learning rate for
 // the updates its backward runs (the gradient hooks are registered on the first call, so `s` must
 // not move after it); otherwise nothing.

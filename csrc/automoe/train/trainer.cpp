@@ -1,7 +1,6 @@
 #include "automoe/train/trainer.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/core/DeviceGuard.h>
 #include <sched.h>
@@ -350,8 +349,6 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
                   rc.router.bias_update_rate, " with peft: the routers' correction bias would train "
                   "beside the adapters, but the PEFT adapter export cannot carry it (PEFT would load "
                   "the adapter onto the untrained bias); use 0 with LoRA");
-    // Dropout masks differ between data-parallel ranks (each its own batch), reproducibly.
-    if (rc.peft.lora_dropout > 0) at::manual_seed(rc.train.seed + static_cast<uint64_t>(world.rank));
     try {
       lora_sites = plan_lora(spec, parameter_layout(spec), lora_config, /*strict=*/true);
     } catch (const Error& e) {
@@ -666,6 +663,7 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
     };
     const double lr = learning_rate(rc.optimizer, rc.schedule, st.step, total_steps);
     begin_step(ts, rc.optimizer, lr);  // (optimizer.in_backward: the backward updates)
+    seed_step(rc.train.seed, world.rank, st.step);  // the step's jitter / dropout draws
     double ce_sum = 0, aux_weighted = 0, step_tokens = 0, step_flops = 0;
     bool finite = true;
     // ZeRO-2 reduces the gradients after every backward: every rank runs all its micro-batches.
