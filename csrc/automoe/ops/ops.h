@@ -53,7 +53,8 @@ at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GO
 // A dense linear layer, y = x·wᵀ (+ bias) for x [..., K], w [O, K]: at::linear, except where
 // ATen's GEMM is the slower engine for bf16 on this CPU (cpu::engine_preferred: no AVX512_BF16
 // or AMX) — there the forward, dX and dW run on the CPU GEMM engine as a one-group grouped_gemm
-// (float32 accumulation, each result rounded once to bf16, as ATen's bf16 GEMM rounds).
+// (float32 accumulation, the bias added to it, each result rounded once to bf16, as ATen's bf16
+// GEMM and addmm round).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 // LoRA on the grouped GEMM: y[rows of g] = x·w[g]ᵀ + scaling·(x·a[g]ᵀ)·b[g]ᵀ with a [G, r, K],
 // b [G, O, r] (per-group low-rank factors, x's dtype), without forming w + scaling·b·a. w gets a

@@ -34,6 +34,39 @@ struct GroupedGemmFn : torch::autograd::Function<GroupedGemmFn> {
   }
 };
 
+// ops::linear with a bias on the CPU engine (bf16 x, w, bias): the bias joins the float32
+// accumulator and the sum is rounded once, as ATen's addmm does; adding it to the rounded
+// product (a second rounding) differed from at::linear by an ulp here and there.
+struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x_NK, const at::Tensor& w_OK,
+                            const at::Tensor& bias) {
+    const at::Tensor xc = x_NK.contiguous(), wc = w_OK.contiguous();
+    ctx->save_for_backward({xc, wc});
+    const int64_t N = xc.size(0), O = wc.size(0), K = wc.size(1);
+    at::Tensor acc = at::empty({N, O}, xc.options().dtype(at::kFloat));
+    acc.copy_(bias.expand({N, O}));  // C = bias, then C += x·wᵀ in float32
+    cpu::gemm_batch({{N, O, K, {xc.const_data_ptr(), xc.scalar_type(), K, 1},
+                      {wc.const_data_ptr(), wc.scalar_type(), 1, K}, acc.data_ptr(), at::kFloat, O,
+                      /*accumulate=*/true}});
+    return acc.to(xc.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("linear");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor &x = s[0], &w = s[1];
+    const at::Tensor dy = grads[0].contiguous();
+    const at::Tensor offsets = at::tensor({int64_t{0}, x.size(0)}, at::kLong);
+    const at::Tensor w1 = w.unsqueeze(0);
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w1, offsets);
+    if (ctx->needs_input_grad(1)) {
+      dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, 1, w.scalar_type()).squeeze(0);
+    }
+    if (ctx->needs_input_grad(2)) db = dy.sum(0);  // as autograd reduces addmm's bias gradient
+    return {dx, dw, db};
+  }
+};
+
 void check_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& offsets) {
   const char* op = "automoe.grouped_gemm";
   detail::check_float(op, "x", x);
@@ -160,12 +193,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
                       cpu::engine_preferred(at::kBFloat16);
   if (!engine) return at::linear(x, w, bias);  // (which also names any mismatch)
   const at::Tensor x_NK = x.reshape({-1, w.size(1)});
-  const at::Tensor offsets = at::tensor({int64_t{0}, x_NK.size(0)}, at::kLong);
   std::vector<int64_t> shape = x.sizes().vec();
   shape.back() = w.size(0);
-  at::Tensor y = GroupedGemmFn::apply(x_NK, w.unsqueeze(0), offsets).view(shape);
-  if (bias && bias->defined()) y = y + *bias;
-  return y;
+  if (bias && bias->defined()) {
+    AUTOMOE_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "linear: bias must be [",
+                  w.size(0), "] for weight ", w.sizes(), ", got ", bias->sizes());
+    return LinearBiasFn::apply(x_NK, w, *bias).view(shape);
+  }
+  const at::Tensor offsets = at::tensor({int64_t{0}, x_NK.size(0)}, at::kLong);
+  return GroupedGemmFn::apply(x_NK, w.unsqueeze(0), offsets).view(shape);
 }
 
 at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GOK,
