@@ -9,6 +9,9 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "automoe/core/error.h"
 #include "automoe/ops/cpu/vec.h"
@@ -52,9 +55,19 @@ using ops::cpu::vec::kQuantBlock;
 // A tensor's rows for the 8-bit moments: its last dimension.
 int64_t quant_cols(const at::Tensor& t) { return t.dim() == 0 ? 1 : std::max<int64_t>(1, t.size(-1)); }
 
+// The 8-bit map's values (or midpoints) on `dev`, copied there once per process: a copy from
+// host memory per call would wait for the device on every tensor of every step. (Never freed: a
+// device tensor must not outlive its runtime in a static destructor.)
 at::Tensor qtable(const float* values, int64_t n, const at::Device& dev) {
-  return at::from_blob(const_cast<float*>(values), {n}, at::kFloat).to(dev, /*non_blocking=*/false,
-                                                                         /*copy=*/true);
+  static std::mutex mu;
+  static auto* cache = new std::map<std::tuple<const float*, int, int>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& t = (*cache)[{values, static_cast<int>(dev.type()), static_cast<int>(dev.index())}];
+  if (!t.defined()) {
+    t = at::from_blob(const_cast<float*>(values), {n}, at::kFloat)
+            .to(dev, /*non_blocking=*/false, /*copy=*/true);
+  }
+  return t;
 }
 
 }  // namespace
