@@ -46,8 +46,8 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
 
 // Seeds the default generators (CPU and every CUDA device) for one step's random draws — Mixtral's
 // router jitter, LoRA dropout — from (train.seed, rank, step): two runs of a recipe draw the same,
-// data-parallel ranks draw differently, and a resumed run draws what the uninterrupted one did
-// at any world size, with no generator state in the checkpoint.
+// data-parallel ranks draw differently, and a resumed run (on as many processes) draws what the
+// uninterrupted one did, with no generator state in the checkpoint.
 void seed_step(uint64_t seed, int64_t rank, int64_t step);
 
 // Before a step's micro-batches: with optimizer.in_backward (`o`), the step's learning rate for
