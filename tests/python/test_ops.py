@@ -400,6 +400,57 @@ def test_bf16_linear_rounds_product_plus_bias_once_as_aten_does():
     assert rel_err(wr.grad.double(), dy.double().t() @ x.double()) <= 1e-2
 
 
+@pytest.mark.parametrize("kind", ["causal", "right-padded", "left-padded", "gqa-causal"])
+def test_bf16_sdpa_forward_is_atens_and_its_backward_is_at_least_as_accurate(kind):
+    """The engine's SDPA in bf16 with gradients: where ATen's bf16 GEMM is not native (no
+    AVX512_BF16 / AMX) its backward runs ATen's float32 flash-attention backward on the forward's
+    saved tensors (the bf16 one ran on ATen's slow GEMM fallback); the forward is ATen's bf16
+    kernel on every CPU. So the output equals torch's sdpa bit for bit, and the gradients are
+    within bf16 rounding of float64's and no further from them than torch's bf16 backward; a
+    query that sees no key (left padding) gets finite gradients, as in torch."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(0)
+    B, N, S, D = 2, 4, 37, 16
+    Nkv = 2 if kind == "gqa-causal" else N
+    q, k, v = (torch.randn(B, n, S, D, generator=g).bfloat16() for n in (N, Nkv, Nkv))
+    dy = torch.randn(B, N, S, D, generator=g).bfloat16()
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    keep = torch.ones(B, S, dtype=torch.bool)
+    if kind == "right-padded":
+        keep[1, 30:] = False
+    if kind == "left-padded":
+        keep[1, :5] = False  # queries 0..4 of row 1 see no key
+    mask = None if "causal" in kind else (causal & keep.view(B, 1, 1, S)).expand(B, 1, S, S)
+    is_causal = mask is None
+    scale = D ** -0.5
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        grads = torch.autograd.grad(out, leaves, dy.to(dtype))
+        return out.detach(), grads
+
+    def torch_sdpa(qq, kk, vv):
+        rep = N // Nkv
+        return torch.nn.functional.scaled_dot_product_attention(
+            qq, kk.repeat_interleave(rep, 1), vv.repeat_interleave(rep, 1), attn_mask=mask,
+            is_causal=is_causal, scale=scale)
+
+    ours, our_grads = run(lambda a, b, c: _C._attention(a, b, c, mask, is_causal, scale), torch.bfloat16)
+    ref, ref_grads = run(torch_sdpa, torch.bfloat16)
+    assert torch.equal(ours, ref)
+    if kind == "left-padded":  # (float64's softmax over no key is NaN: compare with torch only)
+        for mine, theirs in zip(our_grads, ref_grads):
+            assert torch.isfinite(mine).all()
+            assert rel_err(mine.double(), theirs.double()) <= 2e-2
+        return
+    _, truth = run(torch_sdpa, torch.float64)
+    for name, mine, theirs, exact in zip("qkv", our_grads, ref_grads, truth):
+        err, ref_err = rel_err(mine.double(), exact), rel_err(theirs.double(), exact)
+        assert err <= 8e-3 and err <= ref_err * 1.25 + 1e-3, (name, err, ref_err)
+
+
 def test_finite_differences_linear_cross_entropy():
     g = torch.Generator().manual_seed(5)
     x, w = randn(g, 6, 4).requires_grad_(), randn(g, 11, 4).requires_grad_()

@@ -348,6 +348,18 @@ PYBIND11_MODULE(_C, m) {
       "A model with fresh parameters (Transformers' initialisation) for a config (JSON text).");
 
   m.def(
+      "_attention",
+      [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+         const std::optional<at::Tensor>& mask, bool is_causal, double scale,
+         const std::string& attn) {
+        // The attention component a backend resolves to (sdpa / eager), for tests: [B, N, S, D]
+        // queries, [B, N_kv, S, D] keys and values; autograd flows through it.
+        const ComponentOps ops = resolve(BackendConfig::from_map({{"attn", attn}}, "backend"));
+        return ops.attention(q, k, v, mask, is_causal, scale, std::nullopt);
+      },
+      py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(),
+      py::arg("is_causal") = false, py::arg("scale") = 1.0, py::arg("attn") = "sdpa");
+  m.def(
       "save_safetensors",
       [](const std::string& path, const NamedTensors& tensors,
          std::map<std::string, std::string> metadata) {
