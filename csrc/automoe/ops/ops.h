@@ -56,6 +56,17 @@ at::Tensor grouped_gemm_reference(const at::Tensor& x_NK, const at::Tensor& w_GO
 // (float32 accumulation, the bias added to it, each result rounded once to bf16, as ATen's bf16
 // GEMM and addmm round).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+// Attention (SDPA) for bf16 CPU tensors with gradients where ATen's bf16 GEMM is not native
+// (cpu::engine_preferred): ATen's bf16 flash-attention forward — the kernel
+// at::scaled_dot_product_attention runs there, a bool mask converted as it converts it — and its
+// float32 backward on the saved tensors widened, the gradients rounded once. q, k, v
+// [B, N, S, D] with as many key/value heads as query heads; mask bool or q's dtype. _applies
+// says whether it is the path for these inputs (else at::scaled_dot_product_attention).
+bool sdpa_bf16_float_backward_applies(const at::Tensor& q, const at::Tensor& k,
+                                      const at::Tensor& v, const std::optional<at::Tensor>& mask);
+at::Tensor sdpa_bf16_float_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, bool is_causal,
+                                    double scale);
 // LoRA on the grouped GEMM: y[rows of g] = x·w[g]ᵀ + scaling·(x·a[g]ᵀ)·b[g]ᵀ with a [G, r, K],
 // b [G, O, r] (per-group low-rank factors, x's dtype), without forming w + scaling·b·a. w gets a
 // gradient only when it requires one.
