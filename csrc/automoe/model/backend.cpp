@@ -122,13 +122,13 @@ at::Tensor sdpa_attention(const at::Tensor& q, const at::Tensor& k_in, const at:
   AUTOMOE_CHECK(!sinks, "backend attn=sdpa: attention sinks (GPT-OSS) are not supported by SDPA "
                         "(Transformers has no sdpa for GPT-OSS either); use attn=eager");
   const int64_t groups = q.size(1) / k_in.size(1);
-  const bool gqa_in_sdpa = !mask && q.size(3) <= 256;
-  const at::Tensor k = gqa_in_sdpa ? k_in : repeat_kv(k_in, groups);
-  const at::Tensor v = gqa_in_sdpa ? v_in : repeat_kv(v_in, groups);
   if (ops::sdpa_bf16_float_backward_applies(q, k_in, v_in, mask)) {
     return ops::sdpa_bf16_float_backward(q, repeat_kv(k_in, groups), repeat_kv(v_in, groups), mask,
                                          is_causal, scale);
   }
+  const bool gqa_in_sdpa = !mask && q.size(3) <= 256;
+  const at::Tensor k = gqa_in_sdpa ? k_in : repeat_kv(k_in, groups);
+  const at::Tensor v = gqa_in_sdpa ? v_in : repeat_kv(v_in, groups);
   return at::scaled_dot_product_attention(q, k, v, mask, 0.0, is_causal, scale,
                                           /*enable_gqa=*/gqa_in_sdpa && groups != 1);
 }
