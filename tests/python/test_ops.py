@@ -451,6 +451,57 @@ def test_bf16_sdpa_forward_is_atens_and_its_backward_is_at_least_as_accurate(kin
         assert err <= 8e-3 and err <= ref_err * 1.25 + 1e-3, (name, err, ref_err)
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_bf16_eager_attention_matches_transformers_eager_forward_and_backward(family):
+    """Eager attention (attn=eager; GPT-OSS's with its sinks) in bf16 against Transformers' own
+    eager_attention_forward: where ATen's bf16 GEMM is not native (no AVX512_BF16 / AMX) its two
+    products run as float32 GEMMs rounded once (ops::matmul; ATen's bf16 fallback GEMM made
+    eager 2.8x SDPA's step), so outputs and q/k/v gradients must stay within bf16 rounding of
+    float64's and no further from them than Transformers' bf16 eager is."""
+    import importlib
+
+    from automoe import _C
+
+    hf = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    g = torch.Generator().manual_seed(1)
+    B, N, Nkv, S, D = 2, 4, 2, 41, 16
+    q, k, v = (torch.randn(B, n, S, D, generator=g).bfloat16() for n in (N, Nkv, Nkv))
+    dy = torch.randn(B, S, N, D, generator=g).bfloat16()
+    keep = torch.ones(B, S, dtype=torch.bool)
+    keep[1, 33:] = False  # right padding in row 1
+    allowed = torch.ones(S, S, dtype=torch.bool).tril() & keep.view(B, 1, 1, S)
+    mask = torch.zeros(B, 1, S, S).masked_fill(~allowed, float("-inf"))
+    sinks = torch.randn(N, generator=g) if family == "gpt_oss" else None
+    scale = D ** -0.5
+
+    class Module(torch.nn.Module):  # what eager_attention_forward reads from the attention layer
+        def __init__(self, dtype):
+            super().__init__()
+            self.num_key_value_groups = N // Nkv
+            self.sinks = None if sinks is None else sinks.to(dtype)
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v)]
+        out = fn(dtype, *leaves)
+        return out.detach(), torch.autograd.grad(out, leaves, dy.to(dtype))
+
+    def transformers_eager(dtype, a, b, c):
+        return hf.eager_attention_forward(Module(dtype), a, b, c, mask.to(dtype), scale)[0]
+
+    def ours(dtype, a, b, c):
+        s = None if sinks is None else sinks.to(dtype)
+        return _C._attention(a, b, c, mask.to(dtype), False, scale, attn="eager",
+                             sinks=s).transpose(1, 2)
+
+    mine, my_grads = run(ours, torch.bfloat16)
+    theirs, their_grads = run(transformers_eager, torch.bfloat16)
+    exact, exact_grads = run(transformers_eager, torch.float64)
+    for name, a, b, truth in zip(["out", "q", "k", "v"], [mine, *my_grads], [theirs, *their_grads],
+                                 [exact, *exact_grads]):
+        err, ref_err = rel_err(a, truth), rel_err(b, truth)
+        assert err <= 1e-2 and err <= ref_err * 1.25 + 1e-3, (name, err, ref_err)
+
+
 def test_finite_differences_linear_cross_entropy():
     g = torch.Generator().manual_seed(5)
     x, w = randn(g, 6, 4).requires_grad_(), randn(g, 11, 4).requires_grad_()

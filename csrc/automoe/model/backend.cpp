@@ -98,7 +98,7 @@ at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k_in, const at
                            const std::optional<at::Tensor>& sinks) {
   const int64_t groups = q.size(1) / k_in.size(1);
   const at::Tensor k = repeat_kv(k_in, groups), v = repeat_kv(v_in, groups);
-  at::Tensor scores = at::matmul(q, k.transpose(2, 3)) * scale;
+  at::Tensor scores = ops::matmul(q, k.transpose(2, 3)) * scale;
   if (mask) scores = scores + *mask;
   if (sinks) {
     // GPT-OSS (Transformers' eager_attention_forward there): the sink joins the softmax, which
@@ -108,10 +108,10 @@ at::Tensor eager_attention(const at::Tensor& q, const at::Tensor& k_in, const at
     at::Tensor logits = at::cat({scores, sink}, -1);
     logits = logits - std::get<0>(logits.max(-1, /*keepdim=*/true));
     const at::Tensor probs = at::softmax(logits, -1).narrow(-1, 0, scores.size(-1));
-    return at::matmul(probs.to(v.scalar_type()), v);
+    return ops::matmul(probs.to(v.scalar_type()), v);
   }
   const at::Tensor probs = at::softmax(scores, -1, at::kFloat).to(q.scalar_type());
-  return at::matmul(probs, v);
+  return ops::matmul(probs, v);
 }
 
 // Transformers' sdpa_attention_forward: grouped-query attention inside SDPA when there is no mask,

@@ -1,5 +1,6 @@
-// The engine's SDPA in bf16 on CPUs without native bf16 GEMMs (model/backend.cpp calls it):
-// ATen's bf16 flash-attention forward, its float32 backward. docs/ops.md#kernels.
+// Attention in bf16 on CPUs without native bf16 GEMMs (model/backend.cpp calls both): the engine's
+// SDPA (ATen's bf16 flash-attention forward, its float32 backward) and eager attention's batched
+// matmuls in float32 GEMMs. docs/ops.md#kernels.
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -53,7 +54,40 @@ struct SdpaBf16Fn : torch::autograd::Function<SdpaBf16Fn> {
   }
 };
 
+// at::matmul(a, b) for bf16 [..., M, K] x [..., K, N] computed as ATen's bf16 GEMM computes it
+// (float32 products and sums, each result rounded once to bf16) but in float32 GEMMs on the
+// tensors widened: on CPUs without AVX512_BF16 / AMX ATen runs bf16 GEMMs on its scalar fallback
+// (~1 GFLOP/s on an AVX2 EPYC against ~150 for float32), which made eager attention (GPT-OSS's,
+// attn=eager) 2.8x the step of SDPA in bf16 at cpu-small. Saves a and b in bf16 (what ATen's bmm
+// saves); the float32 copies live only inside one pass.
+struct MatmulBf16Fn : torch::autograd::Function<MatmulBf16Fn> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a,
+                            const at::Tensor& b) {
+    ctx->save_for_backward({a, b});
+    return at::matmul(a.to(at::kFloat), b.to(at::kFloat)).to(a.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    detail::no_double_backward("matmul (bf16 in float32 GEMMs)");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].to(at::kFloat);
+    const auto t = s[0].scalar_type();
+    at::Tensor da, db;
+    if (ctx->needs_input_grad(0)) da = at::matmul(g, s[1].to(at::kFloat).transpose(-2, -1)).to(t);
+    if (ctx->needs_input_grad(1)) db = at::matmul(s[0].to(at::kFloat).transpose(-2, -1), g).to(t);
+    return {da, db};
+  }
+};
+
 }  // namespace
+
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+  const bool widen = a.is_cpu() && b.is_cpu() && a.scalar_type() == at::kBFloat16 &&
+                     b.scalar_type() == at::kBFloat16 && a.dim() >= 2 && a.dim() == b.dim() &&
+                     a.sizes().slice(0, a.dim() - 2) == b.sizes().slice(0, b.dim() - 2) &&
+                     cpu::engine_preferred(at::kBFloat16);
+  return widen ? MatmulBf16Fn::apply(a, b) : at::matmul(a, b);
+}
 
 bool sdpa_bf16_float_backward_applies(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                       const std::optional<at::Tensor>& mask) {

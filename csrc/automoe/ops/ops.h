@@ -67,6 +67,11 @@ bool sdpa_bf16_float_backward_applies(const at::Tensor& q, const at::Tensor& k,
 at::Tensor sdpa_bf16_float_backward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                     const std::optional<at::Tensor>& mask, bool is_causal,
                                     double scale);
+// at::matmul(a, b), except for bf16 CPU tensors [..., M, K] x [..., K, N] (equal batch sizes)
+// where ATen's bf16 GEMM is not native (cpu::engine_preferred): there the forward and both
+// gradients run as float32 GEMMs on the tensors widened, each result rounded once to bf16 — how
+// ATen's bf16 GEMM computes, at float32 GEMM speed. Eager attention's two products use it.
+at::Tensor matmul(const at::Tensor& a, const at::Tensor& b);
 // LoRA on the grouped GEMM: y[rows of g] = x·w[g]ᵀ + scaling·(x·a[g]ᵀ)·b[g]ᵀ with a [G, r, K],
 // b [G, O, r] (per-group low-rank factors, x's dtype), without forming w + scaling·b·a. w gets a
 // gradient only when it requires one.

@@ -351,14 +351,16 @@ PYBIND11_MODULE(_C, m) {
       "_attention",
       [](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
          const std::optional<at::Tensor>& mask, bool is_causal, double scale,
-         const std::string& attn) {
+         const std::string& attn, const std::optional<at::Tensor>& sinks) {
         // The attention component a backend resolves to (sdpa / eager), for tests: [B, N, S, D]
-        // queries, [B, N_kv, S, D] keys and values; autograd flows through it.
+        // queries, [B, N_kv, S, D] keys and values, GPT-OSS's per-head sinks [N] (eager);
+        // autograd flows through it.
         const ComponentOps ops = resolve(BackendConfig::from_map({{"attn", attn}}, "backend"));
-        return ops.attention(q, k, v, mask, is_causal, scale, std::nullopt);
+        return ops.attention(q, k, v, mask, is_causal, scale, sinks);
       },
       py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask") = py::none(),
-      py::arg("is_causal") = false, py::arg("scale") = 1.0, py::arg("attn") = "sdpa");
+      py::arg("is_causal") = false, py::arg("scale") = 1.0, py::arg("attn") = "sdpa",
+      py::arg("sinks") = py::none());
   m.def(
       "save_safetensors",
       [](const std::string& path, const NamedTensors& tensors,
