@@ -91,12 +91,30 @@ def measure_peaks(device, dtype, reps):
     gemm = 2 * n**3 / t / 1e9
     a32, b32 = a.float(), b.float()
     gemm32 = 2 * n**3 / best_time(lambda: torch.mm(a32, b32), device, reps) / 1e9
-    big = torch.empty(64 << 20 if device.startswith("cuda") else 32 << 20, dtype=torch.uint8,
-                      device=device)
+    big = torch.empty(copy_bytes(device), dtype=torch.uint8, device=device)
     dst = torch.empty_like(big)
     t = best_time(lambda: dst.copy_(big), device, reps)
     copy = 2 * big.numel() / t / 1e9  # read + write
-    return {"matmul_gflops": gemm, "matmul_fp32_gflops": gemm32, "matmul_n": n, "copy_gbs": copy}
+    return {"matmul_gflops": gemm, "matmul_fp32_gflops": gemm32, "matmul_n": n, "copy_gbs": copy,
+            "copy_mib": big.numel() >> 20}
+
+
+def copy_bytes(device):
+    """Bytes per side of the copy that measures the memory bandwidth: past the last-level cache
+    (2x it, at least 256 MiB; at most 1 GiB), as the ops' tensors at the Qwen3-30B-A3B layer size
+    (16-400 MB) are. A 32 MiB copy on a CPU with a 32 MiB L3 ran partly from the cache: 42 GB/s
+    against 22-24 GB/s past it on an AVX2 EPYC, so every op's share came out too low."""
+    if device.startswith("cuda"):
+        return 2 * max(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0), 128 << 20)
+    llc = 0
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            size = (index / "size").read_text().strip()  # e.g. "32768K"
+            unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1:], 1)
+            llc = max(llc, int(size.rstrip("KMG")) * unit)
+        except (OSError, ValueError):
+            continue
+    return min(max(2 * llc, 256 << 20), 1 << 30)
 
 
 def routing(T, K, E, device):
@@ -108,7 +126,7 @@ def routing(T, K, E, device):
 
 
 def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
-            layer_refs=("eager", "torch_mm")):
+            layer_refs=("eager", "torch_mm"), memory_bound_only=False):
     T, H, E, K, I, N, KV, D = (p[k] for k in ("T", "H", "E", "K", "I", "N", "KV", "D"))
     es = torch.tensor([], dtype=dtype).element_size()
     mk = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
@@ -166,6 +184,8 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
         fwd_bwd(lambda a, b: OPS.unpermute_reference(a, *plan, b), [y, wl]),
         bytes_=4 * T * K * H * es)
 
+    if memory_bound_only:
+        return rows
     xp = leaf(mk(T * K, H))
     w_gu = leaf(mk(E, 2 * I, H, scale=0.02))
     gg_flops = 3 * 2 * T * K * H * 2 * I
@@ -284,7 +304,7 @@ def markdown(result):
     lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
              f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
              f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
-             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s; {r['threads']} threads. "
+             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s ({pk.get('copy_mib', '?')} MiB); {r['threads']} threads. "
              f"Kernel paths: {kernel_paths_text(r)}; malloc: {r.get('allocator', 'glibc')}.", "",
              "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
              "|---|---:|---:|---:|---|"]
@@ -324,6 +344,8 @@ def main(argv=None):
     ap.add_argument("--layer-refs", default="eager,torch_mm",
                     help="experts backends compared with grouped")
     ap.add_argument("--only-ce", action="store_true", help="only the cross-entropy rows")
+    ap.add_argument("--only-memory-bound", action="store_true",
+                    help="only the memory-bound ops (no GEMM or cross-entropy rows)")
     ap.add_argument("--cpu-isa", default="",
                     help="cap the CPU kernels' instruction-set level (baseline, avx2, avx512, ...)")
     ap.add_argument("--cpu-gemm", default="",
@@ -356,8 +378,8 @@ def main(argv=None):
     peaks = measure_peaks(a.device, dtype, max(a.reps, 10))
     print(json.dumps({"peaks": peaks, "kernel_paths": kernel_paths(a.device)}), flush=True)
     rows = [] if a.only_ce else op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs,
-                                        a.quick_refs, a.layer_refs.split(","))
-    rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
+                                        a.quick_refs, a.layer_refs.split(","), a.only_memory_bound)
+    rows += [] if a.only_memory_bound else ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
                     max(1, a.reps - 1), a.ce_hidden)
     again = measure_peaks(a.device, dtype, max(a.reps, 10))
     if any(again[k] > peaks[k] for k in ("matmul_gflops", "matmul_fp32_gflops", "copy_gbs")):

@@ -173,7 +173,7 @@ def rope_cases():
 
 
 def swiglu_cases():
-    for shape in [(1, 2), (5, 14), (3, 4, 66)]:
+    for shape in [(1, 2), (5, 14), (2, 50), (3, 4, 66)]:  # I = 25: the 16-, 8- and 1-wide loops
         for variant in ("silu", "gpt_oss"):
             yield Case(
                 f"swiglu{shape}-{variant}",

@@ -121,10 +121,35 @@ AUTOMOE_TARGET_AVX2_FN void st8(uint16_t* p, __m256 f) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
 }
 
+// 16 floats to p[0, 16): float32 as two stores; bf16 rounded as st8 does, both halves packed
+// into one 32-byte store (a 16-byte store per 8 lanes cost ~10 % of SwiGLU's bf16 row on Zen 3).
+AUTOMOE_TARGET_AVX2_FN void st16(float* p, __m256 a, __m256 b) {
+  _mm256_storeu_ps(p, a);
+  _mm256_storeu_ps(p + 8, b);
+}
+AUTOMOE_TARGET_AVX2_FN __m256i bf16_bits8(__m256 f) {  // st8's rounding, in 32-bit lanes
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r =
+      _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
+}
+AUTOMOE_TARGET_AVX2_FN void st16(uint16_t* p, __m256 a, __m256 b) {
+  // packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute restores the order.
+  const __m256i packed = _mm256_packus_epi32(bf16_bits8(a), bf16_bits8(b));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
+}
+
 // SwiGLU rows in one pass (T: float or uint16_t bf16 bits); return how many elements they did.
 template <typename T>
 __attribute__((target("avx2,fma"))) int64_t swiglu_avx2(const T* g, const T* u, T* y, int64_t n) {
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 g0 = ld8(g + i), g1 = ld8(g + i + 8);
+    st16(y + i, _mm256_mul_ps(_mm256_mul_ps(g0, sigmoid8(g0)), ld8(u + i)),
+         _mm256_mul_ps(_mm256_mul_ps(g1, sigmoid8(g1)), ld8(u + i + 8)));
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256 gv = ld8(g + i);
     st8(y + i, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid8(gv)), ld8(u + i)));
@@ -137,6 +162,17 @@ __attribute__((target("avx2,fma"))) int64_t swiglu_bwd_avx2(const T* g, const T*
                                                             T* dg, T* du, int64_t n) {
   const __m256 one = _mm256_set1_ps(1.0f);
   int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 g0 = ld8(g + i), u0 = ld8(u + i), d0 = ld8(dy + i), s0 = sigmoid8(g0);
+    const __m256 g1 = ld8(g + i + 8), u1 = ld8(u + i + 8), d1 = ld8(dy + i + 8),
+                 s1 = sigmoid8(g1);
+    st16(dg + i,
+         _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(d0, u0), s0),
+                       _mm256_fmadd_ps(g0, _mm256_sub_ps(one, s0), one)),
+         _mm256_mul_ps(_mm256_mul_ps(_mm256_mul_ps(d1, u1), s1),
+                       _mm256_fmadd_ps(g1, _mm256_sub_ps(one, s1), one)));
+    st16(du + i, _mm256_mul_ps(_mm256_mul_ps(d0, g0), s0), _mm256_mul_ps(_mm256_mul_ps(d1, g1), s1));
+  }
   for (; i + 8 <= n; i += 8) {
     const __m256 gv = ld8(g + i), uv = ld8(u + i), dv = ld8(dy + i), s = sigmoid8(gv);
     const __m256 ds = _mm256_fmadd_ps(gv, _mm256_sub_ps(one, s), one);  // 1 + g (1 - s)
