@@ -274,7 +274,8 @@ def grouped_gemm_lora_cases():
 
 
 def cross_entropy_cases():
-    for N, H, V, rows_per_chunk in [(1, 3, 5, 0), (17, 33, 101, 3), (64, 16, 300, 7)]:
+    # rows_per_chunk 0: the default 64 MiB chunk, one chunk both ways (the forward's logits kept)
+    for N, H, V, rows_per_chunk in [(1, 3, 5, 0), (40, 24, 257, 0), (17, 33, 101, 3), (64, 16, 300, 7)]:
         def make(g, N=N, H=H, V=V):
             labels = torch.randint(0, V, (N,), generator=g)
             labels[::4] = -100
@@ -500,6 +501,33 @@ def test_bf16_eager_attention_matches_transformers_eager_forward_and_backward(fa
                                  [exact, *exact_grads]):
         err, ref_err = rel_err(a, truth), rel_err(b, truth)
         assert err <= 1e-2 and err <= ref_err * 1.25 + 1e-3, (name, err, ref_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_cross_entropy_keeps_one_chunk_of_logits_for_the_backward_exactly(dtype):
+    """When [N, V] fits in one chunk both ways, the backward takes the forward's logits instead
+    of recomputing them (one GEMM of four): the gradients equal the recomputing path's bit for
+    bit — a second backward through the same graph recomputes (the kept logits were consumed),
+    and so does a forward split into two chunks per side."""
+    g = torch.Generator().manual_seed(3)
+    N, H, V = 48, 32, 389
+    x0, w0 = randn(g, N, H).to(dtype), randn(g, V, H, scale=0.3).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[::5] = -100
+
+    def grads(chunk_bytes, twice=False):
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        loss, _ = OPS.linear_cross_entropy(x, w, labels, -100, chunk_bytes)
+        first = torch.autograd.grad(loss, [x, w], retain_graph=twice)
+        return (first, torch.autograd.grad(loss, [x, w])) if twice else first
+
+    kept, recomputed = grads(0, twice=True)
+    for a, b in zip(kept, recomputed):
+        assert torch.equal(a, b)
+    # several chunks each way: 20 token rows forward, 4 * V * 20 / (4 * N) = 162 vocabulary rows
+    split = grads(4 * V * 20)
+    for a, b in zip(kept, split):
+        assert rel_err(a, b) <= TOL[dtype]
 
 
 def test_finite_differences_linear_cross_entropy():

@@ -4,6 +4,10 @@
 //   backward: vocabulary chunks; p = exp(x · W_vᵀ - lse) - onehot(label), scaled by the incoming
 //             gradient on rows that carry loss; dW_v = pᵀ · x (complete, written once in W's
 //             dtype), dx += p · W_v (float32 [N, H] accumulator: N·H is small next to V·H)
+//   one chunk: when all of [N, V] fits in one chunk both ways, the forward's logits are the
+//             backward's (the same GEMM on the same operands): kept for the first backward
+//             instead of recomputed, one GEMM of four saved. The backward would allocate them at
+//             once anyway, so the peak does not move.
 // The chunk GEMMs run on our CPU gemm engine or at::mm, whichever is faster on the CPU (below).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -75,10 +79,15 @@ int64_t rows_per_chunk(int64_t cols, int64_t chunk_bytes) {
   return std::max<int64_t>(1, chunk_bytes / (std::max<int64_t>(cols, 1) * 4));
 }
 
+// Whether the forward's token chunks and the backward's vocabulary chunks are both one chunk.
+bool one_chunk(int64_t N, int64_t V, int64_t chunk_bytes) {
+  return rows_per_chunk(V, chunk_bytes) >= N && rows_per_chunk(N, chunk_bytes) >= V;
+}
+
 struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x_in, const at::Tensor& w_in,
                                const at::Tensor& labels_in, int64_t ignore_index,
-                               int64_t chunk_bytes) {
+                               int64_t chunk_bytes, bool grad_follows) {
     const at::Tensor x = x_in.contiguous(), w = w_in.contiguous(), labels = labels_in.contiguous();
     const int64_t N = x.size(0);
     const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -87,6 +96,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     at::Tensor lse = at::empty({N}, x.options().dtype(acc));
     at::Tensor loss_rows = at::empty({N}, x.options().dtype(acc));
     const int64_t step = rows_per_chunk(w.size(0), chunk_bytes);
+    const bool keep = grad_follows && one_chunk(N, w.size(0), chunk_bytes);
     for (int64_t r0 = 0; r0 < N; r0 += step) {
       const int64_t n = std::min(step, N - r0);
       const at::Tensor logits = mm_nt(x.narrow(0, r0, n), w, acc);
@@ -94,6 +104,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       lse.narrow(0, r0, n).copy_(l);
       const at::Tensor target = logits.gather(1, safe_labels.narrow(0, r0, n).unsqueeze(1)).squeeze(1);
       loss_rows.narrow(0, r0, n).copy_((l - target) * valid.narrow(0, r0, n).to(acc));
+      if (keep) ctx->saved_data["logits"] = logits;
     }
     ctx->save_for_backward({x, w, labels, lse});
     ctx->saved_data["ignore_index"] = ignore_index;
@@ -121,7 +132,14 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     for (int64_t v0 = 0; v0 < V; v0 += step) {
       const int64_t nv = std::min(step, V - v0);
       const at::Tensor w_v = w.narrow(0, v0, nv);
-      at::Tensor p = mm_nt(x, w_v, acc);  // [N, nv] logits
+      at::Tensor p;  // [N, nv] logits: the forward's when kept (taken: a second backward recomputes)
+      if (v0 == 0 && nv == V && ctx->saved_data.count("logits") &&
+          ctx->saved_data["logits"].isTensor()) {
+        p = ctx->saved_data["logits"].toTensor();
+        ctx->saved_data["logits"] = c10::IValue();
+      } else {
+        p = mm_nt(x, w_v, acc);
+      }
       p.sub_(lse.unsqueeze(1)).exp_();
       // -1 at each row's label when it falls in this vocabulary chunk (no host sync: rows
       // whose label is elsewhere add 0 at a clamped column).
@@ -132,7 +150,7 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       if (want_dw) mm_tn_into(p, x, dw.narrow(0, v0, nv));
       mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
     }
-    return {dx_acc.to(x.scalar_type()), dw, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dx_acc.to(x.scalar_type()), dw, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -165,8 +183,11 @@ LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor
     AUTOMOE_CHECK(lo >= 0 && hi < weight_VH.size(0), "automoe.linear_cross_entropy: labels must be in [0, ",
                   weight_VH.size(0), ") or ignore_index (", ignore_index, "), got [", lo, ", ", hi, "]");
   }
+  const bool grad_follows =
+      at::GradMode::is_enabled() && (x_NH.requires_grad() || weight_VH.requires_grad());
   const auto out = LinearCrossEntropyFn::apply(x_NH, weight_VH, labels_N, ignore_index,
-                                               chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes);
+                                               chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes,
+                                               grad_follows);
   return {out[0], out[1]};
 }
 
