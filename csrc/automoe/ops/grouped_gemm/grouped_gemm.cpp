@@ -2,6 +2,8 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include <utility>
+
 #include "automoe/ops/common.h"
 #include "automoe/ops/cuda_status.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
@@ -12,6 +14,19 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// dX and dW of y[rows of g] = x[rows of g]·w[g]ᵀ (inputs 0 and 1 of the Function), each only
+// when autograd wants it.
+std::pair<at::Tensor, at::Tensor> grouped_gemm_grads(AutogradContext* ctx, const at::Tensor& dy,
+                                                     const at::Tensor& x, const at::Tensor& w_GOK,
+                                                     const at::Tensor& offsets) {
+  at::Tensor dx, dw;
+  if (ctx->needs_input_grad(0)) dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w_GOK, offsets);
+  if (ctx->needs_input_grad(1)) {
+    dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, w_GOK.size(0), w_GOK.scalar_type());
+  }
+  return {dx, dw};
+}
 
 struct GroupedGemmFn : torch::autograd::Function<GroupedGemmFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
@@ -24,12 +39,7 @@ struct GroupedGemmFn : torch::autograd::Function<GroupedGemmFn> {
     detail::no_double_backward("grouped_gemm (and linear)");
     const auto s = ctx->get_saved_variables();
     const at::Tensor &x = s[0], &w = s[1], &offsets = s[2];
-    const at::Tensor dy = grads[0].contiguous();
-    at::Tensor dx, dw;
-    if (ctx->needs_input_grad(0)) dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w, offsets);
-    if (ctx->needs_input_grad(1)) {
-      dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, w.size(0), w.scalar_type());
-    }
+    auto [dx, dw] = grouped_gemm_grads(ctx, grads[0].contiguous(), x, w, offsets);
     return {dx, dw, at::Tensor()};
   }
 };
@@ -56,14 +66,10 @@ struct LinearBiasFn : torch::autograd::Function<LinearBiasFn> {
     const at::Tensor &x = s[0], &w = s[1];
     const at::Tensor dy = grads[0].contiguous();
     const at::Tensor offsets = at::tensor({int64_t{0}, x.size(0)}, at::kLong);
-    const at::Tensor w1 = w.unsqueeze(0);
-    at::Tensor dx, dw, db;
-    if (ctx->needs_input_grad(0)) dx = AUTOMOE_KERNEL(grouped_gemm_dx, dy, dy, w1, offsets);
-    if (ctx->needs_input_grad(1)) {
-      dw = AUTOMOE_KERNEL(grouped_gemm_dw, dy, dy, x, offsets, 1, w.scalar_type()).squeeze(0);
-    }
+    auto [dx, dw] = grouped_gemm_grads(ctx, dy, x, w.unsqueeze(0), offsets);
+    at::Tensor db;
     if (ctx->needs_input_grad(2)) db = dy.sum(0);  // as autograd reduces addmm's bias gradient
-    return {dx, dw, db};
+    return {dx, dw.defined() ? dw.squeeze(0) : dw, db};
   }
 };
 
