@@ -1179,6 +1179,44 @@ def test_adamw_8bit_moments_step_as_a_float64_reference(cpu_path):
         assert len(torch.unique(m[0])) > 100
 
 
+def test_adamw_8bit_aten_update_quantizes_nan_and_inf_moments_as_the_cpu_kernel():
+    """A NaN or an infinite gradient (which the trainer skips before the optimizer, but the op
+    takes) reaches the 8-bit moments alike on both paths, two steps on: the NaN stays out of its
+    block's absmax (the block's other moments keep their scale) and takes the code of 0; an
+    infinity's block scales to NaN, then empties. Before, the ATen path (other devices) zeroed
+    the NaN's whole block."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(8)
+    # blocks of 256: a NaN in row 0's first block (the CPU kernel's vector loop), another at
+    # row 2's last column (its scalar tail: 601 = 2 * 256 + 11 * 8 + 1), +inf in row 1's second
+    shape = (3, 601)
+    p0 = torch.randn(shape, generator=g) * 0.05
+    grad = torch.randn(shape, generator=g)
+    grad[0, 7] = grad[2, 600] = float("nan")
+    grad[1, 300] = float("inf")
+    q = {}
+    for aten in (True, False):
+        p = p0.bfloat16()
+        m, v = torch.zeros(shape, dtype=torch.uint8), torch.zeros(shape, dtype=torch.uint8)
+        ms, vs = torch.zeros(3, 3), torch.zeros(3, 3)
+        for step in (1, 2):
+            _C._adamw_step([p], [grad], [m], [v], [], step, ADAMW["lr"], *ADAMW["betas"],
+                           ADAMW["eps"], ADAMW["weight_decay"], 1.0, aten=aten,
+                           exp_avg_scales=[ms], exp_avg_sq_scales=[vs])
+        q[aten] = (m, v, ms, vs)
+    (ma, va, msa, vsa), (mk, vk, msk, vsk) = q[True], q[False]
+    torch.testing.assert_close(msa, msk, rtol=1e-6, atol=0)
+    torch.testing.assert_close(vsa, vsk, rtol=1e-6, atol=0)
+    assert torch.isfinite(msa[0, 0]) and msa[0, 0] > 0  # the NaN's block kept its scale
+    values, _ = _C._qmap8(True)
+    for at in ((0, 7), (2, 600)):
+        assert values[int(ma[at])] == 0 and values[int(mk[at])] == 0
+    for a, k in ((ma, mk), (va, vk)):
+        diff = (a.int() - k.int()).abs()
+        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 2
+
+
 @pytest.mark.parametrize("masters,moments", [("float32", torch.float32), ("remainders", torch.bfloat16),
                                              ("none", torch.bfloat16), ("none", "8bit")])
 def test_adamw_aten_update_matches_the_cpu_kernel(masters, moments):

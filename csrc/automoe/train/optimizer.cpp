@@ -87,7 +87,10 @@ void AdamW::quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Te
                       bool is_signed) {
   at::NoGradGuard no_grad;
   const int64_t cols = quant_cols(codes), rows = codes.numel() / cols, nb = scale.size(-1);
-  at::Tensor xr = x.to(at::kFloat).reshape({rows, cols});
+  // As the CPU kernel: a NaN stays out of its block's absmax (the block's other values keep their
+  // scale) and takes the code of 0, as does anything scaled to NaN (an infinite absmax).
+  constexpr double kInf = std::numeric_limits<double>::infinity();
+  at::Tensor xr = x.to(at::kFloat).reshape({rows, cols}).nan_to_num(0.0, kInf, -kInf);
   if (nb * kQuantBlock != cols) xr = at::constant_pad_nd(xr, {0, nb * kQuantBlock - cols});
   const at::Tensor blocks = xr.view({rows, nb, kQuantBlock});
   // (a block whose largest magnitude is below the smallest normal float is flushed to zero, as
@@ -97,7 +100,8 @@ void AdamW::quantize8(const at::Tensor& x, const at::Tensor& codes, const at::Te
   const at::Tensor inv = at::where(absmax > 0, absmax.reciprocal(), at::zeros_like(absmax));
   const at::Tensor mids = qtable(ops::cpu::vec::qmid8(is_signed), 255, codes.device());
   // (the number of midpoints below each value: the nearest map value, ties to the lower)
-  const at::Tensor c = at::bucketize(blocks * inv.unsqueeze(-1), mids, /*out_int32=*/true);
+  const at::Tensor c = at::bucketize((blocks * inv.unsqueeze(-1)).nan_to_num(0.0, kInf, -kInf),
+                                    mids, /*out_int32=*/true);
   codes.copy_(c.view({rows, nb * kQuantBlock}).narrow(1, 0, cols).reshape(codes.sizes()));
   scale.copy_(absmax.view(scale.sizes()));
 }

@@ -769,6 +769,7 @@ const QMap8& qmap8_table(bool is_signed) {
 
 // nearest8 through the table: one slot's code and threshold.
 AUTOMOE_BODY uint8_t code8(const QMap8& q, float x) {
+  if (x != x) return static_cast<uint8_t>(q.zero_code);  // NaN: the code of 0
   const uint32_t bits = float_to_bits(x), s = QMap8::slot(bits);
   return static_cast<uint8_t>(q.code[s] + (QMap8::key(bits) > q.threshold[s] ? 1 : 0));
 }
@@ -804,8 +805,8 @@ __attribute__((target("avx2,fma"))) int64_t quant8_avx2(const float* x, float in
         _mm256_add_epi32(_mm256_permutevar8x32_epi32(base, decade), _mm256_cvttps_epi32(t));
     const __m256i neg = _mm256_srai_epi32(_mm256_castps_si256(v), 31);  // -1 where negative
     __m256i code = _mm256_add_epi32(zero_code, _mm256_sub_epi32(_mm256_xor_si256(off, neg), neg));
-    code = _mm256_blendv_epi8(code, zero_code,
-                              _mm256_castps_si256(_mm256_cmp_ps(a, bound[0], _CMP_LE_OQ)));
+    code = _mm256_blendv_epi8(code, zero_code,  // (not above the first bound, or NaN)
+                              _mm256_castps_si256(_mm256_cmp_ps(a, bound[0], _CMP_NGT_UQ)));
     code = _mm256_blendv_epi8(code, top_code,
                               _mm256_castps_si256(_mm256_cmp_ps(v, top, _CMP_GT_OQ)));
     const __m128i w =
