@@ -109,31 +109,28 @@ AUTOMOE_TARGET_AVX2_FN __m256 ld8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 AUTOMOE_TARGET_AVX2_FN void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-AUTOMOE_TARGET_AVX2_FN void st8(uint16_t* p, __m256 f) {
-  const __m256i bias = _mm256_set1_epi32(0x7FFF), one = _mm256_set1_epi32(1);
-  const __m256i u = _mm256_castps_si256(f);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), one);
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, bias), lsb), 16);
-  const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
-  // pack 8 x u32 (each < 65536) into 8 x u16
-  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
-}
-
-// 16 floats to p[0, 16): float32 as two stores; bf16 rounded as st8 does, both halves packed
-// into one 32-byte store (a 16-byte store per 8 lanes cost ~10 % of SwiGLU's bf16 row on Zen 3).
-AUTOMOE_TARGET_AVX2_FN void st16(float* p, __m256 a, __m256 b) {
-  _mm256_storeu_ps(p, a);
-  _mm256_storeu_ps(p + 8, b);
-}
-AUTOMOE_TARGET_AVX2_FN __m256i bf16_bits8(__m256 f) {  // st8's rounding, in 32-bit lanes
+// The bf16 bits of 8 floats in 32-bit lanes (each < 65536).
+AUTOMOE_TARGET_AVX2_FN __m256i bf16_bits8(__m256 f) {
   const __m256i u = _mm256_castps_si256(f);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   const __m256i r =
       _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
   const __m256i is_nan = _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q));
   return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), is_nan);
+}
+AUTOMOE_TARGET_AVX2_FN void st8(uint16_t* p, __m256 f) {
+  const __m256i r = bf16_bits8(f);
+  // pack 8 x u32 (each < 65536) into 8 x u16
+  const __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(lo, hi));
+}
+
+// 16 floats to p[0, 16): float32 as two stores; bf16 rounded as st8 does (bf16_bits8), both
+// halves packed into one 32-byte store (a 16-byte store per 8 lanes cost ~10 % of SwiGLU's bf16
+// row on Zen 3).
+AUTOMOE_TARGET_AVX2_FN void st16(float* p, __m256 a, __m256 b) {
+  _mm256_storeu_ps(p, a);
+  _mm256_storeu_ps(p + 8, b);
 }
 AUTOMOE_TARGET_AVX2_FN void st16(uint16_t* p, __m256 a, __m256 b) {
   // packus interleaves 128-bit lanes (a0-3 b0-3 a4-7 b4-7); the permute restores the order.
