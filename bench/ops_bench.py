@@ -105,7 +105,8 @@ def copy_bytes(device):
     (16-400 MB) are. A 32 MiB copy on a CPU with a 32 MiB L3 ran partly from the cache: 42 GB/s
     against 22-24 GB/s past it on an AVX2 EPYC, so every op's share came out too low."""
     if device.startswith("cuda"):
-        return 2 * max(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0), 128 << 20)
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+        return 2 * max(l2, 128 << 20)
     llc = 0
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
@@ -304,7 +305,8 @@ def markdown(result):
     lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
              f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
              f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
-             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s ({pk.get('copy_mib', '?')} MiB); {r['threads']} threads. "
+             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s ({pk.get('copy_mib', '?')} MiB); "
+             f"{r['threads']} threads. "
              f"Kernel paths: {kernel_paths_text(r)}; malloc: {r.get('allocator', 'glibc')}.", "",
              "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
              "|---|---:|---:|---:|---|"]
@@ -379,8 +381,9 @@ def main(argv=None):
     print(json.dumps({"peaks": peaks, "kernel_paths": kernel_paths(a.device)}), flush=True)
     rows = [] if a.only_ce else op_rows(p, dtype, a.device, a.reps, peaks, not a.no_layer_refs,
                                         a.quick_refs, a.layer_refs.split(","), a.only_memory_bound)
-    rows += [] if a.only_memory_bound else ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
-                    max(1, a.reps - 1), a.ce_hidden)
+    if not a.only_memory_bound:
+        rows += ce_rows(p, a.ce_tokens or p["T"], DTYPES[a.ce_dtype or a.dtype], a.device,
+                        max(1, a.reps - 1), a.ce_hidden)
     again = measure_peaks(a.device, dtype, max(a.reps, 10))
     if any(again[k] > peaks[k] for k in ("matmul_gflops", "matmul_fp32_gflops", "copy_gbs")):
         peaks = {k: max(v, again[k]) for k, v in peaks.items()}
