@@ -5,10 +5,11 @@
     python bench/compare_hf.py --preset qwen3-30b-a3b-L4 --device cuda --fake-balanced-gate
 
 The model has random weights and a config.json from `automoe bench --print-config` (a named
-Qwen3-MoE preset) or --config FILE, so both sides build the same model. For a Qwen3-MoE the AutoMoE
-side is the native engine (`automoe bench`); for any other MoE type (bench/configs/*.json: Mixtral,
-OLMoE, Qwen2-MoE, DeepSeek-V3, ...) it is what `automoe.AutoModelForCausalLM` returns for that type:
-Transformers' model with AutoMoE's fused experts and RMSNorm. Each side runs in its own process
+Qwen3-MoE preset) or --config FILE, so both sides build the same model. For a type the engine
+implements (`automoe bench --list-types`: Qwen3-MoE, DeepSeek-V3, GLM-4-MoE, Kimi-K2, Mixtral,
+Qwen2-MoE, OLMoE, GPT-OSS; bench/configs/*.json holds small ones) the AutoMoE side is the native
+engine (`automoe bench`); for any other MoE type it is what `automoe.AutoModelForCausalLM` returns
+for that type: Transformers' model with AutoMoE's fused experts and RMSNorm. Each side runs in its own process
 (peak memory is per process): the same batch of random tokens, dtype and AdamW, warm-up steps then
 timed steps. Transformers runs with attn_implementation="sdpa" and each experts_implementation in
 --impls that runs; the best of them is the baseline.
@@ -16,7 +17,7 @@ timed steps. Transformers runs with attn_implementation="sdpa" and each experts_
 Reported per side: tokens/s = tokens / (forward + loss + backward) (NeMo AutoModel's definition),
 step tokens/s = tokens / (forward + backward + optimizer) (the whole training step; AutoMoE's is
 the trainer's own step: fused AdamW over float32 masters), forward/backward/optimizer ms (medians over timed steps), TFLOP/s and MFU from one analytic FLOPs
-formula (csrc/automoe/train/flops.h, the same number for both sides; Qwen3-MoE only), peak memory (GPU:
+formula (csrc/automoe/train/flops.h, the same number for both sides; the engine's types only), peak memory (GPU:
 max_memory_allocated; CPU: the process's peak RSS, and the part of it above the RSS before the
 model was built), and the ratios AutoMoE / baseline. MFU is against the bf16/fp32 matmul
 throughput measured in the same run (large at::mm), and on GPU against the datasheet peak too.

@@ -547,6 +547,27 @@ def test_finite_differences_router():
                        (logits,), eps=1e-3, atol=2e-3, rtol=1e-2)
 
 
+def test_router_backward_through_the_weights_alone_or_the_scores_alone_matches_the_reference():
+    # Without an aux loss only the weights carry a gradient; the scores' is then absent (not a
+    # tensor of zeros), as the weights' is when only the scores are used.
+    g = torch.Generator().manual_seed(7)
+    logits = randn(g, 37, 16, scale=2)
+    up_w, up_s = randn(g, 37, 4), randn(g, 37, 16)
+    for sf, ng, tg in [("softmax", 1, 1), ("sigmoid", 4, 2)]:
+        for use in ("weights", "scores", "both"):
+            grads = []
+            for fn, x in ((OPS.router, logits.clone()), (OPS.router_reference, logits.double())):
+                x.requires_grad_(True)
+                w, _, scores = fn(x, 4, sf, None, ng, tg, True, 1.5)
+                loss = 0
+                if use != "scores":
+                    loss = loss + (w * up_w.to(w.dtype)).sum()
+                if use != "weights":
+                    loss = loss + (scores * up_s.to(scores.dtype)).sum()
+                grads.append(torch.autograd.grad(loss, x)[0])
+            assert rel_err(grads[0], grads[1]) <= 1e-5, (sf, use)
+
+
 # ---- semantics the references do not pin down ------------------------------------------------
 
 

@@ -46,7 +46,7 @@ using nlohmann::json;
 
 constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config FILE] [options]
   --preset NAME          cpu-small | cpu-medium | qwen3-30b-a3b-L{n}   (default cpu-small)
-  --config FILE          a config.json instead of a preset (qwen3_moe, deepseek_v3, glm4_moe)
+  --config FILE          a config.json instead of a preset (any type --list-types prints)
   --batch B --seq S      micro-batch and sequence length                (default 2 x 256)
   --warmup N --steps N   untimed and timed training steps               (default 1, 3)
   --dtype NAME           parameter and compute dtype                    (default bfloat16)

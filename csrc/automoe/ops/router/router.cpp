@@ -45,6 +45,9 @@ struct RouterFn : torch::autograd::Function<RouterFn> {
     auto [w, idx, scores] = AUTOMOE_KERNEL(router_fwd, l32, l32, b32, p);
     ctx->save_for_backward({scores, idx});
     ctx->mark_non_differentiable({idx});
+    // An output nothing used (the scores, without an aux loss) gets no gradient: not a [T, E]
+    // tensor of zeros, written and read again by the backward.
+    ctx->set_materialize_grads(false);
     ctx->saved_data["top_k"] = p.top_k;
     ctx->saved_data["sigmoid"] = p.sigmoid;
     ctx->saved_data["norm"] = p.norm_topk_prob;
