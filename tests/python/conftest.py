@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# A CPU GEMM choice measured by one process is remembered for the next (gemm_cpu.cpp): the tests
+# share a cache of their own, empty at the start, never the user's.
+_CACHE = tempfile.mkdtemp(prefix="automoe-test-cache-")
+os.environ["AUTOMOE_CACHE_DIR"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, True)
 
 REPO = Path(__file__).resolve().parents[2]
 AUTOMOE_BIN = REPO / "python" / "automoe" / "bin" / "automoe"

@@ -867,6 +867,63 @@ def test_AUTOMOE_CPU_GEMM_DECISIONS_pins_the_measured_choices_and_rejects_what_c
     assert out.returncode != 0 and f"AUTOMOE_CPU_GEMM_DECISIONS={cpu_isa}:yes: expected" in out.stderr
 
 
+def test_measured_gemm_choices_are_remembered_per_machine_and_adopted_by_the_next_process(tmp_path):
+    """The first process measures and writes AUTOMOE_CACHE_DIR/cpu_gemm; the next adopts that line
+    instead of measuring (so two runs compute alike) — even a choice the probe would not make; an
+    unreadable line is measured over; AUTOMOE_CPU_GEMM_DECISIONS wins and is not written down;
+    AUTOMOE_CACHE_DIR=off measures every time and writes nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+    if cpu_isa == "baseline":
+        pytest.skip("no measured GEMM choice at baseline")
+    pkg = str(Path(automoe.__file__).resolve().parents[1])
+    code = ("import torch, automoe\n"
+            "p = dict(torch.ops.automoe._cpu_kernel_paths())\n"
+            "print(p['gemm_decisions']); print(p['gemm_fp32']); print(p['gemm_measured'])\n")
+    cache = tmp_path / "cache"
+
+    def paths(cache_dir=str(cache), **extra):
+        env = {**os.environ, "AUTOMOE_CACHE_DIR": cache_dir, **extra,
+               "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+        env.pop("AUTOMOE_CPU_ISA", None)
+        if "AUTOMOE_CPU_GEMM_DECISIONS" not in extra:
+            env.pop("AUTOMOE_CPU_GEMM_DECISIONS", None)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.splitlines()[-3:]
+
+    decisions, _, measured = paths()
+    assert "GFLOP/s" in measured, measured
+    lines = (cache / "cpu_gemm").read_text().splitlines()
+    assert len(lines) == 1
+    key, value = lines[0].split("\t")
+    assert value == decisions and f"| {cpu_isa} |" in key and "threads | torch" in key, lines
+    again = paths()
+    assert again[0] == decisions and again[2] == f"adopted from the cache {cache / 'cpu_gemm'}"
+    # The line is what the next process computes with, whichever choice it names.
+    aten = decisions.split(":")[2]
+    flipped = decisions[:-1] + ("0" if aten == "1" else "1")
+    (cache / "cpu_gemm").write_text(f"{key}\t{flipped}\n")
+    got = paths()
+    assert got[0] == flipped and (got[1] == "aten") == (flipped[-1] == "1"), got
+    # A line that does not parse is measured over and rewritten.
+    (cache / "cpu_gemm").write_text(f"{key}\tgarbage\nno tab here\n")
+    got = paths()
+    assert "GFLOP/s" in got[2], got
+    assert (cache / "cpu_gemm").read_text().splitlines()[0] == f"{key}\t{got[0]}"
+    # A pin beats the cache and is not written down; off measures and writes nothing.
+    pinned = paths(AUTOMOE_CPU_GEMM_DECISIONS=flipped)
+    assert pinned[0] == flipped and "adopted from AUTOMOE_CPU_GEMM_DECISIONS" in pinned[2]
+    assert (cache / "cpu_gemm").read_text().splitlines()[0] == f"{key}\t{got[0]}"
+    off = tmp_path / "off"
+    assert "GFLOP/s" in paths(cache_dir="off")[2]
+    assert not off.exists() and not (Path.cwd() / "off").exists()
+
+
 def test_the_gemm_engine_choice_does_not_move_the_global_generator():
     """The once-per-process timings that pick the float32 and bf16 GEMM paths must not draw from
     torch's generator (a seeded run would otherwise depend on which op ran first), and a path
@@ -885,7 +942,8 @@ def test_the_gemm_engine_choice_does_not_move_the_global_generator():
             "print(dict(torch.ops.automoe._cpu_kernel_paths())['gemm_measured'])\n"
             "print(torch.randn(4).tolist())\n")
     pkg = str(Path(automoe.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")])),
+           "AUTOMOE_CACHE_DIR": "off"}  # measured here, not remembered from another process
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     torch.manual_seed(0)

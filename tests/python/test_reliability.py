@@ -232,6 +232,31 @@ def test_a_resumed_run_adopts_the_gemm_paths_of_the_run_it_continues(model_dir, 
     run_train(recipe, tmp_path, "train.max_steps=2")
 
 
+def test_a_resumed_run_keeps_its_checkpoints_gemm_choice_over_the_machine_cache(model_dir, tmp_path, monkeypatch):
+    # The first run measures and remembers its choice in the cache; when the cache later says
+    # otherwise (another run measured the other way, or the file was edited), a resumed run still
+    # computes as the run it continues, and its next checkpoint records that choice.
+    monkeypatch.delenv("AUTOMOE_CPU_ISA")
+    monkeypatch.setenv("AUTOMOE_CACHE_DIR", str(tmp_path / "cache"))
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
+    run_train(recipe, tmp_path)
+    saved = json.loads((tmp_path / "run" / "step-1" / "trainer_state.json").read_text())["cpu_gemm"]
+    if saved.startswith("baseline"):
+        pytest.skip("no measured GEMM choice at baseline")
+    cache = tmp_path / "cache" / "cpu_gemm"
+    key, value = cache.read_text().splitlines()[0].split("\t")
+    assert value == saved
+    flipped = saved[:-1] + ("0" if saved[-1] == "1" else "1")
+    cache.write_text(f"{key}\t{flipped}\n")
+    run_train(recipe, tmp_path, "train.max_steps=2")
+    resumed = json.loads((tmp_path / "run" / "step-2" / "trainer_state.json").read_text())["cpu_gemm"]
+    assert resumed == saved
+    # A fresh run takes the cache's.
+    run_train(base_recipe(model_dir, tmp_path, "fresh", train={"max_steps": 1}), tmp_path)
+    fresh = json.loads((tmp_path / "fresh" / "step-1" / "trainer_state.json").read_text())["cpu_gemm"]
+    assert fresh == flipped
+
+
 def test_a_second_signal_stops_at_once(slow_reference, tmp_path):
     recipe, _ = slow_reference
     run_dir = tmp_path / "run"

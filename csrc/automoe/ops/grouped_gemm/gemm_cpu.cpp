@@ -10,10 +10,15 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
+#include <unistd.h>
 #include <utility>
+#include <vector>
 
 #include "automoe/core/error.h"
 #include "automoe/ops/cpu/isa.h"
@@ -643,19 +648,164 @@ Probe& aten_fp32_probe() {
   return p;
 }
 
+// Decisions as gemm_decisions() writes them, for the active level: whether they applied.
+bool adopt(const std::string& decisions, const std::string& source) {
+  const int level = static_cast<int>(active_isa());
+  const std::string isa = isa_name(active_isa());
+  if (decisions.size() != isa.size() + 4 || decisions.compare(0, isa.size(), isa) != 0) return false;
+  Probe* probes[] = {&brgemm_probe(), &aten_fp32_probe()};
+  for (int i = 0; i < 2; ++i) {
+    const char c = decisions[isa.size() + 1 + 2 * i];
+    if (decisions[isa.size() + 2 * i] != ':' || (c != '0' && c != '1' && c != '-')) return false;
+  }
+  for (int i = 0; i < 2; ++i) {
+    const char c = decisions[isa.size() + 1 + 2 * i];
+    if (c == '-') continue;
+    std::lock_guard<std::mutex> lock(probes[i]->mu);
+    probes[i]->decided[level] = c == '1';
+    probes[i]->summary[level] = "adopted from " + source;
+  }
+  return true;
+}
+
+// ---- the machine's measured choices, remembered between processes ---------------------------
+//
+// Measured in each process, a choice whose two sides time within noise of the margin comes out
+// either way (on an AVX2 EPYC, ATen and our float32 kernel tie and the probe picked ours in ~2
+// of 12 processes): two runs of the same recipe would then sum in different orders. So the first
+// measurement on a machine is remembered in a small file, one line per (CPU, level, threads,
+// torch) — <AUTOMOE_CACHE_DIR, else $XDG_CACHE_HOME/automoe, else ~/.cache/automoe>/cpu_gemm —
+// and later processes adopt it instead of measuring. AUTOMOE_CACHE_DIR=off turns it off; deleting
+// the file measures again. Nothing here is an error: an unreadable or unwritable cache is no cache.
+
+bool g_cache_writes = true;  // false while AUTOMOE_CPU_GEMM_DECISIONS pins the choices
+
+std::string cache_file() {
+  const char* dir = std::getenv("AUTOMOE_CACHE_DIR");
+  std::string d;
+  if (dir != nullptr && *dir != '\0') {
+    if (std::string(dir) == "off") return "";
+    d = dir;
+  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    d = std::string(xdg) + "/automoe";
+  } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    d = std::string(home) + "/.cache/automoe";
+  } else {
+    return "";
+  }
+  return d + "/cpu_gemm";
+}
+
+// What the choices depend on: the CPU (vendor, name, family, model), the level the kernels run
+// at, the thread count (the float32 probe runs one problem per thread) and ATen's version.
+std::string machine_key() {
+  static const std::string cpu = [] {
+    std::ifstream in("/proc/cpuinfo");
+    std::string line, out;
+    for (const char* field : {"vendor_id", "model name", "cpu family", "model"}) {
+      in.clear();
+      in.seekg(0);
+      while (std::getline(in, line)) {
+        const auto colon = line.find(':');
+        if (colon == std::string::npos) continue;
+        std::string k = line.substr(0, colon);
+        k.erase(k.find_last_not_of(" \t") + 1);
+        if (k != field) continue;
+        std::string v = line.substr(colon + 1);
+        v.erase(0, v.find_first_not_of(' '));
+        out += (out.empty() ? "" : " ") + v;
+        break;
+      }
+    }
+    return out.empty() ? std::string("unknown CPU") : out;
+  }();
+  static const std::string torch = [] {
+    const std::string cfg = at::show_config();
+    const auto at = cfg.find("TORCH_VERSION=");
+    return at == std::string::npos ? std::string("?")
+                                   : cfg.substr(at + 14, cfg.find_first_of(", \n", at + 14) - at - 14);
+  }();
+  std::string key = cpu + " | " + isa_name(active_isa()) + " | " +
+                    std::to_string(std::max(1, at::get_num_threads())) + " threads | torch " + torch;
+  for (char& c : key) {
+    if (c == '\t' || c == '\n' || c == '\r') c = ' ';
+  }
+  return key;
+}
+
+// The file's lines as (key, decisions).
+std::vector<std::pair<std::string, std::string>> read_cache(const std::string& path) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto tab = line.find('\t');
+    if (tab != std::string::npos) out.emplace_back(line.substr(0, tab), line.substr(tab + 1));
+  }
+  return out;
+}
+
+std::mutex g_cache_mu;
+
+// After a measurement: the file's line for this machine gets the new decision (probe 0: brgemm,
+// 1: ATen for float32), written to a temporary file and renamed over the old one.
+void remember_decision(int probe, bool decision) {
+  if (!g_cache_writes) return;
+  const std::string path = cache_file();
+  if (path.empty()) return;
+  std::lock_guard<std::mutex> lock(g_cache_mu);
+  try {
+    auto lines = read_cache(path);
+    const std::string key = machine_key(), isa = isa_name(active_isa());
+    std::string* value = nullptr;
+    for (auto& [k, v] : lines) {
+      if (k == key) value = &v;
+    }
+    if (value == nullptr) value = &lines.emplace_back(key, "").second;
+    if (value->size() != isa.size() + 4 || value->compare(0, isa.size(), isa) != 0) {
+      *value = isa + ":-:-";
+    }
+    (*value)[isa.size() + 1 + 2 * probe] = decision ? '1' : '0';
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
+    const std::string tmp = path + "." + std::to_string(::getpid()) + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      for (const auto& [k, v] : lines) out << k << '\t' << v << '\n';
+      if (!out.good()) {
+        std::filesystem::remove(tmp, ec);
+        return;
+      }
+    }
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) std::filesystem::remove(tmp, ec);
+  } catch (const std::exception&) {
+  }
+}
+
 // AUTOMOE_CPU_GEMM_DECISIONS (what gemm_decisions() printed in an earlier run): adopted instead
 // of measuring, once, before the first probe. A value that cannot apply is an error naming it.
+// Without it, the choices remembered for this machine (above), if any.
 void adopt_pinned_decisions() {
   static std::once_flag once;
   std::call_once(once, [] {
     const char* env = std::getenv("AUTOMOE_CPU_GEMM_DECISIONS");
-    if (env == nullptr || *env == '\0') return;
+    if (env == nullptr || *env == '\0') {
+      const std::string path = cache_file();
+      if (path.empty()) return;
+      const std::string key = machine_key();
+      for (const auto& [k, v] : read_cache(path)) {
+        if (k == key) adopt(v, "the cache " + path);
+      }
+      return;
+    }
+    g_cache_writes = false;
     const std::string v = env, isa = isa_name(active_isa());
     AUTOMOE_CHECK(v.rfind(isa + ":", 0) == 0, "AUTOMOE_CPU_GEMM_DECISIONS=", v,
                   ": the kernels run at ", isa, " here, so choices recorded at another level "
                   "cannot apply (pin the level too with AUTOMOE_CPU_ISA, or take this machine's "
                   "cpu_kernels.gemm_decisions from `automoe bench`)");
-    AUTOMOE_CHECK(adopt_gemm_decisions(v, "AUTOMOE_CPU_GEMM_DECISIONS"),
+    AUTOMOE_CHECK(adopt(v, "AUTOMOE_CPU_GEMM_DECISIONS"),
                   "AUTOMOE_CPU_GEMM_DECISIONS=", v, ": expected ", isa,
                   ":B:F (B: brgemm for bf16, F: ATen for float32; each 1, 0 or -), as "
                   "`automoe bench` prints it in cpu_kernels.gemm_decisions");
@@ -698,6 +848,7 @@ bool brgemm_measured_faster() {
   pr.decided[level] = t_512 > 1.15 * t_br ? 1 : 0;
   pr.summary[level] = "brgemm " + std::to_string(static_cast<int>(gf / t_br)) + " vs avx512 " +
                       std::to_string(static_cast<int>(gf / t_512)) + " GFLOP/s (one thread)";
+  remember_decision(0, pr.decided[level] == 1);
   return pr.decided[level] == 1;
 #endif
 }
@@ -761,6 +912,7 @@ bool aten_faster_fp32() {
   pr.summary[level] = "aten " + std::to_string(static_cast<int>(gf / t_aten)) + " vs " +
                       gemm_path_name(engine) + " " + std::to_string(static_cast<int>(gf / t_eng)) +
                       " GFLOP/s";
+  remember_decision(1, pr.decided[level] == 1);
   return pr.decided[level] == 1;
 }
 
@@ -785,22 +937,10 @@ std::string gemm_decisions() {
 }
 
 bool adopt_gemm_decisions(const std::string& decisions, const std::string& source) {
-  const int level = static_cast<int>(active_isa());
-  const std::string isa = isa_name(active_isa());
-  if (decisions.size() != isa.size() + 4 || decisions.compare(0, isa.size(), isa) != 0) return false;
-  Probe* probes[] = {&brgemm_probe(), &aten_fp32_probe()};
-  for (int i = 0; i < 2; ++i) {
-    const char c = decisions[isa.size() + 1 + 2 * i];
-    if (decisions[isa.size() + 2 * i] != ':' || (c != '0' && c != '1' && c != '-')) return false;
-  }
-  for (int i = 0; i < 2; ++i) {
-    const char c = decisions[isa.size() + 1 + 2 * i];
-    if (c == '-') continue;
-    std::lock_guard<std::mutex> lock(probes[i]->mu);
-    probes[i]->decided[level] = c == '1';
-    probes[i]->summary[level] = "adopted from " + source;
-  }
-  return true;
+  // The pin and the cache are read first, so that they never override a later adoption (a
+  // resumed run's: the choices of the run it continues).
+  adopt_pinned_decisions();
+  return adopt(decisions, source);
 }
 
 const char* gemm_path_name(GemmPath p) { return kPathNames[static_cast<int>(p)]; }
