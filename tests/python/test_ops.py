@@ -237,6 +237,16 @@ def grouped_gemm_cases():
         yield Case(f"grouped_gemm-N{N}-K{K}-O{O}-{sizes}", make, OPS.grouped_gemm,
                    OPS.grouped_gemm_reference, grad=(0, 1), cast=(0, 1))
 
+        # Weights stored transposed ([G, K, O], GPT-OSS's experts) and passed as the [G, O, K]
+        # view: the CPU kernels read them in place; the gradient reaches the stored tensor.
+        def make_t(g, N=N, K=K, O=O, sizes=sizes):
+            offsets = torch.tensor([0] + sizes).cumsum(0)
+            return [randn(g, N, K), randn(g, len(sizes), K, O, scale=0.2), offsets]
+        yield Case(f"grouped_gemm-transposed-w-N{N}-K{K}-O{O}-{sizes}", make_t,
+                   lambda x, w, off: OPS.grouped_gemm(x, w.transpose(1, 2), off),
+                   lambda x, w, off: OPS.grouped_gemm_reference(x, w.transpose(1, 2), off),
+                   grad=(0, 1), cast=(0, 1))
+
 
 def linear_cases():
     # The dense linear: batched rows (3-D input), odd sizes, one row, a bias. Where ATen's bf16
@@ -865,6 +875,49 @@ def test_AUTOMOE_CPU_GEMM_DECISIONS_pins_the_measured_choices_and_rejects_what_c
     assert f"AUTOMOE_CPU_GEMM_DECISIONS={other}:-:1: the kernels run at {cpu_isa} here" in out.stderr
     out = paths(f"{cpu_isa}:yes")
     assert out.returncode != 0 and f"AUTOMOE_CPU_GEMM_DECISIONS={cpu_isa}:yes: expected" in out.stderr
+
+
+def test_float32_grouped_gemm_on_the_engine_reads_transposed_weights_in_place():
+    """The harness's float32 cases run on MKL where it measured faster (then transposed weights
+    are copied first); here the engine is pinned for float32, and every GEMM path it has reads
+    [G, K, O] weights through their [G, O, K] view: output and both gradients against float64."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    cpu_isa = OPS._cpu_kernel_paths()["cpu_isa"]
+    if cpu_isa == "baseline":
+        pytest.skip("float32 always runs on ATen at baseline")
+    code = (
+        "import torch, automoe\n"
+        "OPS = torch.ops.automoe\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "x = torch.randn(61, 33, generator=g)\n"
+        "w = torch.randn(4, 33, 19, generator=g) * 0.2\n"
+        "off = torch.tensor([0, 20, 20, 50, 58])\n"
+        "dy = torch.randn(61, 19, generator=g)\n"
+        "xr, wr = x.double().requires_grad_(), w.double().requires_grad_()\n"
+        "OPS.grouped_gemm_reference(xr, wr.transpose(1, 2), off).backward(dy.double())\n"
+        "ref = OPS.grouped_gemm_reference(xr, wr.transpose(1, 2), off)\n"
+        "for path in OPS._cpu_gemm_paths():\n"
+        "    OPS._set_cpu_paths('', path)\n"
+        "    xf, wf = x.clone().requires_grad_(), w.clone().requires_grad_()\n"
+        "    y = OPS.grouped_gemm(xf, wf.transpose(1, 2), off)\n"
+        "    y.backward(dy)\n"
+        "    errs = [((a.double() - b).abs().max() / b.abs().max()).item()\n"
+        "            for a, b in ((y, ref), (xf.grad, xr.grad), (wf.grad, wr.grad))]\n"
+        "    print(path, dict(OPS._cpu_kernel_paths())['gemm_fp32'], max(errs))\n")
+    pkg = str(Path(automoe.__file__).resolve().parents[1])
+    env = {**os.environ, "AUTOMOE_CPU_GEMM_DECISIONS": f"{cpu_isa}:-:0",
+           "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
+    env.pop("AUTOMOE_CPU_ISA", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert [r[0] for r in rows] == list(OPS._cpu_gemm_paths())
+    for path, fp32, err in rows:
+        assert fp32 != "aten" and float(err) < 1e-5, (path, fp32, err)
 
 
 def test_measured_gemm_choices_are_remembered_per_machine_and_adopted_by_the_next_process(tmp_path):

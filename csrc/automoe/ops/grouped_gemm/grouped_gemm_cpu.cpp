@@ -72,7 +72,9 @@ at::Tensor grouped_gemm_fwd(const at::Tensor& x_NK, const at::Tensor& w_GOK,
   for (int64_t g = 0; g < G; ++g) {
     const int64_t m = off[g + 1] - off[g];
     if (m == 0) continue;
-    problems.push_back({m, O, K, operand(x_NK, off[g] * K, K, 1), operand(w_GOK, g * O * K, 1, K),
+    // B[k, o] = w[g, o, k], at w's strides (each group's [O, K] rows of K, or stored transposed)
+    problems.push_back({m, O, K, operand(x_NK, off[g] * K, K, 1),
+                        operand(w_GOK, g * w_GOK.stride(0), w_GOK.stride(2), w_GOK.stride(1)),
                         at_row(y, off[g] * O), y.scalar_type(), O, false});
   }
   gemm_batch(problems);
@@ -98,7 +100,8 @@ at::Tensor grouped_gemm_dx(const at::Tensor& dy_NO, const at::Tensor& w_GOK,
   for (int64_t g = 0; g < G; ++g) {
     const int64_t m = off[g + 1] - off[g];
     if (m == 0) continue;
-    problems.push_back({m, K, O, operand(dy_NO, off[g] * O, O, 1), operand(w_GOK, g * O * K, K, 1),
+    problems.push_back({m, K, O, operand(dy_NO, off[g] * O, O, 1),
+                        operand(w_GOK, g * w_GOK.stride(0), w_GOK.stride(1), w_GOK.stride(2)),
                         at_row(dx, off[g] * K), dx.scalar_type(), K, false});
   }
   gemm_batch(problems);
