@@ -27,7 +27,7 @@ test-cpp: build
 	cd $(BUILD) && ctest --output-on-failure -j 2
 
 test-python: build
-	$(PY) -m pytest -q tests/python
+	$(PY) -m pytest -q --durations=40 tests/python
 
 # The parsers of untrusted input under libFuzzer with ASan + UBSan, briefly (scripts/fuzz.sh;
 # docs/development.md says how to run them long).
