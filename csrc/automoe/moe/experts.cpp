@@ -165,7 +165,8 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
     return ops::unpermute_reference(y, plan, weights_TK).to(x_TH.scalar_type());
   }
   AUTOMOE_CHECK(backend == "grouped", "GPT-OSS experts: unknown backend \"", backend, "\"");
-  // Our grouped GEMM takes [E, O, K] weights: the transposed views (copied per call).
+  // Our grouped GEMM takes [E, O, K] weights: the transposed views, which its CPU kernels read in
+  // place (grouped_gemm.cpp: kernel_weights).
   const at::Tensor gu = ops::grouped_gemm(ops::permute(x, plan), w_gu.transpose(1, 2), plan.offsets) +
                         b_gate_up_EI2.index_select(0, expert_N);
   y = ops::grouped_gemm(swiglu(gu).to(mm), w_d.transpose(1, 2), plan.offsets) +
