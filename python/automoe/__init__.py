@@ -4,16 +4,34 @@
     model = AutoModelForCausalLM.from_pretrained("path/to/qwen3-moe")
 """
 
+import importlib as _importlib
 import logging as _logging
 import os as _os
 
+from automoe import _engine
 from automoe.backend import BackendConfig
-from automoe.cache import EngineCache
-from automoe.modeling import AutoModelForCausalLM
-from automoe.native import AutoMoEError
+
+# `import automoe` loads the engine, which registers the fused ops as torch.ops.automoe.*
+# (docs/ops.md). Transformers (1.5-2 s to import) is imported with the first name that needs it,
+# so that the `automoe` command (automoe/cli.py, imported through this package) starts quickly.
+AutoMoEError = _engine.load().AutoMoEError
+_LAZY = {"AutoModelForCausalLM": "automoe.modeling", "EngineCache": "automoe.cache"}
 
 __all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'automoe' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 # Which path a model takes (native engine / Transformers + AutoMoE kernels) is logged at INFO on the
 # "automoe" logger; like Transformers' own logger it prints to stderr unless the application
