@@ -211,13 +211,12 @@ def _file_digest(path: Path) -> str:
 
 
 def cache_key(files: list[Path], model_path: str, fmt: str, train_on: str, on_error: str) -> str:
-    import tokenizers
-    import transformers
+    from importlib.metadata import version  # not importing the libraries: a cached run never needs them
 
     h = hashlib.sha256()
     h.update(json.dumps({"encoder": ENCODER_VERSION, "format": fmt, "train_on": train_on, "on_error": on_error,
-                         "transformers": transformers.__version__,
-                         "tokenizers": tokenizers.__version__}).encode())
+                         "transformers": version("transformers"),
+                         "tokenizers": version("tokenizers")}).encode())
     for f in files:
         h.update(b"data\0" + _file_digest(f).encode())
     for name in TOKENIZER_FILES:
@@ -303,7 +302,9 @@ def _no_lone_surrogates(value) -> None:
 def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
           on_error: str = "fail", cache_dir: str | os.PathLike | None = None,
           what: str = "data.train", log=sys.stderr) -> Dataset:
-    """Tokenises `files` (or reuses the cached result) and returns the dataset file."""
+    """Tokenises `files` (or reuses the cached result) and returns the dataset file. `tokenizer`
+    None: the model's own, loaded only if the data is not cached (Transformers takes seconds to
+    import)."""
     paths = []
     for f in files:
         p = Path(f)
@@ -324,7 +325,7 @@ def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train
         stats["reused"] = True
         return Dataset(out, key, stats)
 
-    enc = Encoder(tokenizer, fmt, train_on)
+    enc = Encoder(tokenizer if tokenizer is not None else load_tokenizer(model_path), fmt, train_on)
     ids_list, mask_list, skipped, short = [], [], [], 0
     for p in paths:
         with open(p, "rb") as fh:  # decoded line by line, so that a bad byte names its own line

@@ -186,8 +186,7 @@ def prepare(recipe: dict, log=sys.stderr) -> list[str]:
     from automoe import _C
 
     _C.check_config(model_path)  # the engine's message (file and key), not Transformers' traceback
-    tok = data.load_tokenizer(model_path)
-    kw = dict(tokenizer=tok, model_path=model_path, fmt=d["format"], train_on=d["train_on"],
+    kw = dict(tokenizer=None, model_path=model_path, fmt=d["format"], train_on=d["train_on"],
               on_error=d["on_error"], cache_dir=d["cache_dir"] or None, log=log)
     train = data.build(d["train"], what="data.train", **kw)
     _report(train, "train", log)
