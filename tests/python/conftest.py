@@ -17,10 +17,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "2")
-# A CPU GEMM choice measured by one process is remembered for the next (gemm_cpu.cpp): the tests
-# share a cache of their own, empty at the start, never the user's.
+# What AutoMoE caches between processes (a CPU GEMM choice measured by one process, gemm_cpu.cpp;
+# tokenised datasets without a data.cache_dir): the tests share a cache of their own, empty at the
+# start, never the user's.
 _CACHE = tempfile.mkdtemp(prefix="automoe-test-cache-")
-os.environ["AUTOMOE_CACHE_DIR"] = _CACHE
+os.environ["AUTOMOE_CACHE"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
 
 REPO = Path(__file__).resolve().parents[2]

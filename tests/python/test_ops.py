@@ -921,10 +921,10 @@ def test_float32_grouped_gemm_on_the_engine_reads_transposed_weights_in_place():
 
 
 def test_measured_gemm_choices_are_remembered_per_machine_and_adopted_by_the_next_process(tmp_path):
-    """The first process measures and writes AUTOMOE_CACHE_DIR/cpu_gemm; the next adopts that line
+    """The first process measures and writes $AUTOMOE_CACHE/cpu_gemm; the next adopts that line
     instead of measuring (so two runs compute alike) — even a choice the probe would not make; an
     unreadable line is measured over; AUTOMOE_CPU_GEMM_DECISIONS wins and is not written down;
-    AUTOMOE_CACHE_DIR=off measures every time and writes nothing."""
+    AUTOMOE_CPU_GEMM_CACHE=off measures every time and writes nothing; another value is refused."""
     import os
     import subprocess
     import sys
@@ -939,13 +939,16 @@ def test_measured_gemm_choices_are_remembered_per_machine_and_adopted_by_the_nex
             "print(p['gemm_decisions']); print(p['gemm_fp32']); print(p['gemm_measured'])\n")
     cache = tmp_path / "cache"
 
-    def paths(cache_dir=str(cache), **extra):
-        env = {**os.environ, "AUTOMOE_CACHE_DIR": cache_dir, **extra,
+    def run(cache_dir=str(cache), **extra):
+        env = {**os.environ, "AUTOMOE_CACHE": cache_dir, **extra,
                "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")]))}
         env.pop("AUTOMOE_CPU_ISA", None)
         if "AUTOMOE_CPU_GEMM_DECISIONS" not in extra:
             env.pop("AUTOMOE_CPU_GEMM_DECISIONS", None)
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+    def paths(cache_dir=str(cache), **extra):
+        out = run(cache_dir, **extra)
         assert out.returncode == 0, out.stderr
         return out.stdout.splitlines()[-3:]
 
@@ -975,8 +978,10 @@ def test_measured_gemm_choices_are_remembered_per_machine_and_adopted_by_the_nex
     assert pinned[0] == flipped and "adopted from AUTOMOE_CPU_GEMM_DECISIONS" in pinned[2]
     assert (cache / "cpu_gemm").read_text().splitlines()[0] == f"{key}\t{got[0]}"
     off = tmp_path / "off"
-    assert "GFLOP/s" in paths(cache_dir="off")[2]
-    assert not off.exists() and not (Path.cwd() / "off").exists()
+    assert "GFLOP/s" in paths(cache_dir=str(off), AUTOMOE_CPU_GEMM_CACHE="off")[2]
+    assert not off.exists()
+    bad = run(AUTOMOE_CPU_GEMM_CACHE="no")
+    assert bad.returncode != 0 and "AUTOMOE_CPU_GEMM_CACHE=no: expected on or off" in bad.stderr
 
 
 def test_the_gemm_engine_choice_does_not_move_the_global_generator():
@@ -998,7 +1003,7 @@ def test_the_gemm_engine_choice_does_not_move_the_global_generator():
             "print(torch.randn(4).tolist())\n")
     pkg = str(Path(automoe.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [pkg, os.environ.get("PYTHONPATH")])),
-           "AUTOMOE_CACHE_DIR": "off"}  # measured here, not remembered from another process
+           "AUTOMOE_CPU_GEMM_CACHE": "off"}  # measured here, not remembered from another process
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     torch.manual_seed(0)

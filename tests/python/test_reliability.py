@@ -237,7 +237,7 @@ def test_a_resumed_run_keeps_its_checkpoints_gemm_choice_over_the_machine_cache(
     # otherwise (another run measured the other way, or the file was edited), a resumed run still
     # computes as the run it continues, and its next checkpoint records that choice.
     monkeypatch.delenv("AUTOMOE_CPU_ISA")
-    monkeypatch.setenv("AUTOMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("AUTOMOE_CACHE", str(tmp_path / "cache"))
     recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
     run_train(recipe, tmp_path)
     saved = json.loads((tmp_path / "run" / "step-1" / "trainer_state.json").read_text())["cpu_gemm"]

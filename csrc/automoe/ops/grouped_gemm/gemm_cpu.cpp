@@ -674,20 +674,22 @@ bool adopt(const std::string& decisions, const std::string& source) {
 // either way (on an AVX2 EPYC, ATen and our float32 kernel tie and the probe picked ours in ~2
 // of 12 processes): two runs of the same recipe would then sum in different orders. So the first
 // measurement on a machine is remembered in a small file, one line per (CPU, level, threads,
-// torch) — <AUTOMOE_CACHE_DIR, else $XDG_CACHE_HOME/automoe, else ~/.cache/automoe>/cpu_gemm —
-// and later processes adopt it instead of measuring. AUTOMOE_CACHE_DIR=off turns it off; deleting
-// the file measures again. Nothing here is an error: an unreadable or unwritable cache is no cache.
+// torch) — $AUTOMOE_CACHE/cpu_gemm, else ~/.cache/automoe/cpu_gemm (the directory the tokenised
+// datasets use too) — and later processes adopt it instead of measuring.
+// AUTOMOE_CPU_GEMM_CACHE=off turns it off; deleting the file measures again. Beyond a bad value of
+// that variable nothing here is an error: an unreadable or unwritable cache is no cache.
 
 bool g_cache_writes = true;  // false while AUTOMOE_CPU_GEMM_DECISIONS pins the choices
 
 std::string cache_file() {
-  const char* dir = std::getenv("AUTOMOE_CACHE_DIR");
+  if (const char* sw = std::getenv("AUTOMOE_CPU_GEMM_CACHE"); sw != nullptr && *sw != '\0') {
+    const std::string v = sw;
+    AUTOMOE_CHECK(v == "on" || v == "off", "AUTOMOE_CPU_GEMM_CACHE=", v, ": expected on or off");
+    if (v == "off") return "";
+  }
   std::string d;
-  if (dir != nullptr && *dir != '\0') {
-    if (std::string(dir) == "off") return "";
+  if (const char* dir = std::getenv("AUTOMOE_CACHE"); dir != nullptr && *dir != '\0') {
     d = dir;
-  } else if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
-    d = std::string(xdg) + "/automoe";
   } else if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
     d = std::string(home) + "/.cache/automoe";
   } else {

@@ -72,8 +72,8 @@ std::string gemm_choices();
 // says where they came from in gemm_choices(). AUTOMOE_CPU_GEMM_DECISIONS=<gemm_decisions()>
 // pins them for a process (adopted instead of measured: fresh runs that compute alike, at full
 // speed); a value for another level, or malformed, is an error naming the variable. Without a
-// pin, a choice measured on this machine is remembered (AUTOMOE_CACHE_DIR, else
-// ~/.cache/automoe: cpu_gemm, one line per CPU, level, thread count and torch version) and the
+// pin, a choice measured on this machine is remembered ($AUTOMOE_CACHE/cpu_gemm, else
+// ~/.cache/automoe/cpu_gemm, one line per CPU, level, thread count and torch version) and the
 // next process adopts it instead of measuring, so that runs from scratch compute alike too.
 // Order: an adoption (a resumed run's, rank 0's) over the pin, the pin over the cache.
 std::string gemm_decisions();
