@@ -22,6 +22,21 @@ inline bool better(float a, int64_t ia, float b, int64_t ib) {
   return a > b || (a == b && ia < ib);
 }
 
+// The gradient reaching the k chosen scores through the weights (scaling c, and the
+// normalisation by their sum where norm_topk_prob).
+void weights_grad(const float* s, const float* dw, const int64_t* id, int64_t K,
+                  const RouterParams& p, float c, float* gk) {
+  if (p.norm_topk_prob) {
+    float S = 0.f, dot = 0.f;
+    for (int64_t k = 0; k < K; ++k) S += s[id[k]];
+    if (p.sigmoid) S += 1e-20f;
+    for (int64_t k = 0; k < K; ++k) dot += dw[k] * s[id[k]];
+    for (int64_t k = 0; k < K; ++k) gk[k] = c * (dw[k] / S - dot / (S * S));
+  } else {
+    for (int64_t k = 0; k < K; ++k) gk[k] = c * dw[k];
+  }
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logits_TE,
@@ -50,10 +65,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
       } else {
         vec::softmax(l, s, E);
       }
+      // The selection scores: the scores themselves unless a bias or the group limit changes them.
+      const float* choose = s;
       if (bias) {
         for (int64_t e = 0; e < E; ++e) sel[e] = s[e] + bias[e];
-      } else {
+        choose = sel.data();
+      } else if (p.n_group > 1) {
         std::copy_n(s, E, sel.begin());
+        choose = sel.data();
       }
       if (p.n_group > 1) {
         // Rank groups by the sum of their two best selection scores; drop all but topk_group.
@@ -80,10 +99,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
                       -std::numeric_limits<float>::infinity());
         }
       }
-      if (!vec::topk(sel.data(), E, K, scratch.data(), order.data())) {  // NaN or -inf: sort
+      if (!vec::topk(choose, E, K, scratch.data(), order.data())) {  // NaN or -inf: sort
         for (int64_t e = 0; e < E; ++e) order[e] = e;
-        std::partial_sort(order.begin(), order.begin() + K, order.end(),
-                          [&](int64_t a, int64_t b) { return better(sel[a], a, sel[b], b); });
+        std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int64_t a, int64_t b) {
+          return better(choose[a], a, choose[b], b);
+        });
       }
       float total = 0.f;
       for (int64_t k = 0; k < K; ++k) total += s[order[k]];
@@ -110,26 +130,34 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
   float* out = grad.data_ptr<float>();
   const float c = static_cast<float>(p.scaling);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> g(E);
+    std::vector<float> g(E), gk(K);
     for (int64_t t = begin; t < end; ++t) {
       const float* s = sc + t * E;
+      const float* dw = gw + t * K;
+      const int64_t* id = ix + t * K;
+      float* o = out + t * E;
+      if (!gs) {
+        // Only the weights carry a gradient (no aux loss): it is nonzero at the k chosen experts
+        // alone, so the softmax's dot product runs over those k, not over E.
+        weights_grad(s, dw, id, K, p, c, gk.data());
+        if (p.sigmoid) {
+          std::fill_n(o, E, 0.f);
+          for (int64_t k = 0; k < K; ++k) o[id[k]] = gk[k] * s[id[k]] * (1.f - s[id[k]]);
+        } else {
+          float dot = 0.f;
+          for (int64_t k = 0; k < K; ++k) dot += gk[k] * s[id[k]];
+          for (int64_t e = 0; e < E; ++e) o[e] = -s[e] * dot;
+          for (int64_t k = 0; k < K; ++k) o[id[k]] = s[id[k]] * (gk[k] - dot);
+        }
+        continue;
+      }
       if (gs) {
         std::copy_n(gs + t * E, E, g.begin());
       } else {
         std::fill(g.begin(), g.end(), 0.f);
       }
-      const float* dw = gw + t * K;
-      const int64_t* id = ix + t * K;
-      if (p.norm_topk_prob) {
-        float S = 0.f, dot = 0.f;
-        for (int64_t k = 0; k < K; ++k) S += s[id[k]];
-        if (p.sigmoid) S += 1e-20f;
-        for (int64_t k = 0; k < K; ++k) dot += dw[k] * s[id[k]];
-        for (int64_t k = 0; k < K; ++k) g[id[k]] += c * (dw[k] / S - dot / (S * S));
-      } else {
-        for (int64_t k = 0; k < K; ++k) g[id[k]] += c * dw[k];
-      }
-      float* o = out + t * E;
+      weights_grad(s, dw, id, K, p, c, gk.data());
+      for (int64_t k = 0; k < K; ++k) g[id[k]] += gk[k];
       if (p.sigmoid) {
         for (int64_t e = 0; e < E; ++e) o[e] = g[e] * s[e] * (1.f - s[e]);
       } else {
