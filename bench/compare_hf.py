@@ -523,7 +523,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu-small")
     p.add_argument("--config", help="a config.json instead of a preset: a type the engine implements "
-                   "(qwen3_moe, deepseek_v3, glm4_moe) runs on it, any other MoE type through "
+                   "(`automoe bench --list-types`) runs on it, any other MoE type through "
                    "AutoMoE's drop-in (bench/configs/)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
