@@ -107,9 +107,10 @@ struct LinearCrossEntropy {
   at::Tensor sum;    // float32 scalar (float64 for float64 x), differentiable in x and weight
   at::Tensor count;  // int64 scalar: labels != ignore_index
 };
-// sum over rows of CE(x · weightᵀ, labels) without ever holding [N, V] logits: the forward walks
-// token chunks, the backward vocabulary chunks, each chunk's logits at most `chunk_bytes` of
-// float32 (0 = 64 MiB).
+// sum over rows of CE(x · weightᵀ, labels) without holding [N, V] logits beyond a budget: the
+// forward walks token chunks, the backward vocabulary chunks, each chunk's logits at most
+// `chunk_bytes` of float32 (0 = 64 MiB); logits of at most 8 chunks (512 MiB) are kept from the
+// forward for the backward instead of recomputed.
 LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor& weight_VH,
                                         const at::Tensor& labels_N, int64_t ignore_index = -100,
                                         int64_t chunk_bytes = 0);
