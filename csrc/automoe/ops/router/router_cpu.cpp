@@ -151,11 +151,7 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
         }
         continue;
       }
-      if (gs) {
-        std::copy_n(gs + t * E, E, g.begin());
-      } else {
-        std::fill(g.begin(), g.end(), 0.f);
-      }
+      std::copy_n(gs + t * E, E, g.begin());  // the scores' gradient (an aux loss), plus:
       weights_grad(s, dw, id, K, p, c, gk.data());
       for (int64_t k = 0; k < K; ++k) g[id[k]] += gk[k];
       if (p.sigmoid) {
