@@ -141,9 +141,14 @@ def test_permute_plan_matches_a_stable_sort():
                     assert torch.equal(a.cpu(), b), (op, T, K, E, pattern, device)
 
 
-def test_permute_plan_rejects_out_of_range_experts():
-    with pytest.raises(Exception, match=r"indices must be in \[-1, 4\)"):
+def test_permute_plan_rejects_out_of_range_experts_naming_the_first_one():
+    with pytest.raises(Exception, match=r"indices must be in \[-1, 4\), got 4 at \[0, 1\]"):
         OPS.moe_permute_plan(torch.tensor([[0, 4]]), 4)
+    idx = torch.zeros(5000, 8, dtype=torch.long)  # several chunks: the first bad one is named
+    idx[4000, 3] = -2
+    idx[4999, 0] = 9
+    with pytest.raises(Exception, match=r"got -2 at \[4000, 3\]"):
+        OPS.moe_permute_plan(idx, 4)
 
 
 # ---- cases ------------------------------------------------------------------------------------
@@ -653,14 +658,24 @@ def test_router_never_picks_a_masked_expert_and_keeps_far_scores_apart(path):
         OPS._set_cpu_paths("", "")
 
 
-def test_router_row_with_nan_does_not_disturb_the_others():
-    logits = torch.randn(16, 128)
-    logits[3, 7] = float("nan")
-    w, idx, _ = OPS.router(logits, 8)
-    w_ref, idx_ref, _ = OPS.router(torch.cat([logits[:3], logits[4:]]), 8)
-    assert torch.equal(torch.cat([idx[:3], idx[4:]]), idx_ref)
-    assert torch.equal(torch.cat([w[:3], w[4:]]), w_ref)
-    assert ((idx[3] >= 0) & (idx[3] < 128)).all()
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("func", ["softmax", "sigmoid"])
+def test_router_row_with_nan_does_not_disturb_the_others(path, func):
+    # (40 rows: the CPU router scores blocks of 16 rows before selecting; a NaN row in the middle
+    # of a block.)
+    logits = torch.randn(40, 128)
+    logits[19, 7] = float("nan")
+    OPS._set_cpu_paths(path.partition(":")[2], "")
+    try:
+        w, idx, scores = OPS.router(logits, 8, func)
+        w_ref, idx_ref, _ = OPS.router(torch.cat([logits[:19], logits[20:]]), 8, func)
+    finally:
+        OPS._set_cpu_paths("", "")
+    assert torch.equal(torch.cat([idx[:19], idx[20:]]), idx_ref)
+    assert torch.equal(torch.cat([w[:19], w[20:]]), w_ref)
+    assert ((idx[19] >= 0) & (idx[19] < 128)).all()
+    if func == "sigmoid":  # sigmoid is per element: the NaN stays where it was, as ATen's
+        assert scores[19, 7].isnan() and not scores[19].isnan().sum() > 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

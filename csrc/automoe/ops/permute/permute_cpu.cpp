@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "automoe/core/error.h"
 #include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/kernels.h"
 
@@ -35,17 +36,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& id
   const int64_t chunk = std::max<int64_t>(1, K * std::max<int64_t>(1, 4096 / k_or_1));
   const int64_t chunks = std::max<int64_t>(1, (TK + chunk - 1) / chunk);
   std::vector<int64_t> cursor(chunks * E, 0);
+  // The histogram pass also validates: each chunk notes its first index outside [-1, E) (a
+  // separate at::aminmax cost as much as the whole plan at T = 4096, K = 8).
+  std::vector<int64_t> first_bad(chunks, -1);
   // (Locals in the loops: captured references could alias the int64 outputs, forcing reloads.)
   at::parallel_for(0, chunks, 1, [&, idx](int64_t begin, int64_t end) {
     const int64_t n_exp = E, total = TK, step = chunk;
     for (int64_t c = begin; c < end; ++c) {
       int64_t* cnt = cursor.data() + c * n_exp;
-      for (int64_t i = c * step; i < std::min(total, (c + 1) * step); ++i) {
+      const int64_t last = std::min(total, (c + 1) * step);
+      for (int64_t i = c * step; i < last; ++i) {
         const int64_t e = idx[i];
-        if (e >= 0 && e < n_exp) ++cnt[e];
+        if (static_cast<uint64_t>(e) < static_cast<uint64_t>(n_exp)) {
+          ++cnt[e];
+        } else if (e != -1 && first_bad[c] < 0) {
+          first_bad[c] = i;
+        }
       }
     }
   });
+  for (const int64_t i : first_bad) {
+    AUTOMOE_CHECK(i < 0, "automoe.moe_permute_plan: indices must be in [-1, ", E, "), got ",
+                  idx[i], " at [", i / k_or_1, ", ", i % k_or_1, "]");
+  }
   for (int64_t e = 0; e < E; ++e) {
     int64_t run = off[e];
     for (int64_t c = 0; c < chunks; ++c) {

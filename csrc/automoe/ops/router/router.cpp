@@ -69,8 +69,9 @@ struct RouterFn : torch::autograd::Function<RouterFn> {
                                        : at::zeros(idx.sizes(), scores.options());
     std::optional<at::Tensor> gs;
     if (grads[2].defined()) gs = grads[2].to(at::kFloat).contiguous();
-    at::Tensor gl = AUTOMOE_KERNEL(router_bwd, scores, gw, gs, scores, idx, p);
-    return {gl.to(ctx->saved_data["dtype"].toScalarType()), at::Tensor(), at::Tensor()};
+    const auto dtype = ctx->saved_data["dtype"].toScalarType();
+    at::Tensor gl = AUTOMOE_KERNEL(router_bwd, scores, gw, gs, scores, idx, p, dtype);
+    return {gl.to(dtype), at::Tensor(), at::Tensor()};
   }
 };
 

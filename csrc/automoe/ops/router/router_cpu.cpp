@@ -57,14 +57,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
     std::vector<int64_t> order(E);
     std::vector<float> group_score(p.n_group);
     std::vector<int64_t> group_order(p.n_group);
+    // The scores of a block of rows first, then their selection: each loop's rows are independent
+    // and short enough for the core to overlap them (one loop of both left each row's long
+    // dependency chain exposed: softmax + top-k 139 -> 87 ns a row of 128 at AVX-512, Zen 5).
+    constexpr int64_t kBlock = 16;
     for (int64_t t = begin; t < end; ++t) {
-      const float* l = lg + t * E;
-      float* s = sc + t * E;
-      if (p.sigmoid) {
-        vec::sigmoid_row(l, s, E);
-      } else {
-        vec::softmax(l, s, E);
+      if ((t - begin) % kBlock == 0) {
+        for (int64_t u = t; u < std::min(end, t + kBlock); ++u) {
+          if (p.sigmoid) {
+            vec::sigmoid_row(lg + u * E, sc + u * E, E);
+          } else {
+            vec::softmax(lg + u * E, sc + u * E, E);
+          }
+        }
       }
+      float* s = sc + t * E;
       // The selection scores: the scores themselves unless a bias or the group limit changes them.
       const float* choose = s;
       if (bias) {
@@ -120,14 +127,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
 
 at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
                       const std::optional<at::Tensor>& grad_scores_TE, const at::Tensor& scores_TE,
-                      const at::Tensor& idx_TK, const RouterParams& p) {
+                      const at::Tensor& idx_TK, const RouterParams& p, at::ScalarType out_dtype) {
   const int64_t T = scores_TE.size(0), E = scores_TE.size(1), K = idx_TK.size(1);
-  at::Tensor grad = new_output({T, E}, scores_TE.options());
+  // float32 and bf16 rows are written straight in the logits' dtype (no [T, E] float32 gradient
+  // converted afterwards); others (float64: the op tests' ground truth) as float32, then cast.
+  const bool direct = out_dtype == at::kFloat || out_dtype == at::kBFloat16;
+  at::Tensor grad = new_output({T, E}, scores_TE.options().dtype(direct ? out_dtype : at::kFloat));
   const float* gw = grad_weights_TK.const_data_ptr<float>();
   const float* gs = grad_scores_TE ? grad_scores_TE->const_data_ptr<float>() : nullptr;
   const float* sc = scores_TE.const_data_ptr<float>();
   const int64_t* ix = idx_TK.const_data_ptr<int64_t>();
-  float* out = grad.data_ptr<float>();
+  const auto dt = grad.scalar_type();
+  char* out = static_cast<char*>(grad.data_ptr());
+  const int64_t row_bytes = E * grad.element_size();
   const float c = static_cast<float>(p.scaling);
   at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
     std::vector<float> g(E), gk(K);
@@ -135,31 +147,30 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
       const float* s = sc + t * E;
       const float* dw = gw + t * K;
       const int64_t* id = ix + t * K;
-      float* o = out + t * E;
+      weights_grad(s, dw, id, K, p, c, gk.data());
       if (!gs) {
         // Only the weights carry a gradient (no aux loss): it is nonzero at the k chosen experts
         // alone, so the softmax's dot product runs over those k, not over E.
-        weights_grad(s, dw, id, K, p, c, gk.data());
         if (p.sigmoid) {
-          std::fill_n(o, E, 0.f);
-          for (int64_t k = 0; k < K; ++k) o[id[k]] = gk[k] * s[id[k]] * (1.f - s[id[k]]);
+          std::fill(g.begin(), g.end(), 0.f);
+          for (int64_t k = 0; k < K; ++k) g[id[k]] = gk[k] * s[id[k]] * (1.f - s[id[k]]);
         } else {
           float dot = 0.f;
           for (int64_t k = 0; k < K; ++k) dot += gk[k] * s[id[k]];
-          for (int64_t e = 0; e < E; ++e) o[e] = -s[e] * dot;
-          for (int64_t k = 0; k < K; ++k) o[id[k]] = s[id[k]] * (gk[k] - dot);
+          vec::scale(s, -dot, g.data(), E);
+          for (int64_t k = 0; k < K; ++k) g[id[k]] = s[id[k]] * (gk[k] - dot);
         }
-        continue;
-      }
-      std::copy_n(gs + t * E, E, g.begin());  // the scores' gradient (an aux loss), plus:
-      weights_grad(s, dw, id, K, p, c, gk.data());
-      for (int64_t k = 0; k < K; ++k) g[id[k]] += gk[k];
-      if (p.sigmoid) {
-        for (int64_t e = 0; e < E; ++e) o[e] = g[e] * s[e] * (1.f - s[e]);
       } else {
-        const float dot = vec::dot(g.data(), s, E);
-        for (int64_t e = 0; e < E; ++e) o[e] = s[e] * (g[e] - dot);
+        std::copy_n(gs + t * E, E, g.begin());  // the scores' gradient (an aux loss), plus:
+        for (int64_t k = 0; k < K; ++k) g[id[k]] += gk[k];
+        if (p.sigmoid) {
+          for (int64_t e = 0; e < E; ++e) g[e] = g[e] * s[e] * (1.f - s[e]);
+        } else {
+          const float dot = vec::dot(g.data(), s, E);
+          for (int64_t e = 0; e < E; ++e) g[e] = s[e] * (g[e] - dot);
+        }
       }
+      vec::store(g.data(), out + t * row_bytes, dt, E);
     }
   });
   return grad;

@@ -267,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
 at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
                       const std::optional<at::Tensor>& grad_scores_TE,
                       const at::Tensor& scores_TE, const at::Tensor& idx_TK,
-                      const RouterParams& p) {
+                      const RouterParams& p, at::ScalarType out_dtype) {
   const c10::cuda::CUDAGuard guard(scores_TE.device());
   check_fp32(grad_weights_TK, "grad_weights", "router_bwd");
   check_fp32(scores_TE, "scores", "router_bwd");
@@ -279,13 +279,13 @@ at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
               "automoe::ops::cuda::router_bwd: idx/grad_weights have ", idx_TK.size(1),
               " slots per token, top_k is ", a.K);
   at::Tensor dlogits = new_output({T, a.E}, scores_TE.options());
-  if (T == 0) return dlogits;
+  if (T == 0) return dlogits.to(out_dtype);
   const size_t smem = sizeof(float) * kWarps * a.E;
   router_bwd_kernel<<<grid_dim(ceil_div(T, kWarps)), kThreads, smem, stream()>>>(
       ptr<float>(grad_weights_TK), has_dscores ? ptr<float>(*grad_scores_TE) : nullptr,
       ptr<float>(scores_TE), ptr<int64_t>(idx_TK), ptr<float>(dlogits), a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return dlogits;
+  return dlogits.to(out_dtype);
 }
 
 }  // namespace automoe::ops::cuda
