@@ -118,6 +118,34 @@ def test_bench_times_the_trainers_step_and_names_the_cpu_kernels(tmp_path):
     assert {"isa", "cpu_isa", "gemm_bf16", "gemm_fp32", "elementwise"} <= set(r["cpu_kernels"])
 
 
+def test_bench_profile_names_where_the_step_time_goes(tmp_path):
+    """`--profile N` records the timed steps' ops: ATen's, AutoMoE's own op scopes, the autograd
+    backward nodes and the optimizer phases, by self time (nested ops not counted twice), per
+    step; the N largest go to stderr as a table, all of them into the JSON."""
+    cfg = tmp_path / "tiny.json"
+    cfg.write_text(json.dumps(TINY))
+    out = subprocess.run([str(AUTOMOE_BIN), "bench", "--config", str(cfg), "--batch", "2", "--seq",
+                          "12", "--warmup", "1", "--steps", "2", "--profile", "4"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    rows = {row["name"]: row for row in r["profile"]}
+    for name in ("aten::mm", "automoe::grouped_gemm", "automoe::router", "automoe::rmsnorm",
+                 "automoe::linear_cross_entropy", "backward: GroupedGemmFn",
+                 "automoe::optimizer: AdamW"):
+        assert name in rows, sorted(rows)
+    assert rows["automoe::router"]["calls"] == 1  # per step: one MoE layer (layer 1 is dense)
+    for row in r["profile"]:
+        assert 0 <= row["self_ms"] <= row["total_ms"] + 1e-9, row
+    # the fused loss's own time excludes its GEMMs (ATen's or the engine's), reported apart
+    lce = rows["automoe::linear_cross_entropy"]
+    assert lce["self_ms"] < lce["total_ms"]
+    step_ms = r["forward_ms"] + r["backward_ms"] + r["optimizer_ms"]
+    assert sum(row["self_ms"] for row in r["profile"]) <= 1.05 * step_ms
+    table = out.stderr[out.stderr.index("op (per step, by self time)"):]
+    assert len([ln for ln in table.splitlines() if ln and not ln.startswith(("op ", "("))]) == 4
+
+
 def test_the_automoe_command_runs_the_engine_on_jemalloc_and_reports_it(tmp_path):
     """`automoe` preloads jemalloc (keeping freed pages: glibc's malloc returns every tensor above
     32 MiB to the kernel and the next step page-faults it in again) where it is installed;

@@ -22,6 +22,7 @@
 #include <sstream>
 
 #include "automoe/bench/presets.h"
+#include "automoe/bench/profile.h"
 #include "automoe/cli/commands.h"
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
@@ -68,6 +69,9 @@ constexpr const char* kUsage = R"(usage: automoe bench [--preset NAME | --config
                          routed experts (gate_up_proj, down_proj), float32, the base frozen
   --seed N               weights and tokens                             (default 0)
   --json FILE            also write the result there
+  --profile [N]          also record the timed steps' ops (ATen, backward nodes, AutoMoE's
+                         ops and optimizer phases): the N (default 25) largest by self time
+                         to stderr, all of them in the JSON ("profile")
   --print-config         print the preset's config.json and FLOPs per token, run nothing
   --peak                 measure bf16 and fp32 matmul throughput (at::mm) on the device
   --list-types           print the model types the engine implements, run nothing
@@ -88,6 +92,7 @@ struct Options {
   int64_t lora = 0;  // LoRA rank; 0: full fine-tune
   std::string master_weights = "float32", state_dtype = "float32";
   bool in_backward = false;
+  int64_t profile = 0;  // rows of the op profile to print; 0: no profile
   std::string json_out;
 };
 
@@ -152,6 +157,10 @@ Options parse(const Args& args) {
       o.fake_gate = true;
     else if (a == "--print-config")
       o.print_config = true;
+    else if (a == "--profile")
+      o.profile = i + 1 < args.size() && !args[i + 1].empty() && args[i + 1][0] != '-'
+                      ? to_int(a, value(), 1)
+                      : 25;
     else if (a == "--peak")
       o.peak = true;
     else if (a == "--list-types")
@@ -310,7 +319,9 @@ int bench(const Args& args) {
   at::Generator gen = at::detail::createCPUGenerator(o.seed + 1);
   const at::Tensor ids = at::randint(0, spec.vocab_size, {o.batch, o.seq}, gen).to(dev);
   std::vector<double> fwd, bwd, optim, losses;
+  bench::OpProfile profiler;
   for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    if (o.profile > 0 && step == o.warmup) profiler.start();
     train::seed_step(o.seed, 0, step);  // the trainer's draws (router jitter, LoRA dropout)
     sync(dev);
     auto t0 = Clock::now();
@@ -340,8 +351,16 @@ int bench(const Args& args) {
     }
   }
 
+  const nlohmann::json profile = o.profile > 0 ? profiler.stop(o.steps) : nlohmann::json();
+
   const double tokens = static_cast<double>(o.batch * o.seq);
   const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
+  if (o.profile > 0) {
+    double mean_step = 0;
+    for (size_t i = 0; i < fwd.size(); ++i) mean_step += fwd[i] + bwd[i] + optim[i];
+    mean_step /= static_cast<double>(std::max<size_t>(fwd.size(), 1));
+    std::cerr << bench::profile_table(profile, mean_step, static_cast<size_t>(o.profile));
+  }
   json j = {
       {"side", "automoe"},
       {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss +
@@ -395,6 +414,7 @@ int bench(const Args& args) {
     j["peak_memory_kind"] = "process peak RSS";
     j["baseline_memory_bytes"] = rss_before;
   }
+  if (o.profile > 0) j["profile"] = profile;
   emit(j, o.json_out);
   return 0;
 }

@@ -2,6 +2,7 @@
 // SDPA (ATen's bf16 flash-attention forward, its float32 backward) and eager attention's batched
 // matmuls in float32 GEMMs. docs/ops.md#kernels.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <limits>
@@ -82,6 +83,7 @@ struct MatmulBf16Fn : torch::autograd::Function<MatmulBf16Fn> {
 }  // namespace
 
 at::Tensor matmul(const at::Tensor& a, const at::Tensor& b) {
+  RECORD_FUNCTION("automoe::matmul", c10::ArrayRef<const c10::IValue>{});
   const bool widen = a.is_cpu() && b.is_cpu() && a.scalar_type() == at::kBFloat16 &&
                      b.scalar_type() == at::kBFloat16 && a.dim() >= 2 && a.dim() == b.dim() &&
                      a.sizes().slice(0, a.dim() - 2) == b.sizes().slice(0, b.dim() - 2) &&

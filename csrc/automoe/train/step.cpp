@@ -1,6 +1,7 @@
 #include "automoe/train/step.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <chrono>
 #include <cmath>
@@ -146,6 +147,7 @@ void backward_micro_batch(TrainState& s, const at::Tensor& loss, bool last,
 }
 
 void adopt_gradients(TrainState& s) {
+  RECORD_FUNCTION("automoe::optimizer: adopt gradients", c10::ArrayRef<const c10::IValue>{});
   if (s.own_grads || s.opt.sharded() || s.opt.in_backward()) return;
   for (size_t i = 0; i < s.model_params.size(); ++i) {
     at::Tensor& g = s.model_params[i].mutable_grad();
@@ -155,6 +157,7 @@ void adopt_gradients(TrainState& s) {
 }
 
 void clip_gradients(TrainState& s, double norm, double max_norm) {
+  RECORD_FUNCTION("automoe::optimizer: clip", c10::ArrayRef<const c10::IValue>{});
   AUTOMOE_CHECK(!(s.opt.in_backward() && max_norm > 0),
                 "optimizer.in_backward: the weights were updated in the backward, they cannot be "
                 "clipped now (optimizer.max_grad_norm must be 0)");
@@ -162,6 +165,7 @@ void clip_gradients(TrainState& s, double norm, double max_norm) {
 }
 
 void update_weights(TrainState& s, const OptimizerSection& o, double lr) {
+  RECORD_FUNCTION("automoe::optimizer: AdamW", c10::ArrayRef<const c10::IValue>{});
   if (s.opt.in_backward()) {
     s.opt.finish_in_backward(s.model_params);
     return;

@@ -12,6 +12,7 @@
 //             FLOPs) gains most; a batch past the budget walks its chunks as before.
 // The chunk GEMMs run on our CPU gemm engine or at::mm, whichever is faster on the CPU (below).
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
@@ -208,6 +209,7 @@ void check_lce(const at::Tensor& x, const at::Tensor& w, const at::Tensor& label
 LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor& weight_VH,
                                         const at::Tensor& labels_N, int64_t ignore_index,
                                         int64_t chunk_bytes) {
+  RECORD_FUNCTION("automoe::linear_cross_entropy", c10::ArrayRef<const c10::IValue>{});
   check_lce(x_NH, weight_VH, labels_N);
   const at::Tensor valid = labels_N.ne(ignore_index);
   if (labels_N.is_cpu() && valid.any().item<bool>()) {

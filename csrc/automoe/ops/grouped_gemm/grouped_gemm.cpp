@@ -1,5 +1,6 @@
 // grouped_gemm: autograd layer and ATen reference.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <utility>
@@ -197,6 +198,7 @@ at::Tensor grouped_gemm_lora_reference(const at::Tensor& x_NK, const at::Tensor&
 }
 
 at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const at::Tensor& offsets_in) {
+  RECORD_FUNCTION("automoe::grouped_gemm", c10::ArrayRef<const c10::IValue>{});
   const at::Tensor offsets = offsets_in.contiguous();  // checked and used: the same tensor
   check_grouped(x_NK, w_GOK, offsets);
   if (x_NK.is_cuda() && !use_cuda_kernel("grouped_gemm"))
@@ -205,6 +207,7 @@ at::Tensor grouped_gemm(const at::Tensor& x_NK, const at::Tensor& w_GOK, const a
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  RECORD_FUNCTION("automoe::linear", c10::ArrayRef<const c10::IValue>{});
   // (a bias of another dtype, or empty operands: at::linear's promotion rules and messages)
   const bool engine = x.is_cpu() && w.is_cpu() && x.scalar_type() == at::kBFloat16 &&
                       w.scalar_type() == at::kBFloat16 && w.dim() == 2 && x.dim() >= 1 &&

@@ -1,5 +1,6 @@
 // permute / unpermute: autograd layer and ATen references.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
@@ -79,6 +80,7 @@ PermutePlan contiguous(const PermutePlan& p) {
 }  // namespace
 
 PermutePlan permute_plan(const at::Tensor& idx_TK, int64_t num_experts) {
+  RECORD_FUNCTION("automoe::moe_permute_plan", c10::ArrayRef<const c10::IValue>{});
   const char* op = "automoe.moe_permute_plan";
   AUTOMOE_CHECK(idx_TK.dim() == 2, op, ": indices must be [T, K], got ", idx_TK.sizes());
   AUTOMOE_CHECK(num_experts >= 1, op, ": num_experts must be >= 1, got ", num_experts);
@@ -108,6 +110,7 @@ PermutePlan permute_plan_reference(const at::Tensor& idx_TK, int64_t num_experts
 }
 
 at::Tensor permute(const at::Tensor& x_TH, const PermutePlan& plan_in) {
+  RECORD_FUNCTION("automoe::permute", c10::ArrayRef<const c10::IValue>{});
   const PermutePlan plan = contiguous(plan_in);
   const char* op = "automoe.permute";
   detail::check_float(op, "x", x_TH);
@@ -124,6 +127,7 @@ at::Tensor permute_reference(const at::Tensor& x_TH, const PermutePlan& plan) {
 
 at::Tensor unpermute(const at::Tensor& y_NH, const PermutePlan& plan_in,
                      const at::Tensor& weights_TK) {
+  RECORD_FUNCTION("automoe::unpermute", c10::ArrayRef<const c10::IValue>{});
   const PermutePlan plan = contiguous(plan_in);
   const char* op = "automoe.unpermute";
   detail::check_float(op, "y", y_NH);

@@ -2,6 +2,7 @@
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
@@ -34,6 +35,7 @@ struct RmsNormFn : torch::autograd::Function<RmsNormFn> {
 }  // namespace
 
 at::Tensor rmsnorm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("automoe::rmsnorm", c10::ArrayRef<const c10::IValue>{});
   const char* op = "automoe.rmsnorm";
   detail::check_float(op, "x", x);
   detail::check_float(op, "weight", weight);

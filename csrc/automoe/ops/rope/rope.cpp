@@ -1,5 +1,6 @@
 // rope: autograd layer and ATen reference.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
@@ -50,6 +51,7 @@ void check_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 
 at::Tensor rope(const at::Tensor& x_BSND, const at::Tensor& cos_BSh, const at::Tensor& sin_BSh,
                 bool interleaved) {
+  RECORD_FUNCTION("automoe::rope", c10::ArrayRef<const c10::IValue>{});
   check_rope(x_BSND, cos_BSh, sin_BSh);
   AUTOMOE_CHECK(!(at::GradMode::is_enabled() && (cos_BSh.requires_grad() || sin_BSh.requires_grad())),
                 "automoe.rope: cos and sin must not require gradients (the fused op differentiates "

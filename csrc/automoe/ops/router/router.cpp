@@ -1,5 +1,6 @@
 // router: autograd layer and ATen reference.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
@@ -97,6 +98,7 @@ at::Tensor topk_lower_index_first(const at::Tensor& v, int64_t k) {
 
 RouterResult router(const at::Tensor& logits_TE, const std::optional<at::Tensor>& bias_E,
                     const RouterParams& p) {
+  RECORD_FUNCTION("automoe::router", c10::ArrayRef<const c10::IValue>{});
   check_router(logits_TE, bias_E, p);
   if (logits_TE.is_cuda() && !use_cuda_kernel("router"))
     return router_reference(logits_TE, bias_E, p);

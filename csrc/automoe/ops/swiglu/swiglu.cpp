@@ -1,5 +1,6 @@
 // swiglu: autograd layer and ATen reference.
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "automoe/ops/common.h"
@@ -41,6 +42,7 @@ void check_swiglu(const at::Tensor& gate_up) {
 }  // namespace
 
 at::Tensor swiglu(const at::Tensor& gate_up, const SwigluParams& p) {
+  RECORD_FUNCTION("automoe::swiglu", c10::ArrayRef<const c10::IValue>{});
   check_swiglu(gate_up);
   if (gate_up.is_cuda() && !use_cuda_kernel("swiglu")) return swiglu_reference(gate_up, p);
   return SwigluFn::apply(gate_up, p);
