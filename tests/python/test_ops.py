@@ -678,6 +678,38 @@ def test_router_row_with_nan_does_not_disturb_the_others(path, func):
         assert scores[19, 7].isnan() and not scores[19].isnan().sum() > 1
 
 
+@pytest.mark.parametrize("path", CPU_PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_cross_entropy_row_kernels_keep_nan_and_match_the_reference(path, dtype):
+    """The fused softmax rows (vec::logsumexp_row / ce_grad_row, every ISA path): a row of x
+    holding a NaN gives a NaN loss and NaN gradients exactly where the float64 reference has
+    them (never a finite value hiding it); the other rows match the reference; a vocabulary not a
+    multiple of the vector width takes the scalar tail."""
+    g = torch.Generator().manual_seed(11)
+    N, H, V = 9, 16, 45
+    x0, w0 = randn(g, N, H).to(dtype), randn(g, V, H, scale=0.3).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[4] = -100
+    OPS._set_cpu_paths(path.partition(":")[2], "")
+    try:
+        for poisoned in (False, True):
+            x, w = x0.clone(), w0.clone()
+            if poisoned:
+                x[2, 5] = float("nan")
+            outs = []
+            for fn, dt in ((OPS.linear_cross_entropy, dtype), (OPS.linear_cross_entropy_reference,
+                                                               torch.float64)):
+                xa, wa = x.to(dt).requires_grad_(True), w.to(dt).requires_grad_(True)
+                loss = fn(xa, wa, labels, -100)[0]
+                outs.append((loss, *torch.autograd.grad(loss, [xa, wa])))
+            for a, b in zip(*outs):
+                assert torch.equal(a.isnan(), b.isnan())
+                if not poisoned:
+                    assert rel_err(a, b) <= TOL[dtype]
+    finally:
+        OPS._set_cpu_paths("", "")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_group_limited_routing_picks_from_the_best_groups_only(device):
     # 4 groups of 2; group scores (top-2 sums) rank groups 2 and 0 first.

@@ -56,6 +56,12 @@ void rotate_heads(const void* x, const float* c, const float* s, float sign, voi
 void softmax(const float* x, float* y, int64_t n);
 // y = 1 / (1 + exp(-x)); a row reaching below -87 with std::exp, as softmax.
 void sigmoid_row(const float* x, float* y, int64_t n);
+// The fused linear cross-entropy's rows (float32 or bf16 logits, float32 math): log(sum(exp(x)))
+// of a row, NaN for a row holding a NaN and the exact value for infinite maxima; and the row's
+// gradient in place, x[i] = (exp(x[i] - lse) - [i == label]) * scale (label outside [0, n): no
+// one-hot term), written in the row's dtype (bf16 rounded to nearest even).
+float logsumexp_row(const void* x, c10::ScalarType dtype, int64_t n);
+void ce_grad_row(void* x, c10::ScalarType dtype, float lse, int64_t label, float scale, int64_t n);
 // The k largest of x[0, n), largest first, equal values by lower index first, into idx (scratch:
 // n floats). Returns false, with idx unspecified, when x holds a NaN or one of the k is -inf (the
 // caller sorts such a row itself).

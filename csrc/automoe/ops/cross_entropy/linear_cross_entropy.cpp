@@ -12,12 +12,14 @@
 //             FLOPs) gains most; a batch past the budget walks its chunks as before.
 // The chunk GEMMs run on our CPU gemm engine or at::mm, whichever is faster on the CPU (below).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <algorithm>
 
 #include "automoe/ops/common.h"
+#include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/ops.h"
@@ -48,7 +50,11 @@ bool use_cpu_engine(const at::Tensor& t) { return t.is_cpu() && cpu::engine_pref
 // LM head followed by .float().
 void mm_nt_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
   if (!use_cpu_engine(a)) {
-    c.copy_(at::mm(a, b.t()));
+    if (c.scalar_type() == a.scalar_type() && c.is_contiguous()) {
+      at::mm_out(c, a, b.t());  // the logits in the GEMM's own dtype (fused_rows below)
+    } else {
+      c.copy_(at::mm(a, b.t()));
+    }
     return;
   }
   cpu::gemm_batch({{a.size(0), b.size(0), a.size(1), operand(a, a.size(1), 1),
@@ -56,7 +62,7 @@ void mm_nt_into(const at::Tensor& a, const at::Tensor& b, at::Tensor& c) {
 }
 
 at::Tensor mm_nt(const at::Tensor& a, const at::Tensor& b, c10::ScalarType out) {
-  if (!use_cpu_engine(a)) return at::mm(a, b.t()).to(out);
+  if (!use_cpu_engine(a)) return at::mm(a, b.t()).to(out);  // (no copy when out is a's dtype)
   at::Tensor c = at::empty({a.size(0), b.size(0)}, a.options().dtype(out));
   mm_nt_into(a, b, c);
   return c;
@@ -89,6 +95,43 @@ void mm_tn_into(const at::Tensor& a, const at::Tensor& b, at::Tensor c) {
                     operand(b, b.size(1), 1), c.data_ptr(), c.scalar_type(), c.size(1), false}});
 }
 
+// CPU float32/bf16: the softmax parts run as fused row kernels (vec::logsumexp_row, ce_grad_row:
+// one pass each) on the logits in the dtype their GEMM wrote — bf16 where at::mm runs the LM
+// head in bf16 (its output is what autograd's LM head gives), float32 on our engine — instead of
+// ATen's logsumexp / sub / exp / scatter / mul passes over float32 logits and two bf16 copies of
+// p for the backward's GEMMs. float64 and CUDA keep the ATen ops.
+bool fused_rows(const at::Tensor& x) { return x.is_cpu() && x.scalar_type() != at::kDouble; }
+
+c10::ScalarType logits_dtype(const at::Tensor& x, c10::ScalarType acc) {
+  return fused_rows(x) && !use_cpu_engine(x) ? x.scalar_type() : acc;
+}
+
+// lse and the per-row loss (0 on ignored rows) of the logits rows [r0, r0 + n).
+void lse_rows(const at::Tensor& logits, const at::Tensor& labels, const at::Tensor& valid,
+              int64_t r0, at::Tensor& lse, at::Tensor& loss_rows) {
+  const int64_t n = logits.size(0), V = logits.size(1);
+  const auto dtype = logits.scalar_type();
+  const char* base = static_cast<const char*>(logits.const_data_ptr());
+  const int64_t row_bytes = logits.stride(0) * logits.element_size();
+  const int64_t* lab = labels.const_data_ptr<int64_t>() + r0;
+  const bool* ok = valid.const_data_ptr<bool>() + r0;
+  float* l = lse.data_ptr<float>() + r0;
+  float* out = loss_rows.data_ptr<float>() + r0;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const void* row = base + r * row_bytes;
+      l[r] = cpu::vec::logsumexp_row(row, dtype, V);
+      float target = 0.f;
+      if (ok[r]) {
+        const int64_t c = lab[r];
+        target = dtype == at::kFloat ? static_cast<const float*>(row)[c]
+                                     : static_cast<float>(static_cast<const c10::BFloat16*>(row)[c]);
+      }
+      out[r] = ok[r] ? l[r] - target : 0.f;
+    }
+  });
+}
+
 int64_t rows_per_chunk(int64_t cols, int64_t chunk_bytes) {
   return std::max<int64_t>(1, chunk_bytes / (std::max<int64_t>(cols, 1) * 4));
 }
@@ -111,7 +154,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     at::Tensor loss_rows = at::empty({N}, x.options().dtype(acc));
     const int64_t V = w.size(0), step = rows_per_chunk(V, chunk_bytes);
     const bool keep = grad_follows && keep_logits(N, V, chunk_bytes);
-    const at::Tensor kept = keep ? at::empty({N, V}, x.options().dtype(acc)) : at::Tensor();
+    const auto ldt = logits_dtype(x, acc);
+    const at::Tensor kept = keep ? at::empty({N, V}, x.options().dtype(ldt)) : at::Tensor();
     for (int64_t r0 = 0; r0 < N; r0 += step) {
       const int64_t n = std::min(step, N - r0);
       at::Tensor logits;
@@ -119,7 +163,11 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
         logits = kept.narrow(0, r0, n);
         mm_nt_into(x.narrow(0, r0, n), w, logits);
       } else {
-        logits = mm_nt(x.narrow(0, r0, n), w, acc);
+        logits = mm_nt(x.narrow(0, r0, n), w, ldt);
+      }
+      if (fused_rows(x)) {
+        lse_rows(logits, safe_labels, valid, r0, lse, loss_rows);
+        continue;
       }
       const at::Tensor l = at::logsumexp(logits, 1);
       lse.narrow(0, r0, n).copy_(l);
@@ -158,6 +206,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       ctx->saved_data["logits"] = c10::IValue();
     }
     const int64_t step = ctx->saved_data["kept"].toBool() ? V : rows_per_chunk(N, chunk_bytes);
+    const auto ldt = logits_dtype(x, acc);
+    const at::Tensor scale_c = scale.contiguous();
     for (int64_t v0 = 0; v0 < V; v0 += step) {
       const int64_t nv = std::min(step, V - v0);
       const at::Tensor w_v = w.narrow(0, v0, nv);
@@ -165,14 +215,32 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
       if (kept.defined()) {
         p = std::move(kept);
       } else if (step == V) {  // kept and consumed: recomputed as the forward computed them
-        p = at::empty({N, V}, x.options().dtype(acc));
+        p = at::empty({N, V}, x.options().dtype(ldt));
         const int64_t rows = rows_per_chunk(V, chunk_bytes);
         for (int64_t r0 = 0; r0 < N; r0 += rows) {
           at::Tensor out = p.narrow(0, r0, std::min(rows, N - r0));
           mm_nt_into(x.narrow(0, r0, out.size(0)), w, out);
         }
       } else {
-        p = mm_nt(x, w_v, acc);
+        p = mm_nt(x, w_v, ldt);
+      }
+      if (fused_rows(x)) {  // p = (softmax - onehot) * scale in place, in the logits' dtype
+        const auto dtype = p.scalar_type();
+        char* base = static_cast<char*>(p.data_ptr());
+        const int64_t row_bytes = p.stride(0) * p.element_size();
+        const int64_t* lab = labels.const_data_ptr<int64_t>();
+        const bool* ok = valid.const_data_ptr<bool>();
+        const float* l = lse.const_data_ptr<float>();
+        const float* sc = scale_c.const_data_ptr<float>();
+        at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            const int64_t c = ok[r] && lab[r] >= v0 && lab[r] < v0 + nv ? lab[r] - v0 : -1;
+            cpu::vec::ce_grad_row(base + r * row_bytes, dtype, l[r], c, sc[r], nv);
+          }
+        });
+        if (want_dw) mm_tn_into(p, x, dw.narrow(0, v0, nv));
+        mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
+        continue;
       }
       p.sub_(lse.unsqueeze(1)).exp_();
       // -1 at each row's label when it falls in this vocabulary chunk (no host sync: rows
