@@ -176,3 +176,21 @@ def test_the_allocator_leaves_a_users_preload_alone():
     env = allocator_env({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"})
     assert env == {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"}
     assert allocator_env({"AUTOMOE_ALLOCATOR": "system"}) == {"AUTOMOE_ALLOCATOR": "system"}
+
+
+def test_version_names_the_package_version_libtorch_and_the_cpu_level():
+    """`automoe --version`: the build's version is the Python package's (and pyproject's), with
+    the LibTorch it runs on and the CPU kernels' instruction-set level."""
+    import tomllib
+
+    import torch
+
+    import automoe
+
+    out = subprocess.run([str(AUTOMOE_BIN), "--version"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    assert automoe.__version__ == project
+    isa = dict(torch.ops.automoe._cpu_kernel_paths())["isa"]
+    assert out.stdout.strip() == (f"automoe {project} (LibTorch {torch.__version__.split('+')[0]}, "
+                                  f"CPU kernels {isa})")

@@ -1,11 +1,13 @@
 // `automoe` — the command-line entry point: dispatches to one file per subcommand.
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 
 #include <cstdio>
 #include <iostream>
 
 #include "automoe/cli/commands.h"
 #include "automoe/core/error.h"
+#include "automoe/ops/cpu/isa.h"
 
 namespace {
 
@@ -29,6 +31,8 @@ commands:
   bench [--preset NAME | --config FILE] [--batch B --seq S --steps N ...]
                               time training steps of a random Qwen3-MoE (see bench --help and
                               bench/compare_hf.py for the side-by-side with Transformers)
+  --version                   this build: AutoMoE's version, the LibTorch it runs on, the CPU
+                              kernels' instruction-set level
 )";
 
 }  // namespace
@@ -39,6 +43,11 @@ int main(int argc, char** argv) {
     return argc < 2 ? 2 : 0;
   }
   const std::string cmd = argv[1];
+  if (cmd == "--version") {
+    std::cout << "automoe " << AUTOMOE_VERSION << " (LibTorch " << TORCH_VERSION << ", CPU kernels "
+              << automoe::ops::cpu::kernel_paths()["isa"] << ")\n";
+    return 0;
+  }
   automoe::cli::Args args(argv + 2, argv + argc);
   try {
     if (cmd == "inspect") return automoe::cli::inspect(args);
