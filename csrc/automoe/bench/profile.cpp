@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -46,6 +47,9 @@ struct Totals {
 
 void OpProfile::start() {
   AUTOMOE_CHECK(!running_, "automoe bench --profile: the profiler is already running");
+  // Kineto logs "gpuGetDeviceCount failed" as an ERROR on every machine without a GPU; quiet
+  // unless the user asked for its logs (it reads the variable when it starts, here).
+  setenv("KINETO_LOG_LEVEL", "5", /*overwrite=*/0);
   kineto::prepareProfiler(config(), activities());
   kineto::enableProfiler(config(), activities());
   running_ = true;
