@@ -93,11 +93,11 @@ nlohmann::json OpProfile::stop(int64_t steps) {
   std::vector<std::pair<std::string, Totals>> rows(totals.begin(), totals.end());
   std::sort(rows.begin(), rows.end(),
             [](const auto& a, const auto& b) { return a.second.self_ns > b.second.self_ns; });
-  const double per = 1e-6 / static_cast<double>(std::max<int64_t>(steps, 1));
+  const double n_steps = static_cast<double>(std::max<int64_t>(steps, 1)), per = 1e-6 / n_steps;
   nlohmann::json out = nlohmann::json::array();
   for (const auto& [name, t] : rows) {
     out.push_back({{"name", name},
-                   {"calls", static_cast<double>(t.calls) / static_cast<double>(std::max<int64_t>(steps, 1))},
+                   {"calls", static_cast<double>(t.calls) / n_steps},
                    {"self_ms", static_cast<double>(t.self_ns) * per},
                    {"total_ms", static_cast<double>(t.total_ns) * per}});
   }

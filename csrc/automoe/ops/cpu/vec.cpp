@@ -269,7 +269,9 @@ __attribute__((target("avx2,fma"))) bool softmax_avx2(const float* x, float* y, 
 // when the row reaches below exp's clamp (see there).
 __attribute__((target("avx2,fma"))) bool sigmoid_avx2(const float* x, float* y, int64_t n) {
   __m256 mn = _mm256_set1_ps(INFINITY);
-  for (int64_t i = 0; i < n; i += 8) mn = _mm256_min_ps(_mm256_loadu_ps(x + i), mn);  // NaN: skipped
+  for (int64_t i = 0; i < n; i += 8) {
+    mn = _mm256_min_ps(_mm256_loadu_ps(x + i), mn);  // a NaN is skipped (the second operand)
+  }
   mn = _mm256_min_ps(mn, _mm256_permute2f128_ps(mn, mn, 1));
   mn = _mm256_min_ps(mn, _mm256_permute_ps(mn, 0x4E));
   mn = _mm256_min_ps(mn, _mm256_permute_ps(mn, 0xB1));
@@ -484,12 +486,14 @@ AUTOMOE_TARGET_AVX512 bool softmax_avx512(const float* x, float* y, int64_t n) {
 
 AUTOMOE_TARGET_AVX512 bool sigmoid_avx512(const float* x, float* y, int64_t n) {
   __m512 mn = _mm512_set1_ps(INFINITY);
-  for (int64_t i = 0; i < n; i += 16) mn = _mm512_min_ps(_mm512_loadu_ps(x + i), mn);  // NaN: skipped
+  for (int64_t i = 0; i < n; i += 16) {
+    mn = _mm512_min_ps(_mm512_loadu_ps(x + i), mn);  // a NaN is skipped (the second operand)
+  }
   if (_mm512_reduce_min_ps(mn) < kExpExact) return false;
   for (int64_t i = 0; i < n; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
-    _mm512_storeu_ps(y + i, _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
-                                                 sigmoid16(v), v));
+    _mm512_storeu_ps(y + i,
+                     _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), sigmoid16(v), v));
   }
   return true;
 }
@@ -501,8 +505,8 @@ AUTOMOE_TARGET_AVX512 bool sigmoid_avx512(const float* x, float* y, int64_t n) {
 // (vcompressps), and each one's rank — how many candidates are larger, or equal with a lower
 // index — counted with mask compares: the candidate of rank r is the r-th of the top k. More
 // than 64 candidates (many equal values): false with *handled = false, for the AVX2 version.
-AUTOMOE_TARGET_AVX512 bool topk_avx512(const float* x, int64_t n, int64_t k, float* w,
-                                       int64_t* idx, bool* handled) {
+AUTOMOE_TARGET_AVX512 bool topk_avx512(const float* x, int64_t n, int64_t k, float* w, int64_t* idx,
+                                       bool* handled) {
   *handled = true;
   __m512 lm = _mm512_set1_ps(-INFINITY);
   __mmask16 nan = 0;
@@ -579,9 +583,9 @@ AUTOMOE_TARGET_AVX512 bool topk_avx512(const float* x, int64_t n, int64_t k, flo
     const __m512 v = _mm512_loadu_ps(x + i);
     const __mmask16 mask = _mm512_cmp_ps_mask(v, lo, _CMP_GE_OQ);
     _mm512_storeu_ps(cv + c, _mm512_maskz_compress_ps(mask, v));
-    _mm512_storeu_si512(ci + c, _mm512_maskz_compress_epi32(
-                                    mask, _mm512_add_epi32(iota, _mm512_set1_epi32(
-                                                                     static_cast<int32_t>(i)))));
+    _mm512_storeu_si512(
+        ci + c, _mm512_maskz_compress_epi32(
+                    mask, _mm512_add_epi32(iota, _mm512_set1_epi32(static_cast<int32_t>(i)))));
     c += __builtin_popcount(static_cast<unsigned>(mask));
   }
   if (c > 64) {
@@ -1371,6 +1375,7 @@ void swiglu_row_bwd(const void* g, const void* u, const void* dy, void* dg, void
                         c10::ScalarType dtype, int64_t heads, int64_t h),
                        (x, c, s, sign, y, dtype, heads, h))
 
+
 namespace {
 AUTOMOE_ROW_FN(void, softmax_rows, (const float* x, float* y, int64_t n), (x, y, n))
 AUTOMOE_ROW_FN(void, sigmoid_rows, (const float* x, float* y, int64_t n), (x, y, n))
@@ -1412,7 +1417,6 @@ bool topk(const float* x, int64_t n, int64_t k, float* scratch, int64_t* idx) {
   return topk_body(x, n, k, scratch, idx);
 }
 
-
 // ---- cross-entropy rows (the fused linear cross-entropy's softmax over a vocabulary row) --------
 
 namespace {
@@ -1437,7 +1441,9 @@ AUTOMOE_BODY float logsumexp_exact(const T* x, int64_t n) {
 
 template <typename T>
 AUTOMOE_BODY void ce_grad_exact(T* x, float lse, int64_t label, float scale, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) st(x, i, (std::exp(ld(x, i) - lse) - (i == label ? 1.f : 0.f)) * scale);
+  for (int64_t i = 0; i < n; ++i) {
+    st(x, i, (std::exp(ld(x, i) - lse) - (i == label ? 1.f : 0.f)) * scale);
+  }
 }
 
 #if defined(AUTOMOE_VEC_X86)
@@ -1483,7 +1489,9 @@ AUTOMOE_TARGET_AVX512 void ce_grad_avx512(T* x, float lse, int64_t label, float 
   const float at_label = has_label ? ld(x, label) : 0.f;
   const __m512 lv = _mm512_set1_ps(lse), sv = _mm512_set1_ps(scale);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) st16(x + i, _mm512_mul_ps(exp16(_mm512_sub_ps(ld16(x + i), lv)), sv));
+  for (; i + 16 <= n; i += 16) {
+    st16(x + i, _mm512_mul_ps(exp16(_mm512_sub_ps(ld16(x + i), lv)), sv));
+  }
   for (; i < n; ++i) st(x, i, exp_approx(ld(x, i) - lse) * scale);
   if (has_label) st(x, label, (exp_approx(at_label - lse) - 1.f) * scale);
 }
@@ -1494,8 +1502,8 @@ AUTOMOE_TARGET_AVX2 float logsumexp_avx2(const T* x, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m256 a = ld8(x + i), b = ld8(x + i + 8);
-    nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q),
-                                         _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
+    nan = _mm256_or_ps(
+        nan, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q)));
     m0 = _mm256_max_ps(a, m0);
     m1 = _mm256_max_ps(b, m1);
   }
@@ -1553,8 +1561,7 @@ float logsumexp_row(const void* x, c10::ScalarType dtype, int64_t n) {
   })
 }
 
-void ce_grad_row(void* x, c10::ScalarType dtype, float lse, int64_t label, float scale,
-                 int64_t n) {
+void ce_grad_row(void* x, c10::ScalarType dtype, float lse, int64_t label, float scale, int64_t n) {
   AUTOMOE_TYPED(dtype, T, {
     T* p = static_cast<T*>(x);
 #if defined(AUTOMOE_VEC_X86)

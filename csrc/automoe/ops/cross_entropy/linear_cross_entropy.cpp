@@ -124,12 +124,43 @@ void lse_rows(const at::Tensor& logits, const at::Tensor& labels, const at::Tens
       float target = 0.f;
       if (ok[r]) {
         const int64_t c = lab[r];
-        target = dtype == at::kFloat ? static_cast<const float*>(row)[c]
-                                     : static_cast<float>(static_cast<const c10::BFloat16*>(row)[c]);
+        target = dtype == at::kFloat
+                     ? static_cast<const float*>(row)[c]
+                     : static_cast<float>(static_cast<const c10::BFloat16*>(row)[c]);
       }
       out[r] = ok[r] ? l[r] - target : 0.f;
     }
   });
+}
+
+// p = (softmax - onehot) * scale in place, p [N, nv] the logits of vocabulary columns
+// [v0, v0 + nv) in their own dtype (fused_rows).
+void grad_rows(at::Tensor& p, const at::Tensor& labels, const at::Tensor& valid,
+               const at::Tensor& lse, const at::Tensor& scale, int64_t v0) {
+  const int64_t N = p.size(0), nv = p.size(1);
+  const auto dtype = p.scalar_type();
+  char* base = static_cast<char*>(p.data_ptr());
+  const int64_t row_bytes = p.stride(0) * p.element_size();
+  const int64_t* lab = labels.const_data_ptr<int64_t>();
+  const bool* ok = valid.const_data_ptr<bool>();
+  const float* l = lse.const_data_ptr<float>();
+  const float* sc = scale.const_data_ptr<float>();
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t c = ok[r] && lab[r] >= v0 && lab[r] < v0 + nv ? lab[r] - v0 : -1;
+      cpu::vec::ce_grad_row(base + r * row_bytes, dtype, l[r], c, sc[r], nv);
+    }
+  });
+}
+
+// The logits of x's rows [r0, r0 + n) against all of w, into those rows of `all` [N, V]: the
+// forward's token chunk when it keeps its logits, and the second backward's recomputation of
+// them in the same chunks (so that it sums in the same order).
+at::Tensor logits_chunk_into(const at::Tensor& x, const at::Tensor& w, const at::Tensor& all,
+                             int64_t r0, int64_t n) {
+  at::Tensor out = all.narrow(0, r0, n);
+  mm_nt_into(x.narrow(0, r0, n), w, out);
+  return out;
 }
 
 int64_t rows_per_chunk(int64_t cols, int64_t chunk_bytes) {
@@ -158,13 +189,8 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
     const at::Tensor kept = keep ? at::empty({N, V}, x.options().dtype(ldt)) : at::Tensor();
     for (int64_t r0 = 0; r0 < N; r0 += step) {
       const int64_t n = std::min(step, N - r0);
-      at::Tensor logits;
-      if (keep) {
-        logits = kept.narrow(0, r0, n);
-        mm_nt_into(x.narrow(0, r0, n), w, logits);
-      } else {
-        logits = mm_nt(x.narrow(0, r0, n), w, ldt);
-      }
+      const at::Tensor logits =
+          keep ? logits_chunk_into(x, w, kept, r0, n) : mm_nt(x.narrow(0, r0, n), w, ldt);
       if (fused_rows(x)) {
         lse_rows(logits, safe_labels, valid, r0, lse, loss_rows);
         continue;
@@ -218,37 +244,22 @@ struct LinearCrossEntropyFn : torch::autograd::Function<LinearCrossEntropyFn> {
         p = at::empty({N, V}, x.options().dtype(ldt));
         const int64_t rows = rows_per_chunk(V, chunk_bytes);
         for (int64_t r0 = 0; r0 < N; r0 += rows) {
-          at::Tensor out = p.narrow(0, r0, std::min(rows, N - r0));
-          mm_nt_into(x.narrow(0, r0, out.size(0)), w, out);
+          logits_chunk_into(x, w, p, r0, std::min(rows, N - r0));
         }
       } else {
         p = mm_nt(x, w_v, ldt);
       }
       if (fused_rows(x)) {  // p = (softmax - onehot) * scale in place, in the logits' dtype
-        const auto dtype = p.scalar_type();
-        char* base = static_cast<char*>(p.data_ptr());
-        const int64_t row_bytes = p.stride(0) * p.element_size();
-        const int64_t* lab = labels.const_data_ptr<int64_t>();
-        const bool* ok = valid.const_data_ptr<bool>();
-        const float* l = lse.const_data_ptr<float>();
-        const float* sc = scale_c.const_data_ptr<float>();
-        at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            const int64_t c = ok[r] && lab[r] >= v0 && lab[r] < v0 + nv ? lab[r] - v0 : -1;
-            cpu::vec::ce_grad_row(base + r * row_bytes, dtype, l[r], c, sc[r], nv);
-          }
-        });
-        if (want_dw) mm_tn_into(p, x, dw.narrow(0, v0, nv));
-        mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
-        continue;
+        grad_rows(p, labels, valid, lse, scale_c, v0);
+      } else {
+        p.sub_(lse.unsqueeze(1)).exp_();
+        // -1 at each row's label when it falls in this vocabulary chunk (no host sync: rows
+        // whose label is elsewhere add 0 at a clamped column).
+        const at::Tensor in_chunk = valid & labels.ge(v0) & labels.lt(v0 + nv);
+        const at::Tensor cols = (labels - v0).clamp(0, nv - 1).unsqueeze(1);
+        p.scatter_add_(1, cols, in_chunk.to(acc).neg().unsqueeze(1));
+        p.mul_(scale.unsqueeze(1));
       }
-      p.sub_(lse.unsqueeze(1)).exp_();
-      // -1 at each row's label when it falls in this vocabulary chunk (no host sync: rows
-      // whose label is elsewhere add 0 at a clamped column).
-      const at::Tensor in_chunk = valid & labels.ge(v0) & labels.lt(v0 + nv);
-      const at::Tensor cols = (labels - v0).clamp(0, nv - 1).unsqueeze(1);
-      p.scatter_add_(1, cols, in_chunk.to(acc).neg().unsqueeze(1));
-      p.mul_(scale.unsqueeze(1));
       if (want_dw) mm_tn_into(p, x, dw.narrow(0, v0, nv));
       mm_nn_acc(p, w_v, dx_acc, /*accumulate=*/true);
     }

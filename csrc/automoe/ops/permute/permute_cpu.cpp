@@ -56,8 +56,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> permute_plan(const at::Tensor& id
     }
   });
   for (const int64_t i : first_bad) {
-    AUTOMOE_CHECK(i < 0, "automoe.moe_permute_plan: indices must be in [-1, ", E, "), got ",
-                  idx[i], " at [", i / k_or_1, ", ", i % k_or_1, "]");
+    AUTOMOE_CHECK(i < 0, "automoe.moe_permute_plan: indices must be in [-1, ", E, "), got ", idx[i],
+                  " at [", i / k_or_1, ", ", i % k_or_1, "]");
   }
   for (int64_t e = 0; e < E; ++e) {
     int64_t run = off[e];

@@ -265,9 +265,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> router_fwd(const at::Tensor& logi
 }
 
 at::Tensor router_bwd(const at::Tensor& grad_weights_TK,
-                      const std::optional<at::Tensor>& grad_scores_TE,
-                      const at::Tensor& scores_TE, const at::Tensor& idx_TK,
-                      const RouterParams& p, at::ScalarType out_dtype) {
+                      const std::optional<at::Tensor>& grad_scores_TE, const at::Tensor& scores_TE,
+                      const at::Tensor& idx_TK, const RouterParams& p, at::ScalarType out_dtype) {
   const c10::cuda::CUDAGuard guard(scores_TE.device());
   check_fp32(grad_weights_TK, "grad_weights", "router_bwd");
   check_fp32(scores_TE, "scores", "router_bwd");
