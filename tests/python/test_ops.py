@@ -1283,6 +1283,37 @@ def test_8bit_code_table_finds_the_nearest_map_value_for_every_kind_of_float():
         assert int(off.sum()) <= len(mids) * 3  # (only the midpoints and their neighbours)
 
 
+def test_8bit_row_quantizer_gives_the_same_codes_on_every_vector_path():
+    """The vectorised row quantizer (AVX-512: 16 lanes; AVX2: 8; the table elsewhere) runs the same
+    operations lane for lane: AVX-512 and AVX2 give identical codes, NaN, infinities, subnormals
+    and values at the midpoints included, over a length that leaves a scalar tail."""
+    from automoe import _C
+
+    levels = [p.partition(":")[2] for p in CPU_PATHS if "+" not in p]
+    vector = [lv for lv in levels if lv in ("avx512", "avx2", "")]
+    g = torch.Generator().manual_seed(4)
+    for signed in (True, False):
+        _, mids = _C._qmap8(signed)
+        inf = torch.tensor(float("inf"))
+        x = torch.cat([mids, torch.nextafter(mids, inf), torch.nextafter(mids, -inf),
+                       torch.randn(4099, generator=g) * 0.3,
+                       torch.tensor([0.0, -0.0, 1e-45, -1e-40, float("nan"), float("inf"),
+                                     -float("inf"), 3e38])])
+        codes = {}
+        for lv in vector:
+            OPS._set_cpu_paths(lv, "")
+            try:
+                codes[lv] = _C._code8(x, signed, row=True)
+            finally:
+                OPS._set_cpu_paths("", "")
+        if "avx512" in codes and "avx2" in codes:
+            assert torch.equal(codes["avx512"], codes["avx2"])
+        for got in codes.values():  # the nearest value but within rounding of a midpoint
+            finite = torch.isfinite(x)
+            want = torch.searchsorted(mids, x[finite], right=False)
+            assert int((got[finite].long() - want).abs().max()) <= 1
+
+
 def quantize_reference(x, signed, block=256):
     """Codes and scales of x ([..., cols], float64) as AdamW's 8-bit state keeps them: blocks of
     `block` along the last dimension, each divided by its largest magnitude, nearest map value

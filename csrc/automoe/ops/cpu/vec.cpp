@@ -1003,6 +1003,54 @@ __attribute__((target("avx2,fma"))) int64_t quant8_avx2(const float* x, float in
   }
   return i;
 }
+
+// quant8_avx2 with 16 lanes (the same operations lane for lane: the same codes).
+AUTOMOE_TARGET_AVX512 int64_t quant8_avx512(const float* x, float inv, const QMap8& q, uint8_t* c,
+                                            int64_t n) {
+  const __m512 iv = _mm512_set1_ps(inv), zero = _mm512_setzero_ps();
+  const __m512 F = _mm512_castps256_ps512(_mm256_loadu_ps(q.F));  // decades index lanes 0..6
+  const __m512 G = _mm512_castps256_ps512(_mm256_loadu_ps(q.G));
+  const __m512 kmax = _mm512_castps256_ps512(_mm256_loadu_ps(q.kmax));
+  const __m512i base =
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.base)));
+  __m512 bound[7];
+  for (int j = 0; j < 7; ++j) bound[j] = _mm512_set1_ps(q.bound[j]);
+  const __m512 top = _mm512_set1_ps(q.top);
+  const __m512i zero_code = _mm512_set1_epi32(q.zero_code), top_code = _mm512_set1_epi32(255);
+  const __m512i one = _mm512_set1_epi32(1);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(x + i), iv);
+    const __m512 a = _mm512_abs_ps(v);
+    __m512i decade = _mm512_setzero_si512();
+    for (int j = 1; j < 7; ++j) {
+      decade = _mm512_mask_add_epi32(decade, _mm512_cmp_ps_mask(bound[j], a, _CMP_LT_OQ), decade,
+                                     one);
+    }
+    __m512 t = _mm512_fmsub_ps(a, _mm512_permutexvar_ps(decade, F),
+                               _mm512_permutexvar_ps(decade, G));
+    // (max first: a NaN becomes 0)
+    t = _mm512_min_ps(_mm512_max_ps(t, zero), _mm512_permutexvar_ps(decade, kmax));
+    const __m512i off =
+        _mm512_add_epi32(_mm512_permutexvar_epi32(decade, base), _mm512_cvttps_epi32(t));
+    const __m512i neg = _mm512_srai_epi32(_mm512_castps_si512(v), 31);  // -1 where negative
+    __m512i code = _mm512_add_epi32(zero_code, _mm512_sub_epi32(_mm512_xor_si512(off, neg), neg));
+    code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(a, bound[0], _CMP_NGT_UQ), code, zero_code);
+    code = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, top, _CMP_GT_OQ), code, top_code);
+    // (clamped to [0, 255] as AVX2's signed-to-unsigned saturating packs do: a negative value
+    // in the unsigned map gives code 0)
+    code = _mm512_min_epi32(_mm512_max_epi32(code, _mm512_setzero_si512()), top_code);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(c + i), _mm512_cvtepi32_epi8(code));
+  }
+  return i;
+}
+
+// The widest vector quantizer the CPU has; how many of the n it did.
+int64_t quant8_vec(const float* x, float inv, const QMap8& q, uint8_t* c, int64_t n) {
+  if (active_isa() >= Isa::kAvx512) return quant8_avx512(x, inv, q, c, n);
+  if (active_isa() >= Isa::kAvx2) return quant8_avx2(x, inv, q, c, n);
+  return 0;
+}
 #endif
 
 template <int P, int G>
@@ -1011,9 +1059,6 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
   const QMap8& qv = qmap8_table(false);
   const int64_t cols = r.cols, nb = (cols + kQuantBlock - 1) / kQuantBlock;
   float mb[kQuantBlock], vb[kQuantBlock];
-#if defined(AUTOMOE_VEC_X86)
-  const bool avx2 = active_isa() >= Isa::kAvx2;
-#endif
   for (int64_t row = row0; row < row0 + rows; ++row) {
     for (int64_t k = 0; k < nb; ++k) {
       const int64_t c0 = k * kQuantBlock, n = std::min(kQuantBlock, cols - c0);
@@ -1065,10 +1110,8 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
       const float im = am > 0.f ? 1.f / am : 0.f, iv = av > 0.f ? 1.f / av : 0.f;
       int64_t e = 0;
 #if defined(AUTOMOE_VEC_X86)
-      if (avx2) {
-        e = quant8_avx2(mb, im, qm, mc, n);
-        quant8_avx2(vb, iv, qv, vc, n);
-      }
+      e = quant8_vec(mb, im, qm, mc, n);
+      quant8_vec(vb, iv, qv, vc, n);
 #endif
       for (; e < n; ++e) {
         mc[e] = code8(qm, mb[e] * im);
@@ -1109,7 +1152,7 @@ void quantize8_row(const float* x, float inv, bool is_signed, uint8_t* codes, in
   const QMap8& q = qmap8_table(is_signed);
   int64_t e = 0;
 #if defined(AUTOMOE_VEC_X86)
-  if (active_isa() >= Isa::kAvx2) e = quant8_avx2(x, inv, q, codes, n);
+  e = quant8_vec(x, inv, q, codes, n);
 #endif
   for (; e < n; ++e) codes[e] = code8(q, x[e] * inv);
 }
