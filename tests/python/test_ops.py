@@ -550,6 +550,38 @@ def test_linear_cross_entropy_keeps_the_logits_for_the_backward_within_its_budge
         assert rel_err(a, b) <= TOL[dtype] and rel_err(a, c) <= TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_linear_cross_entropy_runs_the_lm_head_on_labelled_rows_only(dtype):
+    """Rows whose label is ignore_index never enter the LM head: the loss and the gradients equal
+    bit for bit those of the labelled rows alone (the same GEMMs on the same rows), the ignored
+    rows' gradient is exactly zero — even where their hidden states are not finite, whose logits
+    would otherwise poison the weight gradient through 0 x inf."""
+    g = torch.Generator().manual_seed(4)
+    N, H, V = 40, 24, 257
+    x0, w0 = randn(g, N, H).to(dtype), randn(g, V, H, scale=0.3).to(dtype)
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[:13] = -100  # a masked prompt
+    labels[29::3] = -100  # and scattered ignored rows
+    x0[3, 5] = float("inf")
+    valid = labels != -100
+
+    def run(x_in, lab):
+        x, w = x_in.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        loss, count = OPS.linear_cross_entropy(x, w, lab, -100, 0)
+        return (loss, count, *torch.autograd.grad(loss, [x, w]))
+
+    loss, count, dx, dw = run(x0, labels)
+    loss_v, count_v, dx_v, dw_v = run(x0[valid], labels[valid])
+    assert count.item() == count_v.item() == int(valid.sum())
+    assert torch.equal(loss, loss_v) and torch.equal(dw, dw_v) and torch.isfinite(dw).all()
+    assert torch.equal(dx[valid], dx_v)
+    assert torch.equal(dx[~valid], torch.zeros_like(dx[~valid]))
+    # all rows ignored (a micro-batch that is all prompt): no LM head at all, a zero loss, zero
+    # gradients
+    loss0, count0, dx0, dw0 = run(x0, torch.full((N,), -100))
+    assert loss0.item() == 0 and count0.item() == 0 and not dx0.any() and not dw0.any()
+
+
 def test_finite_differences_linear_cross_entropy():
     g = torch.Generator().manual_seed(5)
     x, w = randn(g, 6, 4).requires_grad_(), randn(g, 11, 4).requires_grad_()

@@ -10,6 +10,8 @@
 //             saved (the same GEMM on the same operands: the same values). A short sequence on a
 //             large vocabulary (Qwen3's 151,936 at 1 x 512: 311 MB, the LM head 73 % of the
 //             FLOPs) gains most; a batch past the budget walks its chunks as before.
+//   rows:     only the rows with a label enter (linear_cross_entropy selects them; the others'
+//             gradient is zero): masked prompts and padding cost no LM-head FLOPs.
 // The chunk GEMMs run on our CPU gemm engine or at::mm, whichever is faster on the CPU (below).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -290,18 +292,27 @@ LinearCrossEntropy linear_cross_entropy(const at::Tensor& x_NH, const at::Tensor
                                         int64_t chunk_bytes) {
   RECORD_FUNCTION("automoe::linear_cross_entropy", c10::ArrayRef<const c10::IValue>{});
   check_lce(x_NH, weight_VH, labels_N);
-  const at::Tensor valid = labels_N.ne(ignore_index);
-  if (labels_N.is_cpu() && valid.any().item<bool>()) {
-    const at::Tensor vl = labels_N.masked_select(valid);
-    const int64_t lo = vl.min().item<int64_t>(), hi = vl.max().item<int64_t>();
+  // Only the rows that carry a label enter the LM head: a row with ignore_index adds nothing to
+  // the loss and gets a zero gradient, so its logits are never formed (fine-tuning data masks its
+  // prompts, padding and each packed document's first position: often half the rows or more).
+  // index_select's backward scatters the gradient of the kept rows back, zeros elsewhere.
+  const at::Tensor idx = at::nonzero(labels_N.ne(ignore_index)).squeeze(1);
+  const int64_t n_valid = idx.size(0);
+  at::Tensor x = x_NH, labels = labels_N;
+  if (n_valid < labels_N.size(0)) {  // (none at all: zero rows, a zero loss and zero gradients)
+    x = x_NH.index_select(0, idx);
+    labels = labels_N.index_select(0, idx);
+  }
+  if (labels.is_cpu() && n_valid > 0) {  // (labels: all valid now)
+    const int64_t lo = labels.min().item<int64_t>(), hi = labels.max().item<int64_t>();
     AUTOMOE_CHECK(lo >= 0 && hi < weight_VH.size(0), "automoe.linear_cross_entropy: labels must be in [0, ",
                   weight_VH.size(0), ") or ignore_index (", ignore_index, "), got [", lo, ", ", hi, "]");
   }
   const bool grad_follows =
       at::GradMode::is_enabled() && (x_NH.requires_grad() || weight_VH.requires_grad());
-  const auto out = LinearCrossEntropyFn::apply(x_NH, weight_VH, labels_N, ignore_index,
-                                               chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes,
-                                               grad_follows);
+  const auto out =
+      LinearCrossEntropyFn::apply(x, weight_VH, labels, ignore_index,
+                                  chunk_bytes > 0 ? chunk_bytes : kDefaultChunkBytes, grad_follows);
   return {out[0], out[1]};
 }
 
