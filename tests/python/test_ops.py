@@ -232,10 +232,12 @@ def permute_cases():
 
 
 def grouped_gemm_cases():
-    # (rows N, K, O, group sizes); rows past the groups' end must come out as zeros
+    # (rows N, K, O, group sizes); rows past the groups' end must come out as zeros. bf16 groups
+    # of 17-128 rows with an even K run transposed on the brgemm path below AMX (W read in place;
+    # 16 and 129 rows beside them do not), O = 272 a 16-column tail past a 256-column tile.
     for N, K, O, sizes in [(1, 1, 1, [1]), (37, 33, 19, [5, 0, 12, 11, 0]),
                            (300, 300, 260, [0, 290, 10]), (9, 16, 8, [0, 0, 4]),
-                           (130, 64, 40, [97, 1, 30, 2])]:
+                           (130, 64, 40, [97, 1, 30, 2]), (290, 96, 272, [17, 128, 16, 129])]:
         def make(g, N=N, K=K, O=O, sizes=sizes):
             offsets = torch.tensor([0] + sizes).cumsum(0)
             return [randn(g, N, K), randn(g, len(sizes), O, K, scale=0.2), offsets]
