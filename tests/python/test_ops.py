@@ -1435,6 +1435,33 @@ def test_adamw_8bit_moments_step_as_a_float64_reference(cpu_path):
         assert len(torch.unique(m[0])) > 100
 
 
+def test_adamw_8bit_moments_dequantize_exactly_to_the_map(cpu_path):
+    """The kernel's dequantization (AVX-512: the map in registers, two-register permutes) gives
+    every code's map value times its block's scale exactly: with beta2 = 1 (v kept) and a
+    gradient equal to the dequantized first moment (m kept), a step quantizes the moments back to
+    the same codes and scales — every one of the 256 codes, in full blocks and a block's tail."""
+    from automoe import _C
+
+    g = torch.Generator().manual_seed(12)
+    shape = (3, 600)  # blocks of 256, 256, 88 per row
+    m = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    v = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    m[:, :256] = torch.arange(256, dtype=torch.uint8)  # every code, in a full block
+    v[:, 256:512] = torch.arange(256, dtype=torch.uint8)
+    m[:, ::256], m[:, 599] = 255, 255  # each block's absmax: the map's 1.0, so the scale holds
+    v[:, ::256], v[:, 599] = 255, 255
+    ms = torch.rand(3, 3, generator=g) * 0.01 + 1e-3
+    vs = torch.rand(3, 3, generator=g) * 1e-4 + 1e-6
+    grad = _C._dequantize8(m, ms, True)  # AdamW::dequantize8, the ATen composition
+    assert torch.equal(grad, _C._qmap8(True)[0][m.long()] * ms.repeat_interleave(256, 1)[:, :600])
+    m1, v1, ms1, vs1 = m.clone(), v.clone(), ms.clone(), vs.clone()
+    p = torch.zeros(shape)
+    _C._adamw_step([p], [grad], [m1], [v1], [], 1, 1e-3, 0.9, 1.0, 1e-8, 0.0,
+                   exp_avg_scales=[ms1], exp_avg_sq_scales=[vs1])
+    assert torch.equal(m1, m) and torch.equal(v1, v)
+    assert torch.equal(ms1, ms) and torch.equal(vs1, vs)
+
+
 def test_adamw_8bit_aten_update_quantizes_nan_and_inf_moments_as_the_cpu_kernel():
     """A NaN or an infinite gradient (which the trainer skips before the optimizer, but the op
     takes) reaches the 8-bit moments alike on both paths, two steps on: the NaN stays out of its

@@ -1045,6 +1045,36 @@ AUTOMOE_TARGET_AVX512 int64_t quant8_avx512(const float* x, float inv, const QMa
   return i;
 }
 
+// out[e] = table[c[e]] * s (one rounding, as the scalar loop), how many were done. AVX-512: the
+// 256-entry table in 16 registers, 16 codes at a time by 8 two-register permutes (the codes'
+// low 5 bits) and a 3-level blend on their upper bits. The compiler's own vectorisation of the
+// table loads extracts every index to a scalar load; on a Zen 5 the permutes take ~20 % fewer
+// cycles of the whole 8-bit update than that, a 16-lane gather about half as many fewer, and at
+// AVX2 an 8-lane gather was no faster than the scalar loads (so AVX2 keeps them).
+AUTOMOE_TARGET_AVX512 int64_t dequant8_avx512(const float* table, const uint8_t* c, float s,
+                                              float* out, int64_t n) {
+  __m512 t[16];
+  for (int j = 0; j < 16; ++j) t[j] = _mm512_loadu_ps(table + 16 * j);
+  const __m512 sv = _mm512_set1_ps(s);
+  const __m512i b5 = _mm512_set1_epi32(32), b6 = _mm512_set1_epi32(64), b7 = _mm512_set1_epi32(128);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i idx =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + i)));
+    __m512 r[8];
+    for (int j = 0; j < 8; ++j) r[j] = _mm512_permutex2var_ps(t[2 * j], idx, t[2 * j + 1]);
+    const __mmask16 k5 = _mm512_test_epi32_mask(idx, b5), k6 = _mm512_test_epi32_mask(idx, b6),
+                    k7 = _mm512_test_epi32_mask(idx, b7);
+    for (int j = 0; j < 4; ++j) r[j] = _mm512_mask_blend_ps(k5, r[2 * j], r[2 * j + 1]);
+    for (int j = 0; j < 2; ++j) r[j] = _mm512_mask_blend_ps(k6, r[2 * j], r[2 * j + 1]);
+    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mask_blend_ps(k7, r[0], r[1]), sv));
+  }
+  return i;
+}
+int64_t dequant8_vec(const float* table, const uint8_t* c, float s, float* out, int64_t n) {
+  return active_isa() >= Isa::kAvx512 ? dequant8_avx512(table, c, s, out, n) : 0;
+}
+
 // The widest vector quantizer the CPU has; how many of the n it did.
 int64_t quant8_vec(const float* x, float inv, const QMap8& q, uint8_t* c, int64_t n) {
   if (active_isa() >= Isa::kAvx512) return quant8_avx512(x, inv, q, c, n);
@@ -1073,7 +1103,12 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
       float& sv = r.v_scale[row * nb + k];
       // Dequantize (table loads), update (vectorisable: kLanes running maxima, no reassociation),
       // then quantize with the new absmax.
-      for (int64_t e = 0; e < n; ++e) {
+      int64_t d = 0;
+#if defined(AUTOMOE_VEC_X86)
+      d = dequant8_vec(qm.value, mc, sm, mb, n);
+      dequant8_vec(qv.value, vc, sv, vb, n);
+#endif
+      for (int64_t e = d; e < n; ++e) {
         mb[e] = qm.value[mc[e]] * sm;
         vb[e] = qv.value[vc[e]] * sv;
       }

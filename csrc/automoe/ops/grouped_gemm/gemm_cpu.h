@@ -5,7 +5,8 @@
 //   brgemm   bf16 operands on AMX CPUs, and on AVX-512-BF16 CPUs where it measures faster than
 //            avx512 (gemm_cpu.cpp): A packed to bf16 rows, B to VNNI pairs (AVX-512 packing and
 //            transposes), and ATen's batch-reduce GEMM (oneDNN's ukernel: AMX tiles, or
-//            vdpbf16ps) accumulates in float32;
+//            vdpbf16ps) accumulates in float32; below AMX, 17-128 rows run transposed
+//            (Cᵀ = W · Aᵀ: the weights read in place, Aᵀ packed once);
 //   avx512   BLIS-style: operands packed into float32 micro-panels (bf16 widened while packing)
 //            and a 6x32 AVX-512 FMA micro-kernel;
 //   avx2     the same with a 6x16 AVX2/FMA micro-kernel;
