@@ -1101,8 +1101,8 @@ AUTOMOE_BODY void adamw8_typed(const AdamwRow& r, int64_t row0, int64_t rows) {
       uint8_t* vc = static_cast<uint8_t*>(r.v) + b;
       float& sm = r.m_scale[row * nb + k];
       float& sv = r.v_scale[row * nb + k];
-      // Dequantize (table loads), update (vectorisable: kLanes running maxima, no reassociation),
-      // then quantize with the new absmax.
+      // Dequantize (AVX-512: permutes; else table loads), update (vectorisable: kLanes running
+      // maxima, no reassociation), then quantize with the new absmax.
       int64_t d = 0;
 #if defined(AUTOMOE_VEC_X86)
       d = dequant8_vec(qm.value, mc, sm, mb, n);

@@ -544,9 +544,9 @@ void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
 // small operand, is the VNNI-packed B: packed once per thread and problem, it serves every
 // column tile. The float32 Cᵀ tile is transposed back into the row-major staging tile that
 // store_tile rounds from. Measured on a Zen 5 (AVX512_BF16, docs/ops.md): 1.55x at 32 rows,
-// 1.13x at 128, even at 256, slower at 512 (Aᵀ as a wide B) and below 16 rows for short rows of W
-// (K = 768: 16 rows padded to one 16-column block, memory-bound). Not on AMX CPUs: never measured
-// there, so their brgemm keeps the packing path.
+// 1.13x at 128, even at 256, slower at 512 (Aᵀ as a wide B) and at 16 rows or fewer for short
+// rows of W (K = 768: the rows padded to one 16-column block, memory-bound). Not on AMX CPUs: never
+// measured there, so their brgemm keeps the packing path.
 constexpr int64_t kNtMinRows = 17, kNtMaxRows = 128;
 static_assert(kNtMaxRows <= kMU, "a transposed problem is one unit of rows");
 
