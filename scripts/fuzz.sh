@@ -28,7 +28,7 @@ TARGETS=("$@")
 # so a file's other dependencies need not be listed. A link error naming an automoe symbol means a
 # parser gained a dependency: add the file that defines it here.
 have() { for f in "$@"; do [ ! -f "csrc/automoe/$f" ] || echo "$f"; done; }
-SAFETENSORS=$(have io/safetensors.cpp core/dtype.cpp core/fault.cpp)
+SAFETENSORS=$(have io/safetensors_read.cpp core/dtype.cpp)
 declare -A SOURCES=(
   [safetensors_header]="$SAFETENSORS"
   [safetensors_index]="$SAFETENSORS"

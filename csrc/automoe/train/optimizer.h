@@ -6,6 +6,8 @@
 // step's second micro-batch on); on the CPU one fused pass over each tensor (ops/cpu/vec.h's
 // adamw), elsewhere a composition of ATen ops. Under expert parallelism each rank steps what it
 // holds: the dense weights (identical on every rank, as their gradients are) and its own experts.
+// (optimizer.cpp: the update, in_backward, the gradient norm; zero.cpp: ZeRO's buckets and
+// sync_gradients; moments8.cpp: the 8-bit moments through ATen ops.)
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -177,6 +179,12 @@ struct AdamW {
   std::vector<std::vector<int64_t>> shapes_;      // each parameter's shape
   int64_t stage_ = 0;
   bool own_grads_ = false;
+  // A tensor's rows for the 8-bit moments: its last dimension.
+  static int64_t quant_cols(const at::Tensor& t);
+  // on_gradient(i, ...) from now on, once autograd has accumulated `param`'s gradient.
+  void add_gradient_hook(const at::Tensor& param, size_t i);
+  // ZeRO: gradient `g` of parameter i into its bucket (released), launching full buckets.
+  void into_bucket(size_t i, at::Tensor& g);
   double grad_scale_ = 1.0;  // own_grads: clipping's factor, applied in update()
   void update_mixed(const OptimizerSection& o, double lr);
   // Parameter i's AdamW update with gradient `g` (own_grads: any dtype; else float32), reading

@@ -136,9 +136,8 @@ class Section {
   std::set<std::string> seen_;
 };
 
-}  // namespace
-
-Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
+// The recipe document as a mapping of known sections.
+json parse_root(const std::string& json_text, const std::string& origin) {
   json root;
   try {
     root = json::parse(json_text);
@@ -147,9 +146,8 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   }
   AUTOMOE_CHECK(root.is_object(), origin, ": a recipe is a mapping of sections, got ",
                 type_name(root));
-  const std::set<std::string> sections = {"model",  "data",     "train", "optimizer",
-                                          "schedule", "checkpoint", "log", "router",
-                                          "parallel", "peft"};
+  const std::set<std::string> sections = {"model",      "data", "train",  "optimizer", "schedule",
+                                          "checkpoint", "log",  "router", "parallel",  "peft"};
   for (const auto& [k, v] : root.items()) {
     if (!sections.count(k)) {
       fail(origin, ": unknown section `", k,
@@ -157,202 +155,234 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
            "router, parallel, peft)");
     }
   }
-  Recipe r;
+  return root;
+}
 
+void parse_model(const json& root, const std::string& origin, ModelSection& model) {
   Section m(root, "model", origin);
-  r.model.path = m.str("path", "");
-  AUTOMOE_CHECK(!r.model.path.empty(), m.where("path"),
+  model.path = m.str("path", "");
+  AUTOMOE_CHECK(!model.path.empty(), m.where("path"),
                 "required: the Hugging Face checkpoint directory to fine-tune");
-  r.model.dtype = m.str("dtype", r.model.dtype, {"float32", "bfloat16"});
+  model.dtype = m.str("dtype", model.dtype, {"float32", "bfloat16"});
   if (const json* b = m.raw("backend")) {
     AUTOMOE_CHECK(b->is_object(), m.where("backend"), "expected a mapping, got ", type_name(*b));
     for (const auto& [k, v] : b->items()) {
       AUTOMOE_CHECK(v.is_string() || v.is_boolean(), m.where("backend"), k,
                     ": expected a string, got ", v.dump());
-      r.model.backend[k] = v.is_string() ? v.get<std::string>() : (v.get<bool>() ? "true" : "false");
+      model.backend[k] = v.is_string() ? v.get<std::string>() : (v.get<bool>() ? "true" : "false");
     }
-    BackendConfig::from_map(r.model.backend, origin + ": model.backend");  // validates
+    BackendConfig::from_map(model.backend, origin + ": model.backend");  // validates
   }
   if (m.has("router_aux_loss_coef")) {
-    r.model.router_aux_loss_coef = m.number("router_aux_loss_coef", 0, 0, 1e6);
+    model.router_aux_loss_coef = m.number("router_aux_loss_coef", 0, 0, 1e6);
   } else {
     m.raw("router_aux_loss_coef");
   }
   m.finish();
+}
 
+void parse_data(const json& root, const std::string& origin, DataSection& data) {
   Section d(root, "data", origin);
-  r.data.train = d.paths("train");
-  AUTOMOE_CHECK(!r.data.train.empty(), d.where("train"), "required: the training JSONL file(s)");
-  r.data.validation = d.paths("validation");
-  r.data.format =
-      d.str("format", r.data.format, {"auto", "chat", "prompt_completion", "alpaca", "text"});
-  r.data.seq_len = d.integer("seq_len", r.data.seq_len, 2, kMaxSeqLen);
-  r.data.packing = d.boolean("packing", r.data.packing);
-  r.data.train_on = d.str("train_on", r.data.train_on, {"completion", "all"});
-  r.data.on_error = d.str("on_error", r.data.on_error, {"fail", "skip"});
-  r.data.shuffle = d.boolean("shuffle", r.data.shuffle);
-  r.data.cache_dir = d.str("cache_dir", "");
+  data.train = d.paths("train");
+  AUTOMOE_CHECK(!data.train.empty(), d.where("train"), "required: the training JSONL file(s)");
+  data.validation = d.paths("validation");
+  data.format =
+      d.str("format", data.format, {"auto", "chat", "prompt_completion", "alpaca", "text"});
+  data.seq_len = d.integer("seq_len", data.seq_len, 2, kMaxSeqLen);
+  data.packing = d.boolean("packing", data.packing);
+  data.train_on = d.str("train_on", data.train_on, {"completion", "all"});
+  data.on_error = d.str("on_error", data.on_error, {"fail", "skip"});
+  data.shuffle = d.boolean("shuffle", data.shuffle);
+  data.cache_dir = d.str("cache_dir", "");
   d.finish();
+}
 
+// (`seq_len`: data.seq_len, which bounds the micro-batch.)
+void parse_train(const json& root, const std::string& origin, int64_t seq_len,
+                 TrainSection& train) {
   Section t(root, "train", origin);
   // Bounds on what sizes memory and threads, so that a typo is refused before anything is
   // allocated (micro-batches are built one at a time, so a long accumulation costs time only).
-  r.train.micro_batch_size = t.integer("micro_batch_size", 1, 1, kMaxMicroBatchTokens);
-  AUTOMOE_CHECK(r.train.micro_batch_size * r.data.seq_len <= kMaxMicroBatchTokens,
-                t.where("micro_batch_size"), r.train.micro_batch_size, " rows of data.seq_len ",
-                r.data.seq_len, " tokens is more than ", kMaxMicroBatchTokens,
+  train.micro_batch_size = t.integer("micro_batch_size", 1, 1, kMaxMicroBatchTokens);
+  AUTOMOE_CHECK(train.micro_batch_size * seq_len <= kMaxMicroBatchTokens,
+                t.where("micro_batch_size"), train.micro_batch_size, " rows of data.seq_len ",
+                seq_len, " tokens is more than ", kMaxMicroBatchTokens,
                 " tokens in one forward; use gradient accumulation (train.global_batch_size)");
   const bool has_accum = t.has("grad_accumulation_steps");
-  r.train.grad_accumulation_steps = t.integer("grad_accumulation_steps", 1, 1, kMaxAccumulation);
-  r.train.global_batch_size =
-      t.integer("global_batch_size", 0, 0, kMaxAccumulation * r.train.micro_batch_size);
-  if (r.train.global_batch_size > 0) {
-    const int64_t mb = r.train.micro_batch_size;
-    AUTOMOE_CHECK(r.train.global_batch_size % mb == 0, t.where("global_batch_size"),
-                  r.train.global_batch_size, " is not a multiple of train.micro_batch_size (", mb,
+  train.grad_accumulation_steps = t.integer("grad_accumulation_steps", 1, 1, kMaxAccumulation);
+  train.global_batch_size =
+      t.integer("global_batch_size", 0, 0, kMaxAccumulation * train.micro_batch_size);
+  if (train.global_batch_size > 0) {
+    const int64_t mb = train.micro_batch_size;
+    AUTOMOE_CHECK(train.global_batch_size % mb == 0, t.where("global_batch_size"),
+                  train.global_batch_size, " is not a multiple of train.micro_batch_size (", mb,
                   ")");
-    const int64_t accum = r.train.global_batch_size / mb;
-    AUTOMOE_CHECK(!has_accum || accum == r.train.grad_accumulation_steps,
-                  t.where("global_batch_size"), r.train.global_batch_size,
+    const int64_t accum = train.global_batch_size / mb;
+    AUTOMOE_CHECK(!has_accum || accum == train.grad_accumulation_steps,
+                  t.where("global_batch_size"), train.global_batch_size,
                   " disagrees with train.micro_batch_size x train.grad_accumulation_steps = ",
-                  mb * r.train.grad_accumulation_steps, "; give one or the other");
-    r.train.grad_accumulation_steps = accum;
+                  mb * train.grad_accumulation_steps, "; give one or the other");
+    train.grad_accumulation_steps = accum;
   }
-  r.train.global_batch_size = r.train.micro_batch_size * r.train.grad_accumulation_steps;
-  r.train.max_steps = t.integer("max_steps", 0, 0);
-  r.train.epochs = t.number("epochs", 1.0, 0.0, 1e6, /*open_min=*/true);
-  r.train.seed = static_cast<uint64_t>(t.integer("seed", 42, 0));
-  r.train.eval_every = t.integer("eval_every", 0, 0);
-  r.train.max_nonfinite_steps = t.integer("max_nonfinite_steps", 5, 1);
-  r.train.activation_checkpointing = t.boolean("activation_checkpointing", false);
-  r.train.device = t.str("device", "auto");
+  train.global_batch_size = train.micro_batch_size * train.grad_accumulation_steps;
+  train.max_steps = t.integer("max_steps", 0, 0);
+  train.epochs = t.number("epochs", 1.0, 0.0, 1e6, /*open_min=*/true);
+  train.seed = static_cast<uint64_t>(t.integer("seed", 42, 0));
+  train.eval_every = t.integer("eval_every", 0, 0);
+  train.max_nonfinite_steps = t.integer("max_nonfinite_steps", 5, 1);
+  train.activation_checkpointing = t.boolean("activation_checkpointing", false);
+  train.device = t.str("device", "auto");
   {
-    const std::string& dev = r.train.device;
+    const std::string& dev = train.device;
     const bool ok = dev == "auto" || dev == "cpu" || dev == "cuda" ||
                     (dev.rfind("cuda:", 0) == 0 && dev.size() > 5 &&
                      dev.find_first_not_of("0123456789", 5) == std::string::npos);
     AUTOMOE_CHECK(ok, t.where("device"), "expected auto, cpu, cuda or cuda:N, got \"", dev, "\"");
   }
-  r.train.threads = t.integer("threads", 0, 0, kMaxThreads);
+  train.threads = t.integer("threads", 0, 0, kMaxThreads);
   t.finish();
+}
 
+// (`grad_accumulation_steps`: train.grad_accumulation_steps, which in_backward needs to be 1.)
+void parse_optimizer(const json& root, const std::string& origin, int64_t grad_accumulation_steps,
+                     OptimizerSection& optimizer) {
   Section o(root, "optimizer", origin);
-  r.optimizer.name = o.str("name", "adamw", {"adamw"});
-  r.optimizer.lr = o.number("lr", r.optimizer.lr, 0.0, 10.0, /*open_min=*/true);
+  optimizer.name = o.str("name", "adamw", {"adamw"});
+  optimizer.lr = o.number("lr", optimizer.lr, 0.0, 10.0, /*open_min=*/true);
   if (const json* b = o.raw("betas")) {
     AUTOMOE_CHECK(b->is_array() && b->size() == 2 && (*b)[0].is_number() && (*b)[1].is_number(),
                   o.where("betas"), "expected [beta1, beta2], got ", b->dump());
-    r.optimizer.beta1 = (*b)[0].get<double>();
-    r.optimizer.beta2 = (*b)[1].get<double>();
-    for (double beta : {r.optimizer.beta1, r.optimizer.beta2}) {
+    optimizer.beta1 = (*b)[0].get<double>();
+    optimizer.beta2 = (*b)[1].get<double>();
+    for (double beta : {optimizer.beta1, optimizer.beta2}) {
       AUTOMOE_CHECK(beta >= 0 && beta < 1, o.where("betas"), "each beta must be in [0, 1), got ",
                     b->dump());
     }
   }
-  r.optimizer.eps = o.number("eps", r.optimizer.eps, 0.0, 1.0, /*open_min=*/true);
-  r.optimizer.weight_decay = o.number("weight_decay", 0.0, 0.0, 1.0);
-  r.optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
-  r.optimizer.master_weights =
-      o.str("master_weights", r.optimizer.master_weights, {"float32", "remainders", "none"});
-  r.optimizer.state_dtype = o.str("state_dtype", r.optimizer.state_dtype, {"float32", "bfloat16", "8bit"});
-  r.optimizer.in_backward = o.boolean("in_backward", false);
-  if (r.optimizer.in_backward) {
+  optimizer.eps = o.number("eps", optimizer.eps, 0.0, 1.0, /*open_min=*/true);
+  optimizer.weight_decay = o.number("weight_decay", 0.0, 0.0, 1.0);
+  optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
+  optimizer.master_weights =
+      o.str("master_weights", optimizer.master_weights, {"float32", "remainders", "none"});
+  optimizer.state_dtype =
+      o.str("state_dtype", optimizer.state_dtype, {"float32", "bfloat16", "8bit"});
+  optimizer.in_backward = o.boolean("in_backward", false);
+  if (optimizer.in_backward) {
     // The update of the first tensor whose gradient is complete cannot wait for the others'.
-    AUTOMOE_CHECK(r.optimizer.max_grad_norm == 0, o.where("in_backward"),
+    AUTOMOE_CHECK(optimizer.max_grad_norm == 0, o.where("in_backward"),
                   "clipping needs the global gradient norm before any tensor is updated; with "
                   "in_backward: true set optimizer.max_grad_norm: 0 (it is ",
-                  r.optimizer.max_grad_norm, ")");
-    AUTOMOE_CHECK(r.train.grad_accumulation_steps == 1, o.where("in_backward"),
+                  optimizer.max_grad_norm, ")");
+    AUTOMOE_CHECK(grad_accumulation_steps == 1, o.where("in_backward"),
                   "each tensor is updated by the backward that completes its gradient, so a step "
                   "is one micro-batch; train.grad_accumulation_steps is ",
-                  r.train.grad_accumulation_steps,
+                  grad_accumulation_steps,
                   " (raise train.micro_batch_size instead, or drop in_backward)");
   }
   o.finish();
+}
 
+void parse_schedule(const json& root, const std::string& origin, ScheduleSection& schedule) {
   Section s(root, "schedule", origin);
-  r.schedule.type = s.str("type", "cosine", {"cosine", "linear", "constant"});
-  r.schedule.warmup_steps = s.integer("warmup_steps", 0, 0);
-  r.schedule.warmup_ratio = s.number("warmup_ratio", 0.0, 0.0, 1.0);
-  AUTOMOE_CHECK(r.schedule.warmup_steps == 0 || r.schedule.warmup_ratio == 0, s.where("warmup_ratio"),
+  schedule.type = s.str("type", "cosine", {"cosine", "linear", "constant"});
+  schedule.warmup_steps = s.integer("warmup_steps", 0, 0);
+  schedule.warmup_ratio = s.number("warmup_ratio", 0.0, 0.0, 1.0);
+  AUTOMOE_CHECK(schedule.warmup_steps == 0 || schedule.warmup_ratio == 0, s.where("warmup_ratio"),
                 "give schedule.warmup_steps or schedule.warmup_ratio, not both");
-  r.schedule.min_lr_ratio = s.number("min_lr_ratio", 0.0, 0.0, 1.0);
+  schedule.min_lr_ratio = s.number("min_lr_ratio", 0.0, 0.0, 1.0);
   s.finish();
+}
 
+void parse_checkpoint(const json& root, const std::string& origin, CheckpointSection& checkpoint) {
   Section c(root, "checkpoint", origin);
-  r.checkpoint.dir = c.str("dir", "");
-  AUTOMOE_CHECK(!r.checkpoint.dir.empty(), c.where("dir"),
+  checkpoint.dir = c.str("dir", "");
+  AUTOMOE_CHECK(!checkpoint.dir.empty(), c.where("dir"),
                 "required: the run directory (checkpoints, metrics and the exported model)");
-  r.checkpoint.every = c.integer("every", 0, 0);
-  r.checkpoint.keep_last = c.integer("keep_last", 2, 1);
-  r.checkpoint.resume = c.boolean("resume", true);
-  r.checkpoint.resume_from = c.str("resume_from", "");
-  AUTOMOE_CHECK(r.checkpoint.resume_from.empty() || step_of(r.checkpoint.resume_from),
+  checkpoint.every = c.integer("every", 0, 0);
+  checkpoint.keep_last = c.integer("keep_last", 2, 1);
+  checkpoint.resume = c.boolean("resume", true);
+  checkpoint.resume_from = c.str("resume_from", "");
+  AUTOMOE_CHECK(checkpoint.resume_from.empty() || step_of(checkpoint.resume_from),
                 c.where("resume_from"), "expected a checkpoint's name, step-N, got \"",
-                r.checkpoint.resume_from, "\"");
-  AUTOMOE_CHECK(r.checkpoint.resume_from.empty() || r.checkpoint.resume, c.where("resume_from"),
+                checkpoint.resume_from, "\"");
+  AUTOMOE_CHECK(checkpoint.resume_from.empty() || checkpoint.resume, c.where("resume_from"),
                 "names a checkpoint to resume from, but checkpoint.resume is false");
-  r.checkpoint.export_layout = c.str("export_layout", "source", {"source", "per-expert", "fused"});
-  r.checkpoint.export_dtype = c.str("export_dtype", "auto", {"auto", "float32", "bfloat16"});
+  checkpoint.export_layout = c.str("export_layout", "source", {"source", "per-expert", "fused"});
+  checkpoint.export_dtype = c.str("export_dtype", "auto", {"auto", "float32", "bfloat16"});
   c.finish();
+}
 
+void parse_log(const json& root, const std::string& origin, LogSection& log) {
   Section l(root, "log", origin);
-  r.log.every = l.integer("every", 10, 1);
-  r.log.jsonl = l.str("jsonl", "");
-  r.log.tensorboard = l.str("tensorboard", "");
-  r.log.peak_tflops = l.number("peak_tflops", 0.0, 0.0, 1e9);
-  r.log.progress = l.str("progress", "auto", {"auto", "bar", "lines", "off"});
+  log.every = l.integer("every", 10, 1);
+  log.jsonl = l.str("jsonl", "");
+  log.tensorboard = l.str("tensorboard", "");
+  log.peak_tflops = l.number("peak_tflops", 0.0, 0.0, 1e9);
+  log.progress = l.str("progress", "auto", {"auto", "bar", "lines", "off"});
   l.finish();
+}
 
+void parse_router(const json& root, const std::string& origin, RouterSection& router) {
   Section rt(root, "router", origin);
-  r.router.bias_update_rate = rt.number("bias_update_rate", 0.0, 0.0, 1.0);
+  router.bias_update_rate = rt.number("bias_update_rate", 0.0, 0.0, 1.0);
   rt.finish();
+}
 
+void parse_parallel(const json& root, const std::string& origin, ParallelSection& parallel) {
   Section pa(root, "parallel", origin);
-  r.parallel.ep = pa.integer("ep", 1, 1);
+  parallel.ep = pa.integer("ep", 1, 1);
   if (const json* dp = pa.raw("dp"); dp && dp->is_string()) {
     AUTOMOE_CHECK(dp->get<std::string>() == "auto", pa.where("dp"),
                   "expected a positive integer or \"auto\", got \"", dp->get<std::string>(), "\"");
   } else if (dp) {
-    r.parallel.dp = pa.integer("dp", 0, 1);
+    parallel.dp = pa.integer("dp", 0, 1);
   }
-  r.parallel.zero = pa.integer("zero", 1, 0);
-  AUTOMOE_CHECK(r.parallel.zero <= 2, pa.where("zero"), r.parallel.zero,
+  parallel.zero = pa.integer("zero", 1, 0);
+  AUTOMOE_CHECK(parallel.zero <= 2, pa.where("zero"), parallel.zero,
                 ": expected 0 (optimizer state whole), 1 (float32 masters and AdamW moments of "
                 "every replicated tensor sharded over its replicas) or 2 (their gradients too); "
                 "ZeRO-3 (sharded weights) is not implemented");
-  r.parallel.bucket_mb = pa.number("bucket_mb", 32.0, 0.0, 1e6, /*open_min=*/true);
-  r.parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
+  parallel.bucket_mb = pa.number("bucket_mb", 32.0, 0.0, 1e6, /*open_min=*/true);
+  parallel.timeout_s = pa.number("timeout_s", 600.0, 0.0, 1e7, /*open_min=*/true);
   pa.finish();
+}
 
-  if (root.contains("peft") && !root.at("peft").is_null()) {
-    Section pe(root, "peft", origin);
-    r.peft.enabled = true;
-    r.peft.r = pe.integer("r", 8, 1);
-    r.peft.lora_alpha = pe.number("lora_alpha", 16.0, 0.0, 1e9, /*open_min=*/true);
-    r.peft.lora_dropout = pe.number("lora_dropout", 0.0, 0.0, 0.99);
-    r.peft.use_rslora = pe.boolean("use_rslora", false);
-    if (const json* t = pe.raw("target_modules")) {
-      if (t->is_string()) {
-        const std::string v = t->get<std::string>();
-        if (v == "all-linear") r.peft.target_modules = {v};
-        else r.peft.target_modules_regex = v;
-        AUTOMOE_CHECK(!v.empty(), pe.where("target_modules"), "expected module names or a regular expression");
+// The section is there (not null): LoRA is on.
+void parse_peft(const json& root, const std::string& origin, PeftSection& peft) {
+  Section pe(root, "peft", origin);
+  peft.enabled = true;
+  peft.r = pe.integer("r", 8, 1);
+  peft.lora_alpha = pe.number("lora_alpha", 16.0, 0.0, 1e9, /*open_min=*/true);
+  peft.lora_dropout = pe.number("lora_dropout", 0.0, 0.0, 0.99);
+  peft.use_rslora = pe.boolean("use_rslora", false);
+  if (const json* t = pe.raw("target_modules")) {
+    if (t->is_string()) {
+      const std::string v = t->get<std::string>();
+      if (v == "all-linear") {
+        peft.target_modules = {v};
       } else {
-        r.peft.target_modules = pe.strings("target_modules", "module name");
+        peft.target_modules_regex = v;
       }
+      AUTOMOE_CHECK(!v.empty(), pe.where("target_modules"),
+                    "expected module names or a regular expression");
+    } else {
+      peft.target_modules = pe.strings("target_modules", "module name");
     }
-    r.peft.target_parameters = pe.strings("target_parameters", "parameter name");
-    AUTOMOE_CHECK(!r.peft.target_modules.empty() || !r.peft.target_modules_regex.empty() ||
-                      !r.peft.target_parameters.empty(),
-                  pe.where("target_modules"),
-                  "say which weights get adapters: target_modules (e.g. [q_proj, k_proj, v_proj, "
-                  "o_proj] or all-linear) and/or target_parameters (the routed experts: "
-                  "[mlp.experts.gate_up_proj, mlp.experts.down_proj])");
-    r.peft.moe_rank_scaling = pe.boolean("moe_rank_scaling", false);
-    r.peft.export_merged = pe.boolean("export_merged", false);
-    pe.finish();
   }
+  peft.target_parameters = pe.strings("target_parameters", "parameter name");
+  AUTOMOE_CHECK(!peft.target_modules.empty() || !peft.target_modules_regex.empty() ||
+                    !peft.target_parameters.empty(),
+                pe.where("target_modules"),
+                "say which weights get adapters: target_modules (e.g. [q_proj, k_proj, v_proj, "
+                "o_proj] or all-linear) and/or target_parameters (the routed experts: "
+                "[mlp.experts.gate_up_proj, mlp.experts.down_proj])");
+  peft.moe_rank_scaling = pe.boolean("moe_rank_scaling", false);
+  peft.export_merged = pe.boolean("export_merged", false);
+  pe.finish();
+}
+
+// The checks that read several sections.
+void check_across_sections(const Recipe& r, const std::string& origin) {
   // The optimizer's precision options are about bf16 weights trained in full: refused by name
   // where they would mean nothing (float32 weights are their own masters; LoRA's adapters are
   // float32).
@@ -367,9 +397,28 @@ Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
                   "\" with peft: LoRA's adapters train in float32 (the frozen base has no "
                   "optimizer state); remove the key");
   }
-  AUTOMOE_CHECK(!(r.optimizer.in_backward && r.peft.enabled), origin,
-                ": optimizer.in_backward with peft: LoRA's adapter gradients are a few MB, there is "
-                "nothing to save by updating in the backward; remove the key");
+  AUTOMOE_CHECK(
+      !(r.optimizer.in_backward && r.peft.enabled), origin,
+      ": optimizer.in_backward with peft: LoRA's adapter gradients are a few MB, there is "
+      "nothing to save by updating in the backward; remove the key");
+}
+
+}  // namespace
+
+Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
+  const json root = parse_root(json_text, origin);
+  Recipe r;
+  parse_model(root, origin, r.model);
+  parse_data(root, origin, r.data);
+  parse_train(root, origin, r.data.seq_len, r.train);
+  parse_optimizer(root, origin, r.train.grad_accumulation_steps, r.optimizer);
+  parse_schedule(root, origin, r.schedule);
+  parse_checkpoint(root, origin, r.checkpoint);
+  parse_log(root, origin, r.log);
+  parse_router(root, origin, r.router);
+  parse_parallel(root, origin, r.parallel);
+  if (root.contains("peft") && !root.at("peft").is_null()) parse_peft(root, origin, r.peft);
+  check_across_sections(r, origin);
   return r;
 }
 

@@ -58,6 +58,56 @@ void barrier(const parallel::World& w, const char* what) {
                            what);
 }
 
+// trainer_state.json of checkpoint `dir` into `st`, every field checked, and the optimizer
+// precision it was written with checked against `opt`'s. Returns the whole document.
+json read_trainer_state(const fs::path& dir, const AdamW& opt, TrainerState& st) {
+  const std::string state_path = (dir / "trainer_state.json").string();
+  json j;
+  try {
+    j = json::parse(read_text(dir / "trainer_state.json"));
+    auto integer = [&](const json& v, const char* key) {
+      AUTOMOE_CHECK(
+          v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX),
+          state_path, ": ", key, " must be an integer, found ", v.dump());
+      return v.get<int64_t>();
+    };
+    st.step = integer(j.at("step"), "step");
+    st.pos.epoch = integer(j.at("data_position").at("epoch"), "data_position.epoch");
+    st.pos.cursor = integer(j.at("data_position").at("cursor"), "data_position.cursor");
+    st.tokens_seen = integer(j.at("tokens_seen"), "tokens_seen");
+    st.skipped_steps = integer(j.at("skipped_steps"), "skipped_steps");
+    st.consecutive_nonfinite = integer(j.at("consecutive_nonfinite"), "consecutive_nonfinite");
+  } catch (const json::exception& e) {
+    fail(state_path, ": ", e.what());
+  }
+  // Every field of the resumable state in its range (a damaged or hand-edited file must not
+  // resume with, say, a negative step and so a negative learning rate).
+  const auto named = step_of(dir.filename().string());
+  AUTOMOE_CHECK(st.step >= 1 && (!named || *named == st.step), state_path, ": step ", st.step,
+                " does not match its directory ", dir.filename().string());
+  AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0, state_path, ": data_position (epoch ",
+                st.pos.epoch, ", cursor ", st.pos.cursor, ") must not be negative");
+  AUTOMOE_CHECK(st.tokens_seen >= 0, state_path, ": tokens_seen ", st.tokens_seen,
+                " must not be negative");
+  AUTOMOE_CHECK(st.skipped_steps >= 0 && st.skipped_steps <= st.step, state_path,
+                ": skipped_steps ", st.skipped_steps, " must be in [0, step ", st.step, "]");
+  AUTOMOE_CHECK(st.consecutive_nonfinite >= 0 && st.consecutive_nonfinite <= st.skipped_steps,
+                state_path, ": consecutive_nonfinite ", st.consecutive_nonfinite,
+                " must be in [0, skipped_steps ", st.skipped_steps, "]");
+  // The optimizer state is kept as optimizer.master_weights / state_dtype say: a checkpoint
+  // written with other settings holds other tensors (checkpoints before them: float32).
+  const json saved_precision = j.value(
+      "optimizer_precision", json{{"master_weights", "float32"}, {"state_dtype", "float32"}});
+  AUTOMOE_CHECK(saved_precision == precision_json(opt), state_path,
+                ": the checkpoint's optimizer state was written with optimizer.master_weights: ",
+                saved_precision.value("master_weights", "?"),
+                ", state_dtype: ", saved_precision.value("state_dtype", "?"),
+                "; this run has master_weights: ", AdamW::masters_name(opt.masters),
+                ", state_dtype: ", precision_json(opt).at("state_dtype").get<std::string>(),
+                ". Resume with the checkpoint's settings, or start a new checkpoint.dir");
+  return j;
+}
+
 }  // namespace
 
 void save_checkpoint(const fs::path& run, const TrainerState& st, const AdamW& opt,
@@ -198,49 +248,7 @@ json load_checkpoint_dir(const fs::path& dir, AdamW& opt, NamedTensors& buffers,
                          TrainerState& st, int64_t expert_begin,
                          const std::function<void(const json&)>& check) {
   AUTOMOE_CHECK(fs::is_directory(dir), "checkpoint ", dir.string(), " does not exist");
-  const std::string state_path = (dir / "trainer_state.json").string();
-  json j;
-  try {
-    j = json::parse(read_text(dir / "trainer_state.json"));
-    auto integer = [&](const json& v, const char* key) {
-      AUTOMOE_CHECK(v.is_number_integer() && (!v.is_number_unsigned() || v.get<uint64_t>() <= INT64_MAX),
-                    state_path, ": ", key, " must be an integer, found ", v.dump());
-      return v.get<int64_t>();
-    };
-    st.step = integer(j.at("step"), "step");
-    st.pos.epoch = integer(j.at("data_position").at("epoch"), "data_position.epoch");
-    st.pos.cursor = integer(j.at("data_position").at("cursor"), "data_position.cursor");
-    st.tokens_seen = integer(j.at("tokens_seen"), "tokens_seen");
-    st.skipped_steps = integer(j.at("skipped_steps"), "skipped_steps");
-    st.consecutive_nonfinite = integer(j.at("consecutive_nonfinite"), "consecutive_nonfinite");
-  } catch (const json::exception& e) {
-    fail(state_path, ": ", e.what());
-  }
-  // Every field of the resumable state in its range (a damaged or hand-edited file must not
-  // resume with, say, a negative step and so a negative learning rate).
-  const auto named = step_of(dir.filename().string());
-  AUTOMOE_CHECK(st.step >= 1 && (!named || *named == st.step), state_path, ": step ", st.step,
-                " does not match its directory ", dir.filename().string());
-  AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0, state_path, ": data_position (epoch ",
-                st.pos.epoch, ", cursor ", st.pos.cursor, ") must not be negative");
-  AUTOMOE_CHECK(st.tokens_seen >= 0, state_path, ": tokens_seen ", st.tokens_seen,
-                " must not be negative");
-  AUTOMOE_CHECK(st.skipped_steps >= 0 && st.skipped_steps <= st.step, state_path,
-                ": skipped_steps ", st.skipped_steps, " must be in [0, step ", st.step, "]");
-  AUTOMOE_CHECK(st.consecutive_nonfinite >= 0 && st.consecutive_nonfinite <= st.skipped_steps,
-                state_path, ": consecutive_nonfinite ", st.consecutive_nonfinite,
-                " must be in [0, skipped_steps ", st.skipped_steps, "]");
-  // The optimizer state is kept as optimizer.master_weights / state_dtype say: a checkpoint
-  // written with other settings holds other tensors (checkpoints before them: float32).
-  const json saved_precision = j.value("optimizer_precision", json{{"master_weights", "float32"},
-                                                                   {"state_dtype", "float32"}});
-  AUTOMOE_CHECK(saved_precision == precision_json(opt), state_path,
-                ": the checkpoint's optimizer state was written with optimizer.master_weights: ",
-                saved_precision.value("master_weights", "?"), ", state_dtype: ",
-                saved_precision.value("state_dtype", "?"), "; this run has master_weights: ",
-                AdamW::masters_name(opt.masters), ", state_dtype: ",
-                precision_json(opt).at("state_dtype").get<std::string>(),
-                ". Resume with the checkpoint's settings, or start a new checkpoint.dir");
+  json j = read_trainer_state(dir, opt, st);
   if (check) check(j);
   const SafetensorsFile model((dir / "model.safetensors").string());
   const SafetensorsFile state((dir / "optimizer.safetensors").string());
