@@ -214,7 +214,6 @@ class _EngineBinding:
         return engine
 
 
-
 class _EngineBuild:
     """The causal LM's construction from an engine model (from_pretrained, from_config), with
     its class's `_automoe_backbone_class` as the backbone."""

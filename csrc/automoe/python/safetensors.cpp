@@ -1,7 +1,7 @@
 // automoe._C safetensors: the engine's reader and (sharded) writer, for tests and interop.
 #include "automoe/io/safetensors.h"
-#include "automoe/model/checkpoint.h"
 
+#include "automoe/model/checkpoint.h"
 #include "automoe/python/bindings.h"
 
 namespace automoe::bindings {
