@@ -1,6 +1,6 @@
 # AutoMoE developer entry points. `make demo` and `make test` set everything up themselves
 # (Debian packages, .venv, CMake build) and are quick when nothing changed.
-.PHONY: all setup build test test-cpp test-python test-fuzz demo clean
+.PHONY: all setup build test test-imports test-cpp test-python test-fuzz demo clean
 
 BUILD ?= build
 PY := $(CURDIR)/.venv/bin/python
@@ -36,7 +36,12 @@ test-fuzz: setup
 
 FUZZ_SECONDS ?= 30
 
-test: test-cpp test-python test-fuzz
+# The Python package's modules import each other without a cycle, function-level imports included
+# (scripts/check_imports.py: standard library only, so it runs before anything is set up).
+test-imports:
+	python3 scripts/check_imports.py python/automoe
+
+test: test-imports test-cpp test-python test-fuzz
 
 demo: build
 	$(PY) -m automoe.demo

@@ -371,9 +371,9 @@ def main(argv=None):
     a = ap.parse_args(argv)
     OPS._set_cpu_paths(a.cpu_isa, a.cpu_gemm)
     if a.allocator == "jemalloc" and argv is None and not os.environ.get("AUTOMOE_OPS_BENCH_ALLOC"):
-        # Run under the allocator the engine runs with (python/automoe/cli.py), fused and
+        # Run under the allocator the engine runs with (python/automoe/engine_binary.py), fused and
         # reference alike: with glibc's malloc every large output page-faults in afresh.
-        from automoe.cli import allocator_env
+        from automoe.engine_binary import allocator_env
 
         env = allocator_env({**os.environ, "AUTOMOE_OPS_BENCH_ALLOC": "1"})
         if "libjemalloc" in env.get("LD_PRELOAD", ""):

@@ -143,6 +143,16 @@ def demo_checkpoint(cache: Path, family: str = "qwen3_moe") -> Path:
     return path
 
 
+def num_experts(config: dict) -> int | None:
+    """The routed experts a config.json declares, under whichever key its family writes:
+    `num_experts` (Qwen2-MoE, OLMoE), `n_routed_experts` (DeepSeek-V3, GLM-4.5) or
+    `num_local_experts` (Mixtral, GPT-OSS, and Qwen3-MoE as Transformers v5 saves it)."""
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if config.get(key) is not None:
+            return config[key]
+    return None
+
+
 def heldout_batch(model_path: Path, n: int = 16):
     """input_ids / attention_mask / labels of the first n held-out chats, padded (right)."""
     from automoe import data
@@ -194,8 +204,7 @@ def main() -> None:
     if run.exists():
         shutil.rmtree(run)  # the demo always fine-tunes from scratch
     config = json.loads((ckpt / "config.json").read_text())
-    experts = config.get("num_experts", config.get("n_routed_experts"))
-    print(f"model       {ckpt} (tiny {config['model_type']}, {experts} experts, "
+    print(f"model       {ckpt} (tiny {config['model_type']}, {num_experts(config)} experts, "
           f"top-{config['num_experts_per_tok']}; ready in {time.perf_counter() - t0:.1f} s)")
 
     ids, mask, labels = heldout_batch(ckpt)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from automoe import _engine
+from automoe.arguments import AutoMoEError
 from automoe.backend import BackendConfig
 
 _engine.load()  # registers torch.ops.automoe
@@ -175,20 +176,14 @@ def load(pretrained_model_name_or_path, *model_args, backend: BackendConfig | di
     """Transformers' from_pretrained with AutoMoE's experts and RMSNorm."""
     import transformers
 
-    from automoe.native import NATIVE_CLASSES, AutoMoEError
-
     register()
     cfg = BackendConfig.coerce(backend)
     _experts_kwargs(cfg, kwargs, explicit_backend=backend is not None)
     want_info = kwargs.pop("output_loading_info", False)
-    try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
-    except ValueError as e:
-        if "does not recognize this architecture" in str(e) or "Unrecognized configuration" in str(e):
-            raise AutoMoEError(f"{pretrained_model_name_or_path}: neither AutoMoE's engine (native: "
-                               f"{sorted(NATIVE_CLASSES)}) nor Transformers implements this model: {e}") from e
-        raise
+    # (A type Transformers does not implement either fails here with Transformers' ValueError;
+    # automoe.modeling, which chose this path, says so naming both.)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
     # Transformers initialises missing weights at random and only warns; AutoMoE refuses instead.
     problems = {k: v for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if (v := info.get(k))}
     if problems:

@@ -210,7 +210,8 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr, end="")
         raise SystemExit(0 if argv else 2)
-    from automoe import cli, data, distributed
+    from automoe import data, distributed
+    from automoe.engine_binary import exec_engine
 
     try:
         nproc, argv = distributed.split_nproc(split_resume_from(argv))
@@ -234,7 +235,7 @@ def main(argv: list[str]) -> None:
         raise SystemExit(130)
     sys.stderr.flush()
     # The engine validates the recipe again and records it as <checkpoint.dir>/recipe.json.
-    cli.exec_engine(["train", "--recipe-text", json.dumps(recipe), "--origin", argv[0], *engine_args])
+    exec_engine(["train", "--recipe-text", json.dumps(recipe), "--origin", argv[0], *engine_args])
 
 
 def _train_rank(recipe: dict, origin: str) -> int:

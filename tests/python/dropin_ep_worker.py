@@ -24,7 +24,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     from automoe import AutoModelForCausalLM
-    from automoe.native import AutoMoEError
+    from automoe import AutoMoEError
 
     ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, ep_size=ep)

@@ -151,7 +151,7 @@ def test_the_automoe_command_runs_the_engine_on_jemalloc_and_reports_it(tmp_path
     """`automoe` preloads jemalloc (keeping freed pages: glibc's malloc returns every tensor above
     32 MiB to the kernel and the next step page-faults it in again) where it is installed;
     AUTOMOE_ALLOCATOR=system keeps glibc's; another value is refused by name."""
-    from automoe.cli import find_jemalloc
+    from automoe.engine_binary import find_jemalloc
 
     cfg = tmp_path / "tiny.json"
     cfg.write_text(json.dumps(TINY))
@@ -172,7 +172,7 @@ def test_the_automoe_command_runs_the_engine_on_jemalloc_and_reports_it(tmp_path
 def test_the_allocator_leaves_a_users_preload_alone():
     """A sanitizer must come first in LD_PRELOAD and a user's own allocator must win: with any
     preload set, `automoe` adds nothing; AUTOMOE_ALLOCATOR=system adds nothing either."""
-    from automoe.cli import allocator_env
+    from automoe.engine_binary import allocator_env
 
     env = allocator_env({"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"})
     assert env == {"LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libasan.so.8"}

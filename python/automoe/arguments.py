@@ -1,0 +1,43 @@
+"""What the native and the Transformers paths share about Transformers' arguments: the error they
+raise (`AutoMoEError`), dtype names, the experts_implementation names and the engine's experts
+backends they stand for, and the one warning that names arguments with no effect."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from automoe import _engine
+
+AutoMoEError = _engine.load().AutoMoEError
+
+_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+           torch.float64: "float64"}
+
+# Transformers' experts_implementation -> the engine's experts backend ("automoe" is AutoMoE's
+# fused experts, what the engine runs by default; see fallback.py for the same name there).
+EXPERTS_IMPLEMENTATIONS = {"automoe": "grouped", "grouped_mm": "torch_mm", "eager": "eager"}
+ENGINE_EXPERTS = {v: k for k, v in EXPERTS_IMPLEMENTATIONS.items()}
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """None/"auto" -> None (the checkpoint's config dtype); torch.dtype or name -> engine name."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype: unsupported {dtype}; expected one of {list(_DTYPES)}")
+        return _DTYPES[dtype]
+    if isinstance(dtype, str):
+        return dtype.removeprefix("torch.")
+    raise TypeError(f"dtype: expected a torch.dtype or a string, got {type(dtype).__name__}")
+
+
+def warn_ignored(where: str, ignored: dict[str, str]) -> None:
+    """One warning naming every argument that has no effect, and why."""
+    if ignored:
+        warnings.warn(f"{where}: arguments with no effect: "
+                      + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
+

@@ -1,0 +1,247 @@
+"""from_pretrained and from_config for the engine-backed classes (`automoe.native`): Transformers'
+arguments read (refused or warned about by name when they cannot apply), the local checkpoint
+directory and the device found, the mesh for `ep_size` set up, and the engine's model loaded or
+initialised and bound to Transformers' module tree. `force_transformers=True` on a native class
+hands the load to Transformers' own model (`automoe.fallback`)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from typing import Any
+
+import torch
+
+from automoe import _engine
+from automoe.arguments import EXPERTS_IMPLEMENTATIONS, AutoMoEError, dtype_name, warn_ignored
+from automoe.backend import BackendConfig
+
+_C = _engine.load()
+logger = logging.getLogger("automoe")
+
+# from_pretrained arguments that concern only downloads from the Hub: meaningless for the local
+# directories AutoMoE reads.
+_HUB_ONLY = ("cache_dir", "force_download", "local_files_only", "token", "revision", "proxies",
+             "mirror", "_from_pipeline", "_from_auto", "commit_hash", "_commit_hash",
+             "user_agent", "resume_download")
+
+
+def _local_dir(path: str | os.PathLike, subfolder: str = "") -> str:
+    path = os.path.join(os.fspath(path), subfolder) if subfolder else os.fspath(path)
+    if not os.path.isdir(path):
+        raise OSError(
+            f"{path}: not a local checkpoint directory (AutoMoE loads local Hugging Face "
+            "directories; download with `huggingface-cli download` first)"
+        )
+    return path
+
+
+def _device(device_map: Any) -> torch.device | None:
+    """The one device a `device_map` names; splitting the model across devices is refused."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) != 1:
+            raise ValueError(
+                f"device_map={device_map!r}: AutoMoE keeps a model on one device (splitting it across "
+                "devices is expert parallelism's job, not device_map's)"
+            )
+        device_map = devices.pop()
+    if device_map == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    if device_map in ("balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r}: AutoMoE keeps a model on one device")
+    return torch.device(device_map)
+
+
+def _native_config(cls, path: str, config, kwargs: dict):
+    """The checkpoint's config with from_pretrained's config overrides applied, as Transformers
+    applies them (keys of the config); other leftover arguments are a TypeError naming them. Read
+    with the class's own config class, so that an alias (Kimi-K2's "kimi_k2") reads as the model
+    it is."""
+    if config is None:
+        config, unused = cls.config_class.from_pretrained(path, return_unused_kwargs=True, **kwargs)
+    else:
+        config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
+        unused = {}
+        for key, value in kwargs.items():
+            if hasattr(config, key):
+                setattr(config, key, value)
+            else:
+                unused[key] = value
+    if unused:
+        raise TypeError(f"from_pretrained(): arguments that are neither from_pretrained's nor keys of "
+                        f"the {config.model_type} config: {sorted(unused)}")
+    return config
+
+
+def _expert_parallel(ep_size, device: torch.device | None):
+    """from_pretrained(ep_size=N): this rank's place in the mesh world = dp x ep over the
+    torch.distributed world the user initialised, as the engine's arguments (None: one process
+    holds every expert)."""
+    if ep_size is None:
+        return None
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"from_pretrained(ep_size={ep_size!r}): expected a positive integer")
+    if ep_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AutoMoEError(
+            f"from_pretrained(ep_size={ep_size}): expert parallelism needs torch.distributed initialised "
+            "first: launch with torchrun and call torch.distributed.init_process_group() before "
+            "from_pretrained (as for DistributedDataParallel); see docs/parallelism.md")
+    world = dist.get_world_size()
+    if world % ep_size:
+        raise ValueError(f"from_pretrained(ep_size={ep_size}): does not divide the {world} processes of "
+                         "torch.distributed's world (world = data-parallel replicas x ep_size)")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        current = torch.cuda.current_device()
+        if device is None or device.type != "cuda" or device.index not in (None, current):
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is NCCL, whose "
+                             f"collectives run on this rank's current GPU (cuda:{current}): load with "
+                             "device_map='cuda' or 'auto' after torch.cuda.set_device(LOCAL_RANK), "
+                             f"not {device}")
+        collective = f"cuda:{current}"
+    else:
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is {backend}; "
+                             f"expert parallelism on {device} needs NCCL")
+        collective = "cpu"
+    from automoe import distributed
+
+    ep_group, dp_group = distributed.mesh_groups(ep_size)
+    return {"world_group": dist.group.WORLD.group_name,
+            "ep_group": ep_group.group_name if ep_group else "",
+            "dp_group": dp_group.group_name if dp_group else "",
+            "world_size": str(world), "ep": str(ep_size), "device": collective,
+            "_groups": (ep_group, dp_group)}
+
+
+def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
+                      experts_implementation, expert_parallel: bool = False) -> BackendConfig:
+    """Transformers' attn_implementation / experts_implementation folded into a BackendConfig.
+    A class whose Transformers model has no sdpa (GPT-OSS, for its attention sinks) defaults to
+    eager, as in Transformers, and refuses sdpa."""
+    cfg = copy.copy(BackendConfig.coerce(backend))  # (the caller's BackendConfig stays as given)
+    has_sdpa = getattr(cls, "_supports_sdpa", True)
+    if attn_implementation is not None:
+        if attn_implementation not in ("sdpa", "eager"):
+            raise ValueError(f"attn_implementation={attn_implementation!r}: the AutoMoE engine implements "
+                             "'sdpa' and 'eager'")
+        cfg.attn = attn_implementation
+    elif cfg.attn is None:
+        cfg.attn = "sdpa" if has_sdpa else "eager"
+    if cfg.attn == "sdpa" and not has_sdpa:
+        raise ValueError(f"attn_implementation='sdpa': {cls.__name__} has no sdpa attention (its "
+                         "attention sinks need 'eager'), in Transformers as in AutoMoE")
+    if experts_implementation is not None:
+        if experts_implementation not in EXPERTS_IMPLEMENTATIONS:
+            raise ValueError(f"experts_implementation={experts_implementation!r}: the AutoMoE engine "
+                             f"implements {sorted(EXPERTS_IMPLEMENTATIONS)}")
+        cfg.experts = EXPERTS_IMPLEMENTATIONS[experts_implementation]
+    if cfg.dispatcher not in ("auto", "local") and not expert_parallel:
+        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: this model runs every expert in this "
+                         "process; the dispatchers that exchange tokens between ranks need "
+                         "from_pretrained(..., ep_size=N) under torch.distributed (docs/parallelism.md)")
+    return cfg
+
+
+def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
+                torch_dtype=None, dtype=None, attn_implementation=None, experts_implementation=None,
+                config=None, device_map=None, subfolder: str = "", output_loading_info: bool = False,
+                low_cpu_mem_usage=None, trust_remote_code=None, use_safetensors=None,
+                force_transformers: bool = False, ep_size: int | None = None, **kwargs):
+    """from_pretrained for an engine-backed class (see AutoModelForCausalLM.from_pretrained)."""
+    if force_transformers and ep_size not in (None, 1):
+        raise ValueError(f"from_pretrained(ep_size={ep_size}, force_transformers=True): expert parallelism "
+                         "runs in AutoMoE's engine, not in Transformers' model")
+    if force_transformers:  # (Qwen3MoeForCausalLM.from_pretrained(..., force_transformers=True))
+        from automoe import fallback
+
+        given = dict(torch_dtype=torch_dtype, dtype=dtype, attn_implementation=attn_implementation,
+                     experts_implementation=experts_implementation, config=config, device_map=device_map,
+                     subfolder=subfolder or None, output_loading_info=output_loading_info or None,
+                     low_cpu_mem_usage=low_cpu_mem_usage, trust_remote_code=trust_remote_code,
+                     use_safetensors=use_safetensors)
+        return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend,
+                             **{k: v for k, v in given.items() if v is not None}, **kwargs)
+    if model_args:
+        raise TypeError("from_pretrained(): positional model arguments are not supported by AutoMoE")
+    path = _local_dir(pretrained_model_name_or_path, subfolder)
+    ignored = {k: "only used to download from the Hub; AutoMoE reads local directories"
+               for k in _HUB_ONLY if kwargs.pop(k, None) is not None}
+    if low_cpu_mem_usage is not None:
+        ignored["low_cpu_mem_usage"] = ("AutoMoE always loads with low memory: safetensors are "
+                                        "memory-mapped and each tensor is read once")
+    if trust_remote_code:
+        ignored["trust_remote_code"] = f"{cls.__name__} runs AutoMoE's engine, not remote code"
+    if use_safetensors is False:
+        raise ValueError("from_pretrained(use_safetensors=False): AutoMoE reads safetensors checkpoints only")
+    for key in ("quantization_config", "key_mapping", "tp_plan", "tp_size", "device_mesh", "max_memory",
+                "offload_folder", "offload_state_dict", "offload_buffers", "gguf_file", "variant",
+                "adapter_name", "adapter_kwargs"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"from_pretrained({key}=...): not supported by AutoMoE's engine; "
+                             "load with force_transformers=True to use Transformers' loader")
+    if kwargs.pop("ignore_mismatched_sizes", False):
+        raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
+                         "whose tensors do not match their config")
+    warn_ignored("from_pretrained()", ignored)
+    device = _device(device_map)
+    if ep_size not in (None, 1) and device_map == "auto" and device is not None and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())  # each rank its own GPU
+    parallel = _expert_parallel(ep_size, device)
+    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation,
+                            expert_parallel=parallel is not None)
+    config = _native_config(cls, path, config, kwargs)
+    chosen = dtype if dtype is not None else torch_dtype
+    groups = parallel.pop("_groups") if parallel else None
+    engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
+                                config_json=config.to_json_string(use_diff=False), parallel=parallel)
+    if engine.spec["mxfp4_experts"]:  # dequantised on load: the model is no longer quantised
+        config.quantization_config = None
+        del config.quantization_config
+    model = cls._automoe_build(engine, config, source_dir=path, groups=groups)
+    model.config._name_or_path = os.fspath(pretrained_model_name_or_path)
+    model.name_or_path = os.fspath(pretrained_model_name_or_path)
+    if device is not None and device.type != "cpu":
+        model.to(device)
+    logger.info("automoe: %s (%s) runs natively in the AutoMoE engine: %s", path, config.model_type,
+                ", ".join(f"{k}={v}" for k, v in engine.backend().items()))
+    if output_loading_info:
+        return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
+                       "error_msgs": []}
+    return model
+
+
+def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=None,
+                       attn_implementation=None, experts_implementation=None, **kwargs):
+    """from_config for an engine-backed class: fresh parameters, initialised as Transformers does
+    (normal(0, initializer_range), ones for norms), drawn from torch's global generator's seed."""
+    kwargs.pop("trust_remote_code", None)
+    if kwargs.get("ep_size") not in (None, 1):
+        raise ValueError(f"from_config(ep_size={kwargs['ep_size']}): expert parallelism loads a checkpoint; "
+                         "save the fresh model and load it with from_pretrained(path, ep_size=...)")
+    kwargs.pop("ep_size", None)
+    cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation)
+    config = copy.deepcopy(config)  # as Transformers: the caller's config is not modified
+    for key, value in list(kwargs.items()):
+        if hasattr(config, key):
+            setattr(config, key, kwargs.pop(key))
+    if kwargs:
+        raise TypeError(f"from_config(): arguments not supported by AutoMoE: {sorted(kwargs)}")
+    chosen = dtype if dtype is not None else torch_dtype
+    name = dtype_name(chosen) or dtype_name(getattr(config, "dtype", None)) or "float32"
+    seed = int(torch.randint(0, 2**62, (1,)).item())
+    engine = _C.init_model(config.to_json_string(use_diff=False), name, cfg.to_dict(), seed)
+    if engine.spec["mxfp4_experts"]:  # fresh experts are dense: the model is not quantised
+        config.quantization_config = None
+        del config.quantization_config
+    return cls._automoe_build(engine, config)

@@ -1,0 +1,181 @@
+"""Expert parallelism on the drop-in (from_pretrained(ep_size=N)): `_ExpertParallel`, the ranks a
+model's experts are spread over (the experts' gradient hook, DDP's ignore list, the collective
+save's handshake), and `_ExpertParallelModel`, the causal LM's methods that change under it
+(`automoe_parallel`, `clip_grad_norm_`, `generate`)."""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import torch
+
+from automoe.arguments import AutoMoEError
+
+
+class _ExpertParallel:
+    """A model whose experts are spread over the ranks (from_pretrained(ep_size=N)): the
+    gradients of this rank's experts are averaged over the world as DistributedDataParallel
+    averages the dense ones (DDP skips the experts: `_ddp_params_and_buffers_to_ignore`).
+
+    The dispatcher's backward brings each expert the gradient of every loss of its EP group; the
+    hook sums that over the data-parallel replicas holding the same experts and divides by the
+    world size. So under DDP (each rank its own batch) the experts get the gradient of the mean
+    loss, as the dense weights do, and ranks that all feed the same batch without DDP get exactly
+    the one-process gradients."""
+
+    loaded = 0  # models loaded with ep_size in this process (the same order on every rank)
+
+    def __init__(self, info: dict, routed: list[str], groups):
+        self.info = info
+        self.routed = set(routed)
+        self.ep_group, self.dp_group = groups
+        _ExpertParallel.loaded += 1
+        self.serial = _ExpertParallel.loaded
+
+    def __deepcopy__(self, memo):
+        return self  # a copy of the model shares the ranks and their groups
+
+    def attach(self, model, names: list[str]) -> None:
+        """Makes the causal LM `model` (and its backbone) run on these ranks: DDP's ignore list and
+        the gradient hook on this rank's experts."""
+        model._automoe_ep = model.model._automoe_ep = self
+        # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
+        # each rank's experts are its own, their gradients are averaged by the hook below.
+        model._ddp_params_and_buffers_to_ignore = sorted(self.routed)
+        model.model._ddp_params_and_buffers_to_ignore = sorted(
+            n[len("model."):] for n in self.routed if n.startswith("model."))
+        self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
+
+    def meet_to_save(self, directory: str) -> None:
+        """Every rank must call save_pretrained: they meet through torch.distributed's store (not
+        a collective, so a rank that never comes fails the others with a message instead of
+        leaving them in a collective that never completes).
+
+        Each save is a round (its number in the store, advanced once per round, whether it
+        succeeded or was abandoned, so that a failed save does not desynchronise later ones).
+        One counter decides a round: the rank whose arrival brings it exactly to the world size
+        sets "go"; a rank that gives up adds a large number first, after which "go" can no longer
+        be set (the last arrival then sets "abort"). A rank goes on only once "go" is set, so
+        either every rank writes or every rank fails."""
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        rank, world = self.info["rank"], self.info["world_size"]
+        base = f"automoe/save/{self.serial}/"
+        number = store.add(base + "round", 0)
+        key = f"{base}{number}/"
+        gave_up = 1 << 40
+
+        def next_round():  # once per round, by whichever rank ends it first
+            store.compare_set(base + "round", str(number), str(number + 1))
+
+        store.set(key + f"dir{rank}", directory)
+        n = store.add(key + "count", 1)
+        if n == world:
+            store.set(key + "go", "1")
+            next_round()
+        elif n % gave_up == world:
+            store.set(key + "abort", "1")
+        timeout = float(os.environ.get("AUTOMOE_EP_SAVE_TIMEOUT_S", "300"))
+        went = False
+        if n < gave_up:  # nobody had given up when this rank arrived
+            try:
+                store.wait([key + "go"], timedelta(seconds=timeout))
+                went = True
+            except Exception:  # the store's timeout (its error types differ between backends)
+                r = store.add(key + "count", gave_up)
+                next_round()
+                if r % gave_up == world:  # everyone had come: the last arrival has decided
+                    deadline = time.monotonic() + 60
+                    while not went and time.monotonic() < deadline:
+                        went = store.check([key + "go"])
+                        if not went and store.check([key + "abort"]):
+                            break
+                        time.sleep(0.05)
+        if not went:
+            missing = [r for r in range(world) if not store.check([key + f"dir{r}"])]
+            raise AutoMoEError(
+                f"save_pretrained({directory!r}) under expert parallelism (ep_size={self.info['ep']}) is "
+                f"collective: every rank writes its experts, but rank(s) {missing or '(late)'} did not call it "
+                f"within {timeout:.0f} s (AUTOMOE_EP_SAVE_TIMEOUT_S). Call save_pretrained on every rank (the "
+                "Transformers Trainer saves from rank 0 only: see docs/parallelism.md)")
+        dirs = {store.get(key + f"dir{r}").decode() for r in range(world)}
+        if len(dirs) > 1:
+            raise AutoMoEError(f"save_pretrained under expert parallelism: the ranks name different "
+                               f"directories {sorted(dirs)}; they write one checkpoint together")
+
+    def hook(self, names: list[str], params: list) -> None:
+        for name, p in zip(names, params):
+            if p is None or name not in self.routed or getattr(p, "_automoe_ep_hooked", False):
+                continue
+            if p.requires_grad:  # (a frozen expert is hooked once it requires gradients)
+                p.register_hook(self._average)
+                p._automoe_ep_hooked = True
+
+    def _average(self, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad / self.info["world_size"]
+        if self.dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad, group=self.dp_group)
+        return grad
+
+
+class _ExpertParallelModel:
+    """The causal LM's methods that expert parallelism changes."""
+
+    @property
+    def automoe_parallel(self) -> dict | None:
+        """Expert parallelism (from_pretrained(ep_size=N)): this rank, the mesh and the experts
+        it holds; None when one process holds every expert."""
+        return None if self._automoe_ep is None else dict(self._automoe_engine.parallel)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this model's parameters; returns the total norm.
+        Under expert parallelism it is the norm of the whole model's gradient — each rank's
+        experts' part summed over its EP group, the dense part once — the same on every rank (as
+        FSDP's clip_grad_norm_), so the ranks clip alike. torch.nn.utils.clip_grad_norm_ on the
+        parameters would see only this rank's experts and clip each rank differently."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        if self._automoe_ep is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_(norm_type={norm_type}): under expert parallelism AutoMoE "
+                             "computes the 2-norm")
+        import torch.distributed as dist
+
+        routed = self._automoe_ep.routed
+        dense, experts = [], []
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                (experts if name in routed else dense).append(p.grad)
+
+        device = torch.device(self._automoe_ep.info["device"])
+
+        def squares(grads):  # float64 sum of squares, on the collectives' device
+            out = torch.zeros((), dtype=torch.float64, device=device)
+            for g in grads:
+                out += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(device) ** 2
+            return out
+
+        sq_experts = squares(experts)
+        if self._automoe_ep.ep_group is not None:
+            dist.all_reduce(sq_experts, group=self._automoe_ep.ep_group)
+        total = (squares(dense) + sq_experts).sqrt().float()
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        for p in params:
+            p.grad.detach().mul_(coef.to(p.grad.device))
+        return total
+
+    def generate(self, *args, **kwargs):
+        """Transformers' generate; under expert parallelism every rank runs a forward at every step
+        until all ranks are done (synced_gpus, as under FSDP), since each forward exchanges
+        tokens with the other ranks."""
+        if self._automoe_ep is not None:
+            if kwargs.get("synced_gpus") is False:
+                raise ValueError("generate(synced_gpus=False): under expert parallelism every rank "
+                                 "must run every step's forward")
+            kwargs["synced_gpus"] = True
+        return super().generate(*args, **kwargs)
