@@ -413,7 +413,7 @@ def record_markdown(result: dict, stamp) -> str:
             allocs.setdefault(who, r["allocator"])
     if allocs:
         how += "; malloc: " + ", ".join(f"{who} {a}" for who, a in allocs.items())
-    return "\n".join([recorder.heading(title, stamp), "", how, "", *table_lines(result)]) + "\n"
+    return recorder.table(title, stamp, how, table_lines(result))
 
 
 def record(result: dict, doc: Path, stamp=None) -> str:

@@ -368,7 +368,7 @@ def record_markdown(r, stamp):
     elif r.get("only_ce"):
         title += " · cross-entropy"
     how = f"best of {r['reps']} per op. " + measured_text(r)
-    return "\n".join([recorder.heading(title, stamp), "", how, "", *table_lines(r)]) + "\n"
+    return recorder.table(title, stamp, how, table_lines(r))
 
 
 def record(result, doc, stamp=None):

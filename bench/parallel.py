@@ -197,7 +197,7 @@ def record(meta: dict, results: list[dict], doc: Path, stamp=None) -> str:
     """Files the table in `doc` (docs/performance.md) under this machine's hardware class,
     replacing the one of the same preset, dtype and ep; returns its key."""
     stamp = stamp or recorder.stamp("cpu")
-    body = "\n".join([recorder.heading(title(meta), stamp), "", how(meta), "", *table_lines(results)]) + "\n"
+    body = recorder.table(title(meta), stamp, how(meta), table_lines(results))
     return recorder.write(doc, "parallel", f"{meta['preset']}:{meta['dtype']}:ep-{meta['ep']}", body, stamp)
 
 

@@ -2,12 +2,13 @@
 class it was measured on, stamped with the date, the machine, its ISA and the commit, replacing
 the previous table of the same benchmark and configuration in that class.
 
-docs/performance.md has one `## <class>` section per hardware class and, in each, one slot per
+docs/performance.md has one `## <class>` section per hardware class and, in it, a slot per
 benchmark between `<!-- slot CLASS BENCHMARK -->` and `<!-- /slot CLASS BENCHMARK -->`; a table
 sits between `<!-- bench CLASS BENCHMARK CONFIG -->` and `<!-- /bench CLASS BENCHMARK CONFIG -->`
-inside its slot. A missing slot (or class section) is created at the end of the class section
-(or of the file), so a fresh file works too. An empty slot holds the line `Not measured yet.`,
-which the first table replaces.
+inside its slot. An empty slot holds the line `Not measured yet.`, which its first table replaces;
+a class with no table at all may hold that line alone, without slots. A missing slot is created
+(under a `### ` heading) at the end of its class section, a missing class section at the end of
+the file, so a fresh file works too.
 
 The class is the device's: a CUDA device is `nvidia-gpu`; on a CPU, /proc/cpuinfo's flags decide
 (amx_bf16: `amx`, else avx512_bf16: `avx512-bf16`, else `avx2`), as the CPU kernels pick their
@@ -144,6 +145,12 @@ def heading(title: str, s: Stamp) -> str:
     return f"**{title}** · {s.text()}"
 
 
+def table(title: str, s: Stamp, how: str, lines: list[str]) -> str:
+    """A recorded table as docs/performance.md holds it: the heading, how it was measured (the
+    same paragraph), then the Markdown table."""
+    return "\n".join([heading(title, s), how, "", *lines]) + "\n"
+
+
 def _markers(kind: str, key: str) -> tuple[str, str]:
     return f"<!-- {kind} {key} -->", f"<!-- /{kind} {key} -->"
 
@@ -158,15 +165,22 @@ def _class_span(text: str, cls: str) -> tuple[int, int] | None:
 
 
 def _ensure_slot(text: str, cls: str, benchmark: str) -> str:
+    """The text with a slot for `benchmark` in the section of `cls`: appended at the end of that
+    section (which loses a section-wide `Not measured yet.` line, the mark of a class with no
+    table), or in a new section at the end of the file."""
     begin, end = _markers("slot", f"{cls} {benchmark}")
     if begin in text and end in text:
         return text
-    slot = f"### {BENCHMARKS[benchmark]}\n\n{begin}\n{NOT_MEASURED}\n{end}\n\n"
+    slot = f"### {BENCHMARKS[benchmark]}\n\n{begin}\n{NOT_MEASURED}\n{end}\n"
     span = _class_span(text, cls)
     if span is None:
         return text.rstrip("\n") + f"\n\n## {CLASSES[cls]}\n\n" + slot
-    _, stop = span
-    return text[:stop].rstrip("\n") + "\n\n" + slot + text[stop:]
+    start, stop = span
+    section = text[start:stop]
+    if "<!-- slot " not in section:  # no slot yet: the whole class was not measured
+        section = "\n".join(ln for ln in section.split("\n") if ln.strip() != NOT_MEASURED)
+    section = section.rstrip("\n") + "\n\n" + slot
+    return text[:start] + section + ("\n" + text[stop:] if stop < len(text) else "")
 
 
 def write(doc: Path, benchmark: str, config: str, body: str, s: Stamp) -> str:

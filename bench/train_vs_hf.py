@@ -187,7 +187,7 @@ def record_markdown(res: dict, stamp) -> str:
     """The table as docs/performance.md holds it."""
     m = res["meta"]
     title = f"{m['preset']} · float32 · micro-batch {m['micro']} × {m['seq']}"
-    return "\n".join([recorder.heading(title, stamp), "", how(res), "", *table_lines(res)]) + "\n"
+    return recorder.table(title, stamp, how(res), table_lines(res))
 
 
 def record(res: dict, doc: Path, stamp=None) -> str:

@@ -301,6 +301,43 @@ def test_compare_hf_record_replaces_its_table_in_its_class_and_leaves_the_others
     assert "### LoRA against Transformers + PEFT" in class_section(doc.read_text(), "AVX-512-BF16 CPU")
 
 
+def test_records_land_in_the_documents_own_sections(tmp_path):
+    """docs/performance.md has a slot for every benchmark in each measured hardware class and a
+    bare 'Not measured yet.' in the others, so a recorded table goes where the document expects
+    it: over the table of the same configuration, into an empty slot (whose 'Not measured yet.'
+    goes), or as a class's first slot (and the class's 'Not measured yet.' goes)."""
+    record, compare_hf = bench_module("record"), bench_module("compare_hf")
+    real = (REPO / "docs" / "performance.md").read_text()
+    for cls, title in record.CLASSES.items():
+        part = class_section(real, title)
+        if "<!-- bench " in part:
+            for bench in record.BENCHMARKS:
+                assert f"<!-- slot {cls} {bench} -->" in part and f"<!-- /slot {cls} {bench} -->" in part, (cls, bench)
+        else:
+            assert "<!-- slot " not in part and f"\n{record.NOT_MEASURED}\n" in part, cls
+    doc = tmp_path / "performance.md"
+    doc.write_text(real)
+    zen5 = record.stamp("cpu", cpuinfo=ZEN5, date="2026-12-05", git_commit="eeeeeee")
+    before = real.count("<!-- bench ")
+    compare_hf.record(compare_hf_result(9999.9), doc, zen5)  # cpu-small bf16 is there already
+    text = doc.read_text()
+    assert text.count("<!-- bench ") == before and "| 9999.9 |" in class_section(text, "AVX-512-BF16 CPU")
+    assert "| 9542.4 |" not in text
+    avx2 = record.Stamp(**{**vars(zen5), "hw_class": "avx2", "isa": "AVX2"})
+    compare_hf.record(compare_hf_result(55.5, model="qwen3-30b-a3b-L2", lora=8), doc, avx2)
+    slot = doc.read_text().split("<!-- slot avx2 lora -->")[1].split("<!-- /slot avx2 lora -->")[0]
+    assert "| 55.5 |" in slot and record.NOT_MEASURED not in slot
+    amx = record.stamp("cpu", cpuinfo=SAPPHIRE, date="2026-12-05", git_commit="ddddddd")
+    compare_hf.record(compare_hf_result(4321.0), doc, amx)
+    text = doc.read_text()
+    amx_part = class_section(text, "AMX CPU")
+    assert "| 4321.0 |" in amx_part and "AMX + AVX-512-BF16 + AVX-512 + AVX2 · commit ddddddd" in amx_part
+    assert record.NOT_MEASURED not in amx_part and "### Training steps against Transformers" in amx_part
+    assert f"\n{record.NOT_MEASURED}\n" in class_section(text, "NVIDIA GPU")
+    assert text.count("<!-- bench ") == before + 2
+    assert text.splitlines()[:5] == real.splitlines()[:5] and text.endswith(real[real.index("## Method"):])
+
+
 def test_train_vs_hf_ops_bench_and_parallel_record_into_their_slots(tmp_path):
     record = bench_module("record")
     doc = tmp_path / "performance.md"
