@@ -44,6 +44,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import record as recorder  # noqa: E402  (bench/record.py: --record's tables)
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_BIN = REPO / "python" / "automoe" / "bin" / "automoe"
 HF_IMPLS = ("eager", "grouped_mm", "batched_mm")
@@ -326,7 +329,12 @@ def markdown(result: dict) -> str:
         allocs = ", ".join(f"{r['impl']} {r['allocator']}" for r in result["sides"] if r.get("allocator"))
         lines += ["AutoMoE's CPU kernels: " + ", ".join(f"{k} {v}" for k, v in sorted(kernels.items()))
                   + (f". malloc: {allocs}" if allocs else ""), ""]
-    lines += [
+    return "\n".join(lines + table_lines(result)) + "\n"
+
+
+def table_lines(result: dict) -> list[str]:
+    """The table, one row per side (results.md and the recorded table alike)."""
+    lines = [
         "| side | tokens/s | step tokens/s | fwd ms | bwd ms | optim ms | TFLOP/s | MFU (measured peak) | peak memory | model memory | tokens/s vs baseline | step time vs baseline | memory vs baseline |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -343,7 +351,7 @@ def markdown(result: dict) -> str:
             f"{fmt(r['speedup_vs_baseline'], '.2f', '×')} | {fmt(r.get('step_time_vs_baseline'), '.2f', '×')} | "
             f"{fmt(r['memory_vs_baseline'], '.2f', '×')} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def chart(result: dict, path: Path) -> None:
@@ -368,25 +376,52 @@ def chart(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def record(result: dict, doc: Path) -> None:
-    """Replaces (or appends) this configuration's section of docs/performance.md."""
+def record_config(meta: dict) -> tuple[str, str]:
+    """(benchmark, configuration) a recorded table is filed under: a later run of the same model,
+    dtype, routing (and LoRA rank) on the same hardware class replaces it. Batch, sequence and the
+    sides run (--impls, --automoe-optimizer, --dropin) are the recorded command's, not the key."""
+    routing = "fake" if meta["fake_balanced_gate"] else "real"
+    config = f"{meta['model']}:{meta['dtype']}:{routing}"
+    if meta.get("lora"):
+        return "lora", config + f":lora{meta['lora']}"
+    return "compare_hf", config
+
+
+def record_markdown(result: dict, stamp) -> str:
+    """The table as docs/performance.md holds it: what ran and where, how, then the sides."""
     m = result["meta"]
-    key = f"{m['model']}:{m['device']}:{m['dtype']}:{'fake' if m['fake_balanced_gate'] else 'real'}"
-    write_section(doc, f"bench {key}", markdown(result))
+    title = f"{m['model']} · {m['dtype']} · batch {m['batch']} × {m['seq']}"
+    if m.get("lora"):
+        title += f" · LoRA r={m['lora']} on q/k/v/o and the experts"
+    if m["fake_balanced_gate"]:
+        title += " · round-robin routing"
+    how = (f"{m['steps']} timed steps after {m['warmup']} warm-up"
+           + (f", best of {m['repeat']} alternating runs per side" if m.get("repeat", 1) > 1 else "")
+           + f"; torch {m['versions']['torch']}, transformers {m['versions']['transformers']}"
+           + f"; measured `at::mm` peak bf16 {fmt(m['peak_tflops'].get('bfloat16'), '.3f')}, "
+           f"fp32 {fmt(m['peak_tflops'].get('float32'), '.3f')} TFLOP/s"
+           + (f", datasheet bf16 {m['datasheet_bf16_tflops']}" if m.get("datasheet_bf16_tflops") else ""))
+    kernels = next((r["cpu_kernels"] for r in result["sides"] if r.get("cpu_kernels")), None)
+    if kernels and m["device"] == "cpu":
+        how += "; AutoMoE's kernels: " + ", ".join(
+            f"{k} {kernels[k]}" for k in ("gemm_bf16", "gemm_fp32", "lm_head_bf16") if k in kernels)
+    allocs: dict[str, str] = {}
+    for r in result["sides"]:
+        if r.get("allocator"):
+            who = ("Transformers" if r["side"] == "transformers" else
+                   "the drop-in" if r["impl"].startswith("automoe drop-in") else "AutoMoE")
+            allocs.setdefault(who, r["allocator"])
+    if allocs:
+        how += "; malloc: " + ", ".join(f"{who} {a}" for who, a in allocs.items())
+    return recorder.table(title, stamp, how, table_lines(result))
 
 
-def write_section(doc: Path, key: str, body: str) -> None:
-    """Replaces the text between `<!-- key -->` and `<!-- /key -->` in `doc` with `body`, or
-    appends such a section."""
-    begin, end = f"<!-- {key} -->", f"<!-- /{key} -->"
-    section = f"{begin}\n{body}{end}\n"
-    text = doc.read_text() if doc.exists() else "# Performance\n\n"
-    if begin in text and end in text:
-        pre, rest = text.split(begin, 1)
-        text = pre + section + rest.split(end, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    doc.write_text(text)
+def record(result: dict, doc: Path, stamp=None) -> str:
+    """Files this run's table in `doc` (docs/performance.md) under its hardware class, replacing
+    the one of the same configuration; returns its key."""
+    stamp = stamp or recorder.stamp(result["meta"]["device"])
+    benchmark, config = record_config(result["meta"])
+    return recorder.write(doc, benchmark, config, record_markdown(result, stamp), stamp)
 
 
 def cpu_description() -> str:
@@ -438,7 +473,7 @@ def orchestrate(args) -> dict:
     model = args.preset if not args.config else Path(args.config).name
     machine = gpu or cpu_description()
     meta = dict(model=model, batch=args.batch, seq=args.seq, dtype=args.dtype, device=args.device,
-                lora=args.lora,
+                lora=args.lora, dropin=args.dropin,
                 machine=machine, warmup=args.warmup, steps=args.steps, repeat=args.repeat,
                 fake_balanced_gate=args.fake_balanced_gate, versions=versions(),
                 date=_dt.date.today().isoformat(), peak_tflops=peak_tflops,
@@ -553,7 +588,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results")
     p.add_argument("--automoe", default=str(DEFAULT_BIN), help="the automoe binary")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per side")
-    p.add_argument("--record", help="also update this Markdown file (docs/performance.md)")
+    p.add_argument("--record", help="also put the table into this Markdown file (docs/performance.md), in "
+                   "the section of this machine's hardware class, replacing the same configuration's")
     # internal: run one Python side ("transformers" or "automoe") and print its JSON
     p.add_argument("--python-side", choices=["transformers", "automoe"], help=argparse.SUPPRESS)
     p.add_argument("--impl", default="eager", help=argparse.SUPPRESS)

@@ -13,6 +13,7 @@ allocator's peak (GPU).
 
   python bench/ops_bench.py --preset cpu-small --dtype bf16 --json out.json --markdown out.md
   python bench/ops_bench.py --preset qwen3-30b-a3b --tokens 1024 --ce-tokens 256 --device cpu
+  python bench/ops_bench.py --preset qwen3-30b-a3b --only-memory-bound --record docs/performance.md
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import automoe  # noqa: E402,F401  (registers torch.ops.automoe)
+import record as recorder  # noqa: E402  (bench/record.py: --record's tables)
 
 OPS = torch.ops.automoe
 
@@ -311,16 +314,18 @@ def kernel_paths_text(r):
     return ", ".join(f"{k} = {v}" for k, v in sorted(r.get("kernel_paths", {}).items()))
 
 
-def markdown(result):
-    r = result
+def measured_text(r):
+    """What the run measured the machine at, and the paths the ops took."""
     pk = r["peaks"]
-    lines = [f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
-             f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
-             f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
-             f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s ({pk.get('copy_mib', '?')} MiB); "
-             f"{r['threads']} threads. "
-             f"Kernel paths: {kernel_paths_text(r)}; malloc: {r.get('allocator', 'glibc')}.", "",
-             "| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
+    return (f"Measured in the same run (at::mm, n = {pk['matmul_n']}): {r['dtype']} matmul peak "
+            f"{pk['matmul_gflops']:.1f} GFLOP/s, fp32 matmul peak {pk['matmul_fp32_gflops']:.1f} "
+            f"GFLOP/s; copy bandwidth {pk['copy_gbs']:.1f} GB/s ({pk.get('copy_mib', '?')} MiB); "
+            f"{r['threads']} threads. "
+            f"Kernel paths: {kernel_paths_text(r)}; malloc: {r.get('allocator', 'glibc')}.")
+
+
+def table_lines(r):
+    lines = ["| op (fwd+bwd) | fused ms | reference ms | fused speed-up | achieved |",
              "|---|---:|---:|---:|---|"]
     for row in r["rows"]:
         ach = ""
@@ -336,7 +341,42 @@ def markdown(result):
         sp = f"{row['speedup']:.2f}x" if row.get("speedup") else (
             f"grouped is {row['grouped_speedup']:.2f}x faster" if "grouped_speedup" in row else "-")
         lines.append(f"| {row['op']} | {row['fused_ms']:.2f} | {ref} | {sp} | {ach} |")
-    return "\n".join(lines) + "\n"
+    return lines
+
+
+def markdown(result):
+    r = result
+    return "\n".join([f"#### `{r['preset']}` ({r['dtype']}, {r['device']}, T = {r['shape']['T']})", "",
+                      measured_text(r), "", *table_lines(r)]) + "\n"
+
+
+def record_config(r):
+    """The configuration a recorded table is filed under: preset, dtype, T and which rows ran."""
+    config = f"{r['preset']}:{r['dtype']}:T{r['shape']['T']}"
+    if r.get("only_memory_bound"):
+        config += ":memory-bound"
+    elif r.get("only_ce"):
+        config += ":cross-entropy"
+    return config
+
+
+def record_markdown(r, stamp):
+    """The table as docs/performance.md holds it."""
+    title = f"{r['preset']} · {r['dtype']} · T = {r['shape']['T']}"
+    if r.get("only_memory_bound"):
+        title += " · memory-bound ops"
+    elif r.get("only_ce"):
+        title += " · cross-entropy"
+    how = f"best of {r['reps']} per op. " + measured_text(r)
+    return recorder.table(title, stamp, how, table_lines(r))
+
+
+def record(result, doc, stamp=None):
+    """Files the table in `doc` (docs/performance.md) under the hardware class it ran on,
+    replacing the one of the same configuration; returns its key."""
+    stamp = stamp or recorder.stamp(result["device"])
+    return recorder.write(Path(doc), "ops_bench", record_config(result), record_markdown(result, stamp),
+                          stamp)
 
 
 def main(argv=None):
@@ -368,6 +408,9 @@ def main(argv=None):
                     help="malloc for the whole run: jemalloc as the engine's CLI uses it, or glibc's")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--record", type=Path,
+                    help="put the table into this Markdown file (docs/performance.md), in the section "
+                         "of this machine's hardware class, replacing the same configuration's")
     a = ap.parse_args(argv)
     OPS._set_cpu_paths(a.cpu_isa, a.cpu_gemm)
     if a.allocator == "jemalloc" and argv is None and not os.environ.get("AUTOMOE_OPS_BENCH_ALLOC"):
@@ -406,7 +449,8 @@ def main(argv=None):
             if "gbs" in row:
                 row["of_copy_bw"] = row["gbs"] / peaks["copy_gbs"]
     result = {"preset": a.preset, "dtype": a.dtype, "device": a.device, "shape": p,
-              "reps": a.reps, "quick_refs": a.quick_refs,
+              "reps": a.reps, "quick_refs": a.quick_refs, "only_memory_bound": a.only_memory_bound,
+              "only_ce": a.only_ce,
               "threads": torch.get_num_threads(), "kernel_paths": kernel_paths(a.device),
               "allocator": "jemalloc" if "libjemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc",
               "peaks": peaks, "rows": rows}
@@ -414,6 +458,8 @@ def main(argv=None):
         a.json.write_text(json.dumps(result, indent=1))
     if a.markdown:
         a.markdown.write_text(markdown(result))
+    if a.record:
+        record(result, a.record)
     print(markdown(result))
 
 

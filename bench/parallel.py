@@ -7,8 +7,8 @@ alltoall_overlap.
 Every configuration runs the same recipe through torchrun (the one-process run too, so that every
 side pays the same per-process runtime), and reports from the trainer's metrics.jsonl: tokens/s
 and step time (median of the steps after the first), peak resident memory per rank, and the time
-each rank waited in the dispatcher's collectives per step. The figures go in
-docs/performance.md; CPU figures on a 2-core machine show the mechanism, not the speed.
+each rank waited in the dispatcher's collectives per step. `--record docs/performance.md` puts
+the table there; CPU figures on a 2-core machine show the mechanism, not the speed.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "bench"))
+import record as recorder  # noqa: E402  (bench/record.py: --record's tables)
 
 
 def cpu_model() -> str:
@@ -128,6 +130,8 @@ def main():
     p.add_argument("--dispatchers", default="alltoall,alltoall_overlap")
     p.add_argument("--bucket-mb", default="32", help="gradient bucket sizes to compare, e.g. 32,100000")
     p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--record", help="put the table into this Markdown file (docs/performance.md), in the "
+                   "section of this machine's hardware class, replacing the same configuration's")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="automoe-parallel-") as tmp:
         measure(args, Path(tmp))
@@ -145,23 +149,56 @@ def measure(args, work: Path) -> None:
                     results.append(run(ckpt, work, f"n{n}-ep{ep}-{kind}-zero{zero}-b{mb:g}", n, kind, args,
                                        ep, zero, mb))
                     print(json.dumps(results[-1]), file=sys.stderr)
+    meta = dict(preset=args.preset, dtype=args.dtype, accum=args.accum, micro=args.micro, seq=args.seq,
+                threads=args.threads, ep=args.ep, cpu=f"{cpu_model()} ({isa()}), {os.cpu_count()} cores")
+    print("\n" + markdown(meta, results))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    if args.record:
+        record(meta, results, Path(args.record))
+
+
+def how(meta: dict) -> str:
+    return (f"{meta['accum']} micro-batches of {meta['micro']} × {meta['seq']} tokens per step over all ranks, "
+            f"{meta['threads']} thread(s) per process, Gloo; medians of the steps after the first; "
+            f"memory is each process's peak RSS (the largest rank's), wait times the slowest rank's")
+
+
+def table_lines(results: list[dict]) -> list[str]:
     base = results[0]
-    print(f"\n{args.preset}, {args.dtype}, {args.accum} x {args.micro} x {args.seq} tokens per step, "
-          f"{args.threads} thread(s) per process; {cpu_model()} ({isa()}), {os.cpu_count()} cores\n")
-    print("| processes (ep) | ZeRO | bucket MiB | dispatcher | tokens/s | step s | peak memory per rank | "
-          "vs 1 process | dispatcher wait per step, forward / backward | gradient sync wait per step | "
-          "dispatch MB sent per rank per step |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    lines = ["| processes (ep) | ZeRO | bucket MiB | dispatcher | tokens/s | step s | peak memory per rank | "
+             "vs 1 process | dispatcher wait per step, forward / backward | gradient sync wait per step | "
+             "dispatch MB sent per rank per step |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results:
         wait = (f"{r['wait_s_per_step'] * 1e3:.0f} / {r['backward_wait_s_per_step'] * 1e3:.0f} ms"
                 if "wait_s_per_step" in r else "-")
         sent = f"{r['mb_sent_per_step']:.2f}" if "mb_sent_per_step" in r else "-"
         sync = f"{r['grad_sync_s_per_step'] * 1e3:.0f} ms" if "grad_sync_s_per_step" in r else "-"
-        print(f"| {r['nproc']} ({r['ep']}) | {r['zero']} | {r['bucket_mb']} | {r['dispatcher']} | "
-              f"{r['tokens_per_s']:.0f} | {r['step_s']:.3f} | {r['peak_gib_per_rank']:.2f} GiB | "
-              f"{r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}x | {wait} | {sync} | {sent} |")
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=2))
+        bucket = r["bucket_mb"] if isinstance(r["bucket_mb"], str) else f"{r['bucket_mb']:g}"
+        lines.append(f"| {r['nproc']} ({r['ep']}) | {r['zero']} | {bucket} | {r['dispatcher']} | "
+                     f"{r['tokens_per_s']:.0f} | {r['step_s']:.2f} | {r['peak_gib_per_rank']:.2f} GiB | "
+                     f"{r['peak_gib_per_rank'] / base['peak_gib_per_rank']:.2f}× | {wait} | {sync} | {sent} |")
+    return lines
+
+
+def title(meta: dict) -> str:
+    ep = str(meta["ep"])
+    kind = ("ep = processes" if ep == "all" else
+            "data parallelism only (ep = 1)" if ep == "1" else f"ep = {ep}")
+    return f"{meta['preset']} · {meta['dtype']} · {kind}"
+
+
+def markdown(meta: dict, results: list[dict]) -> str:
+    return "\n".join([f"{title(meta)}; {meta['cpu']}", "", how(meta), "", *table_lines(results)]) + "\n"
+
+
+def record(meta: dict, results: list[dict], doc: Path, stamp=None) -> str:
+    """Files the table in `doc` (docs/performance.md) under this machine's hardware class,
+    replacing the one of the same preset, dtype and ep; returns its key."""
+    stamp = stamp or recorder.stamp("cpu")
+    body = recorder.table(title(meta), stamp, how(meta), table_lines(results))
+    return recorder.write(doc, "parallel", f"{meta['preset']}:{meta['dtype']}:ep-{meta['ep']}", body, stamp)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ Reported per side: tokens/s over the timed steps (non-padding tokens / whole-ste
 warm-up steps excluded) and the process's peak RSS; plus the per-step loss of both sides, which
 must agree (same data, same math) — the run fails if they drift apart.
 
-    .venv/bin/python bench/train_vs_hf.py --preset cpu-small --steps 30 --record docs/performance.md
+    .venv/bin/python bench/train_vs_hf.py --preset cpu-small --repeats 3 --activation-checkpointing \
+        --record docs/performance.md
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "bench"))
+import record as recorder  # noqa: E402  (bench/record.py: --record's tables)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -157,26 +160,42 @@ def prepare(args, work: Path):
     return ckpt, ds.path
 
 
+def table_lines(res: dict) -> list[str]:
+    base = res["sides"][0]
+    lines = ["| side | tokens/s | vs Transformers | peak RSS (GiB) | vs Transformers |", "|---|---:|---:|---:|---:|"]
+    for s in res["sides"]:
+        lines.append(f"| {s['impl']} | {s['tokens_per_s']:.0f} | {s['tokens_per_s'] / base['tokens_per_s']:.2f}× | "
+                     f"{s['peak_rss_bytes'] / 2**30:.2f} | {s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}× |")
+    return lines
+
+
+def how(res: dict) -> str:
+    m = res["meta"]
+    return (f"{m['steps']} timed steps after {m['warmup']} warm-up, best of {m['repeats']} alternating runs "
+            f"per side (all runs' tokens/s in the JSON); packed chat tokens, AdamW + clip 1.0, "
+            f"{m['threads']} CPU threads; torch {m['torch']}, transformers {m['transformers']}; "
+            f"the two sides' losses agree to {res['max_loss_rel_diff']:.1e} (largest relative difference)")
+
+
 def markdown(res: dict) -> str:
     m = res["meta"]
-    base = res["sides"][0]
-    lines = [f"### Fine-tuning loop, {m['preset']}: AutoMoE trainer vs Transformers loop ({m['date']})", "",
-             f"Best of {m['repeats']} alternating runs per side (all runs' tokens/s in the JSON). "
-             f"{m['steps']} timed steps after {m['warmup']} warm-up, micro-batch {m['micro']} x {m['seq']} "
-             f"packed chat tokens, float32, AdamW + clip 1.0, {m['threads']} CPU threads, "
-             f"{m['cpu']}; torch {m['torch']}, transformers {m['transformers']}. "
-             f"Loss agreement: max relative difference {res['max_loss_rel_diff']:.1e} over all steps.", "",
-             "| side | tokens/s | vs Transformers | peak RSS (GiB) | vs Transformers |", "|---|---|---|---|---|"]
-    for s in res["sides"]:
-        lines.append(f"| {s['impl']} | {s['tokens_per_s']:.0f} | {s['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-                     f"{s['peak_rss_bytes'] / 2**30:.2f} | {s['peak_rss_bytes'] / base['peak_rss_bytes']:.2f}x |")
-    return "\n".join(lines) + "\n"
+    return "\n".join([f"Fine-tuning loop, {m['preset']}: AutoMoE trainer vs Transformers loop, {m['cpu']}, "
+                      f"{m['date']}", "", how(res), "", *table_lines(res)]) + "\n"
 
 
-def record(res: dict, doc: Path) -> None:
-    from compare_hf import write_section  # bench/ is on sys.path when this script runs
+def record_markdown(res: dict, stamp) -> str:
+    """The table as docs/performance.md holds it."""
+    m = res["meta"]
+    title = f"{m['preset']} · float32 · micro-batch {m['micro']} × {m['seq']}"
+    return recorder.table(title, stamp, how(res), table_lines(res))
 
-    write_section(doc, f"train-vs-hf:{res['meta']['preset']}", markdown(res))
+
+def record(res: dict, doc: Path, stamp=None) -> str:
+    """Files the table in `doc` (docs/performance.md) under this machine's hardware class,
+    replacing the one of the same preset; returns its key."""
+    stamp = stamp or recorder.stamp("cpu")
+    return recorder.write(doc, "train_vs_hf", f"{res['meta']['preset']}:float32",
+                          record_markdown(res, stamp), stamp)
 
 
 def main() -> int:
@@ -194,7 +213,8 @@ def main() -> int:
                    help="also run AutoMoE with train.activation_checkpointing")
     p.add_argument("--repeats", type=int, default=1, help="alternate the sides this many times, keep each one's best")
     p.add_argument("--tolerance", type=float, default=1e-3, help="max relative loss difference allowed")
-    p.add_argument("--record", help="update this Markdown file (docs/performance.md)")
+    p.add_argument("--record", help="put the table into this Markdown file (docs/performance.md), in the "
+                   "section of this machine's hardware class, replacing the same preset's")
     p.add_argument("--json", help="write the result here")
     # internal: one side in a fresh process
     p.add_argument("--side", choices=["hf"], help=argparse.SUPPRESS)

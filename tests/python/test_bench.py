@@ -62,7 +62,13 @@ def test_compare_hf_runs_both_sides_and_writes_every_field(tmp_path):
     assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
     assert (out / "chart.png").stat().st_size > 1000
     assert "| automoe" in (out / "results.md").read_text()
-    assert "<!-- bench tiny.json:cpu:float32:fake -->" in doc.read_text()
+    # --record: the table in this machine's hardware-class section, stamped with the commit
+    import record
+
+    stamp = record.stamp("cpu")
+    recorded = doc.read_text()
+    assert f"<!-- bench {stamp.hw_class} compare_hf tiny.json:float32:fake -->" in recorded
+    assert f"## {record.CLASSES[stamp.hw_class]}" in recorded and f"commit {stamp.commit}" in recorded
 
 
 def test_bench_print_config_gives_the_exact_qwen3_30b_layer_geometry():
@@ -195,3 +201,177 @@ def test_version_names_the_package_version_libtorch_and_the_cpu_level():
     isa = dict(torch.ops.automoe._cpu_kernel_paths())["isa"]
     assert out.stdout.strip() == (f"automoe {project} (LibTorch {torch.__version__.split('+')[0]}, "
                                   f"CPU kernels {isa})")
+
+
+# ---------------------------------------------------------------------------------------------
+# --record: each script's table goes into docs/performance.md's section of the hardware class it
+# ran on, stamped, replacing the previous table of the same configuration (bench/record.py).
+# ---------------------------------------------------------------------------------------------
+ZEN5 = "processor\t: 0\nmodel name\t: AMD EPYC 9R45\nflags\t\t: fpu sse avx2 avx512f avx512bw avx512_bf16\n"
+ZEN3 = "processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu sse avx2 fma\n"
+SAPPHIRE = "model name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+
+
+def bench_module(name: str):
+    import importlib
+
+    if str(REPO / "bench") not in sys.path:
+        sys.path.insert(0, str(REPO / "bench"))
+    return importlib.import_module(name)
+
+
+def class_section(text: str, title: str) -> str:
+    """The text of one `## title` section."""
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
+
+
+def compare_hf_result(tokens_per_s: float, model: str = "cpu-small", lora: int = 0) -> dict:
+    compare_hf = bench_module("compare_hf")
+    meta = dict(model=model, batch=2, seq=256, dtype="bfloat16", device="cpu", lora=lora, dropin=False,
+                machine="?", warmup=1, steps=3, repeat=2, fake_balanced_gate=False,
+                versions={"torch": "2.11.0", "transformers": "5.17.0", "python": "3.11"},
+                date="2026-12-03", peak_tflops={"bfloat16": 0.826, "float32": 0.185},
+                datasheet_bf16_tflops=None, train_flops_per_token=1e6)
+    side = dict(tokens_per_step=512, forward_ms=20.0, backward_ms=30.0, optimizer_ms=9.0,
+                peak_memory_bytes=2**30, baseline_memory_bytes=2**29, allocator="jemalloc",
+                cpu_kernels={"gemm_bf16": "brgemm", "gemm_fp32": "avx512", "lm_head_bf16": "aten"})
+    records = [dict(side, side="transformers", impl="transformers grouped_mm (sdpa)", tokens_per_s=1109.6,
+                    step_ms=59.0, allocator="glibc"),
+               dict(side, side="automoe", impl="automoe (experts=grouped, attn=sdpa, loss=fused_linear_ce)",
+                    tokens_per_s=tokens_per_s, step_ms=31.0)]
+    return compare_hf.summarize(records, meta, 1e6, 0.826, None)
+
+
+def test_record_chooses_the_hardware_class_from_the_cpu_flags_and_the_device():
+    record = bench_module("record")
+    assert record.hardware_class("cpu", record.cpu_flags(SAPPHIRE)) == "amx"
+    assert record.hardware_class("cpu", record.cpu_flags(ZEN5)) == "avx512-bf16"
+    assert record.hardware_class("cpu", record.cpu_flags(ZEN3)) == "avx2"
+    assert record.hardware_class("cpu", {"avx2", "avx512f"}) == "avx2"  # AVX-512 without bf16
+    assert record.hardware_class("cuda", record.cpu_flags(SAPPHIRE)) == "nvidia-gpu"
+    assert record.hardware_class("cuda:1", set()) == "nvidia-gpu"
+    s = record.stamp("cpu", cpuinfo=ZEN5, date="2026-12-03", git_commit="bcce9f2")
+    assert (s.hw_class, s.isa) == ("avx512-bf16", "AVX-512-BF16 + AVX-512 + AVX2")
+    assert s.machine.startswith("AMD EPYC 9R45, ") and s.machine.endswith(" cores")
+    assert record.heading("cpu-small · bfloat16", s) == (
+        f"**cpu-small · bfloat16** · 2026-12-03 · {s.machine} · AVX-512-BF16 + AVX-512 + AVX2 · commit bcce9f2")
+
+
+def test_record_stamps_the_short_commit_and_a_dirty_tree(tmp_path):
+    record = bench_module("record")
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(git[:3] + ["init", "-q"], check=True)
+    (tmp_path / "a.txt").write_text("1")
+    subprocess.run(git + ["add", "a.txt"], check=True)
+    subprocess.run(git + ["commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert record.commit(tmp_path) == head
+    (tmp_path / "untracked.json").write_text("{}")  # results beside the tree do not make it dirty
+    assert record.commit(tmp_path) == head
+    (tmp_path / "a.txt").write_text("2")
+    assert record.commit(tmp_path) == head + "+dirty"
+    assert record.commit(tmp_path / "missing") == "unknown"
+
+
+def test_compare_hf_record_replaces_its_table_in_its_class_and_leaves_the_others(tmp_path):
+    compare_hf, record = bench_module("compare_hf"), bench_module("record")
+    doc = tmp_path / "performance.md"
+    zen5 = record.stamp("cpu", cpuinfo=ZEN5, date="2026-12-03", git_commit="aaaaaaa")
+    zen3 = record.stamp("cpu", cpuinfo=ZEN3, date="2026-12-03", git_commit="bbbbbbb")
+    key = compare_hf.record(compare_hf_result(9542.4), doc, zen5)
+    assert key == "avx512-bf16 compare_hf cpu-small:bfloat16:real"
+    compare_hf.record(compare_hf_result(1234.5, model="cpu-medium"), doc, zen5)
+    compare_hf.record(compare_hf_result(2862.0), doc, zen3)
+    compare_hf.record(compare_hf_result(7777.7), doc, record.Stamp(**{**vars(zen5), "commit": "ccccccc+dirty"}))
+    text = doc.read_text()
+    assert text.count(f"<!-- bench {key} -->") == 1 and text.count(f"<!-- /bench {key} -->") == 1
+    zen5_part = class_section(text, "AVX-512-BF16 CPU")
+    assert "| 7777.7 |" in zen5_part and "9542.4" not in text  # replaced, not appended
+    assert "commit ccccccc+dirty" in zen5_part and "commit aaaaaaa" in zen5_part  # cpu-medium's kept
+    assert "| 1234.5 |" in zen5_part and "**cpu-medium · bfloat16 · batch 2 × 256** · 2026-12-03" in zen5_part
+    avx2_part = class_section(text, "AVX2 CPU")
+    assert "| 2862.0 |" in avx2_part and "7777.7" not in avx2_part and "AVX2 · commit bbbbbbb" in avx2_part
+    assert "### Training steps against Transformers" in avx2_part
+    # LoRA runs are their own configuration, in their own slot
+    lora_key = compare_hf.record(compare_hf_result(48.3, model="qwen3-30b-a3b-L2", lora=8), doc, zen5)
+    assert lora_key == "avx512-bf16 lora qwen3-30b-a3b-L2:bfloat16:real:lora8"
+    assert "### LoRA against Transformers + PEFT" in class_section(doc.read_text(), "AVX-512-BF16 CPU")
+
+
+def test_records_land_in_the_documents_own_sections(tmp_path):
+    """docs/performance.md has a slot for every benchmark in each measured hardware class and a
+    bare 'Not measured yet.' in the others, so a recorded table goes where the document expects
+    it: over the table of the same configuration, into an empty slot (whose 'Not measured yet.'
+    goes), or as a class's first slot (and the class's 'Not measured yet.' goes)."""
+    record, compare_hf = bench_module("record"), bench_module("compare_hf")
+    real = (REPO / "docs" / "performance.md").read_text()
+    for cls, title in record.CLASSES.items():
+        part = class_section(real, title)
+        if "<!-- bench " in part:
+            for bench in record.BENCHMARKS:
+                assert f"<!-- slot {cls} {bench} -->" in part and f"<!-- /slot {cls} {bench} -->" in part, (cls, bench)
+        else:
+            assert "<!-- slot " not in part and f"\n{record.NOT_MEASURED}\n" in part, cls
+    doc = tmp_path / "performance.md"
+    doc.write_text(real)
+    zen5 = record.stamp("cpu", cpuinfo=ZEN5, date="2026-12-05", git_commit="eeeeeee")
+    before = real.count("<!-- bench ")
+    compare_hf.record(compare_hf_result(9999.9), doc, zen5)  # cpu-small bf16 is there already
+    text = doc.read_text()
+    assert text.count("<!-- bench ") == before and "| 9999.9 |" in class_section(text, "AVX-512-BF16 CPU")
+    assert "| 9542.4 |" not in text
+    avx2 = record.Stamp(**{**vars(zen5), "hw_class": "avx2", "isa": "AVX2"})
+    compare_hf.record(compare_hf_result(55.5, model="qwen3-30b-a3b-L2", lora=8), doc, avx2)
+    slot = doc.read_text().split("<!-- slot avx2 lora -->")[1].split("<!-- /slot avx2 lora -->")[0]
+    assert "| 55.5 |" in slot and record.NOT_MEASURED not in slot
+    amx = record.stamp("cpu", cpuinfo=SAPPHIRE, date="2026-12-05", git_commit="ddddddd")
+    compare_hf.record(compare_hf_result(4321.0), doc, amx)
+    text = doc.read_text()
+    amx_part = class_section(text, "AMX CPU")
+    assert "| 4321.0 |" in amx_part and "AMX + AVX-512-BF16 + AVX-512 + AVX2 · commit ddddddd" in amx_part
+    assert record.NOT_MEASURED not in amx_part and "### Training steps against Transformers" in amx_part
+    assert f"\n{record.NOT_MEASURED}\n" in class_section(text, "NVIDIA GPU")
+    assert text.count("<!-- bench ") == before + 2
+    assert text.splitlines()[:5] == real.splitlines()[:5] and text.endswith(real[real.index("## Method"):])
+
+
+def test_train_vs_hf_ops_bench_and_parallel_record_into_their_slots(tmp_path):
+    record = bench_module("record")
+    doc = tmp_path / "performance.md"
+    zen3 = record.stamp("cpu", cpuinfo=ZEN3, date="2026-12-03", git_commit="fffffff")
+    train_vs_hf = bench_module("train_vs_hf")
+    res = dict(meta=dict(preset="cpu-small", steps=20, warmup=3, micro=4, seq=256, threads=2, repeats=3,
+                         cpu="AMD EPYC 7B13", torch="2.11.0", transformers="5.17.0", date="2026-12-03"),
+               sides=[dict(impl="transformers grouped_mm (sdpa)", tokens_per_s=1402.0, peak_rss_bytes=2**30),
+                      dict(impl="automoe experts=grouped", tokens_per_s=1751.0, peak_rss_bytes=2**29)],
+               max_loss_rel_diff=1.6e-4)
+    assert train_vs_hf.record(res, doc, zen3) == "avx2 train_vs_hf cpu-small:float32"
+    res["sides"][1]["tokens_per_s"] = 1800.0
+    train_vs_hf.record(res, doc, zen3)
+    parallel = bench_module("parallel")
+    meta = dict(preset="cpu-medium", dtype="bfloat16", accum=4, micro=1, seq=256, threads=1, ep="all", cpu="?")
+    rows = [dict(nproc=1, ep=1, zero="-", bucket_mb="-", dispatcher="-", step_s=5.0, tokens_per_s=170.0,
+                 peak_gib_per_rank=3.36),
+            dict(nproc=2, ep=2, zero=1, bucket_mb=32.0, dispatcher="alltoall", step_s=3.0, tokens_per_s=282.0,
+                 peak_gib_per_rank=2.2, wait_s_per_step=0.105, backward_wait_s_per_step=0.238,
+                 grad_sync_s_per_step=0.072, mb_sent_per_step=28.7)]
+    assert parallel.record(meta, rows, doc, zen3) == "avx2 parallel cpu-medium:bfloat16:ep-all"
+    ops_bench = bench_module("ops_bench")
+    result = dict(preset="qwen3-30b-a3b", dtype="bf16", device="cpu", shape=dict(T=4096), reps=5,
+                  only_memory_bound=True, only_ce=False, threads=2, kernel_paths={"isa": "avx2"},
+                  allocator="jemalloc", peaks=dict(matmul_n=1024, matmul_gflops=1.0, matmul_fp32_gflops=180.0,
+                                                   copy_gbs=28.8, copy_mib=256),
+                  rows=[dict(op="rmsnorm", fused_ms=6.03, reference_ms=46.86, speedup=7.77, gbs=13.9,
+                             of_copy_bw=0.48)])
+    assert ops_bench.record(result, doc, zen3) == "avx2 ops_bench qwen3-30b-a3b:bf16:T4096:memory-bound"
+    text = doc.read_text()
+    assert "| 1800 |" in text and "| 1751 |" not in text and text.count("avx2 train_vs_hf cpu-small") == 2
+    assert "| 2 (2) | 1 | 32 | alltoall | 282 | 3.00 | 2.20 GiB | 0.65× | 105 / 238 ms | 72 ms | 28.70 |" in text
+    assert "| rmsnorm | 6.03 | 46.86 | 7.77x | 13.9 GB/s = 48% of copy bw |" in text
+    assert text.count("· AVX2 · commit fffffff") == 3
+    for title in record.BENCHMARKS.values():
+        assert text.count(f"### {title}") == (0 if title in (record.BENCHMARKS["compare_hf"],
+                                                             record.BENCHMARKS["lora"]) else 1)
