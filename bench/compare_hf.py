@@ -219,19 +219,20 @@ def run_python_side(args) -> dict:
 # ---------------------------------------------------------------------------------------------
 def side_env(jemalloc: bool) -> dict:
     """The environment a side runs in: AutoMoE's engine with the allocator `automoe` gives it
-    (jemalloc keeping freed pages, python/automoe/cli.py); Transformers with glibc's malloc, as a
+    (jemalloc keeping freed pages, python/automoe/engine_binary.py); Transformers with glibc's malloc, as a
     user runs it, unless --hf-allocator jemalloc."""
     env = dict(os.environ)
     if not jemalloc:
         return env
-    # automoe/cli.py alone (the stdlib only): importing the package would load its extension,
-    # which this script does not need to run an engine binary.
+    # automoe/engine_binary.py alone (the stdlib only): importing the package would load its
+    # extension, which this script does not need to run an engine binary.
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("_automoe_cli", REPO / "python" / "automoe" / "cli.py")
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
-    return cli.allocator_env(env)
+    path = REPO / "python" / "automoe" / "engine_binary.py"
+    spec = importlib.util.spec_from_file_location("_automoe_engine_binary", path)
+    engine_binary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(engine_binary)
+    return engine_binary.allocator_env(env)
 
 
 def allocator_of(env: dict) -> str:

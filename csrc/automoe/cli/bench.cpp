@@ -179,8 +179,9 @@ Options parse(const Args& args) {
   AUTOMOE_CHECK(o.master_weights == "float32" || o.master_weights == "remainders" ||
                     o.master_weights == "none",
                 "--master-weights: expected float32, remainders or none, got ", o.master_weights);
-  AUTOMOE_CHECK(o.state_dtype == "float32" || o.state_dtype == "bfloat16" || o.state_dtype == "8bit",
-                "--state-dtype: expected float32, bfloat16 or 8bit, got ", o.state_dtype);
+  AUTOMOE_CHECK(
+      o.state_dtype == "float32" || o.state_dtype == "bfloat16" || o.state_dtype == "8bit",
+      "--state-dtype: expected float32, bfloat16 or 8bit, got ", o.state_dtype);
   return o;
 }
 
@@ -231,13 +232,178 @@ json measure_peak(const c10::Device& dev) {
   return out;
 }
 
-}  // namespace
-
 // The malloc behind the CPU allocations: jemalloc when `automoe` preloads it
-// (python/automoe/cli.py), else the C library's.
-static std::string allocator_name() {
+// (python/automoe/engine_binary.py), else the C library's.
+std::string allocator_name() {
   return dlsym(RTLD_DEFAULT, "mallctl") != nullptr ? "jemalloc" : "glibc";
 }
+
+// The model the benchmark trains: random weights of `spec` (Transformers' init), LoRA adapters as
+// PEFT's get_peft_model makes them with --lora, and the trainer's own state (train/step.h).
+struct BenchModel {
+  std::string attn;
+  int64_t num_params = 0, trainable_params = 0;
+  std::unique_ptr<Decoder> decoder;
+  train::OptimizerSection optim;
+  train::TrainState ts;  // must not move once a step began (its hooks point into it)
+};
+
+std::unique_ptr<BenchModel> build_model(const Options& o, const ModelSpec& spec,
+                                        const c10::Device& dev) {
+  auto m = std::make_unique<BenchModel>();
+  m->attn = !o.attn.empty() ? o.attn : spec.attn.sinks ? "eager" : "sdpa";
+  BackendConfig backend = BackendConfig::from_map(
+      {{"attn", m->attn}, {"experts", o.experts}, {"loss", o.loss}, {"linear", o.linear}},
+      "automoe bench");
+  backend.fake_balanced_gate = o.fake_gate;
+  NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
+  for (const auto& [n, t] : params) m->num_params += t.numel();
+  m->decoder = std::make_unique<Decoder>(spec, backend, std::move(params));
+  std::vector<LoraSite> sites;
+  if (o.lora > 0) {  // what PEFT's get_peft_model makes: float32 adapters, trained alone
+    LoraConfig c;
+    c.r = o.lora;
+    c.lora_alpha = 2.0 * static_cast<double>(o.lora);
+    c.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
+    c.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
+    sites = plan_lora(spec, parameter_layout(spec), c, /*strict=*/false);
+    init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), o.seed);
+  }
+  // The trainer's own state and step (train/step.h): float32 masters, the forward on compute-dtype
+  // copies, gradients accumulated in float32, the fused AdamW, clipping at the recipe default.
+  train::OptimizerSection& optim_cfg = m->optim;
+  optim_cfg.master_weights = o.master_weights;
+  optim_cfg.state_dtype = o.state_dtype;
+  optim_cfg.in_backward = o.in_backward;
+  AUTOMOE_CHECK(!(o.in_backward && o.lora > 0), "--optimizer-in-backward: not with --lora");
+  if (o.in_backward) optim_cfg.max_grad_norm = 0;  // (the recipe demands it too)
+  m->ts = train::make_train_state(*m->decoder, o.dtype, dev, std::move(sites), /*zero=*/false,
+                                  optim_cfg);
+  for (const auto& t : m->ts.opt.master) m->trainable_params += t.numel();
+  optim_cfg.lr = 1e-4;
+  optim_cfg.weight_decay = 0.01;
+  return m;
+}
+
+// Per timed step, in milliseconds; the loss of every step (warm-up too).
+struct Timings {
+  std::vector<double> fwd, bwd, optim, losses;
+};
+
+// The trainer's step on one micro-batch of `ids`, timed by phase: forward + loss; backward into the
+// float32 accumulators; the optimizer (norm, clipping, the fused AdamW, the new weights out).
+Timings time_steps(const Options& o, BenchModel& m, const at::Tensor& ids, const c10::Device& dev,
+                   bench::OpProfile& profiler) {
+  Timings t;
+  train::TrainState& ts = m.ts;
+  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
+    if (o.profile > 0 && step == o.warmup) profiler.start();
+    train::seed_step(o.seed, 0, step);  // the trainer's draws (router jitter, LoRA dropout)
+    sync(dev);
+    auto t0 = Clock::now();
+    ForwardArgs a{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true};
+    a.training = true;
+    const ForwardResult r = m.decoder->forward(a);
+    const at::Tensor loss = *r.loss;
+    sync(dev);
+    const double f = ms_since(t0);
+    t0 = Clock::now();
+    train::begin_step(ts, m.optim, m.optim.lr);
+    train::backward_micro_batch(ts, loss, /*last=*/true);
+    sync(dev);
+    const double b = ms_since(t0);
+    t0 = Clock::now();
+    train::adopt_gradients(ts);
+    train::clip_gradients(ts, ts.opt.grad_norm(), m.optim.max_grad_norm);
+    train::update_weights(ts, m.optim, m.optim.lr);
+    train::release_gradients(ts);
+    sync(dev);
+    const double s = ms_since(t0);
+    t.losses.push_back(loss.item<double>());
+    if (step >= o.warmup) {
+      t.fwd.push_back(f);
+      t.bwd.push_back(b);
+      t.optim.push_back(s);
+    }
+  }
+  return t;
+}
+
+// Peak memory: the CUDA caching allocator's on a GPU, the process's peak RSS (and what it held
+// before the model) on the CPU.
+void add_memory(json& j, const c10::Device& dev, int64_t rss_before) {
+  if (dev.is_cuda()) {
+#ifdef AUTOMOE_TORCH_CUDA
+    const auto stats =
+        c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
+    j["peak_memory_bytes"] = stats.allocated_bytes[0].peak;
+    j["peak_memory_kind"] = "cuda max_memory_allocated";
+#else
+    j["peak_memory_bytes"] = nullptr;
+    j["peak_memory_kind"] = "unavailable (built without CUDA headers)";
+#endif
+  } else {
+    j["peak_memory_bytes"] = rss_peak();
+    j["peak_memory_kind"] = "process peak RSS";
+    j["baseline_memory_bytes"] = rss_before;
+  }
+}
+
+json result(const Options& o, const BenchModel& m, const Timings& t, double flops_per_token) {
+  const double tokens = static_cast<double>(o.batch * o.seq);
+  const double fwd_ms = median(t.fwd), bwd_ms = median(t.bwd), opt_ms = median(t.optim);
+  return {
+      {"side", "automoe"},
+      {"impl", "automoe (experts=" + o.experts + ", attn=" + m.attn + ", loss=" + o.loss +
+                   (o.linear != "auto" ? ", linear=" + o.linear : std::string()) +
+                   (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) +
+                   (o.master_weights != "float32" || o.state_dtype != "float32"
+                        ? ", masters=" + o.master_weights + ", moments=" + o.state_dtype
+                        : std::string()) +
+                   (o.in_backward ? ", in backward" : "") + ")"},
+      {"lora", o.lora},
+      {"trainable_parameters", m.trainable_params},
+      {"device", o.device},
+      {"dtype", dtype_to_name(o.dtype)},
+      {"batch", o.batch},
+      {"seq", o.seq},
+      {"tokens_per_step", tokens},
+      {"warmup", o.warmup},
+      {"steps", o.steps},
+      {"fake_balanced_gate", o.fake_gate},
+      {"master_weights", o.master_weights},
+      {"state_dtype", o.state_dtype},
+      {"optimizer_in_backward", o.in_backward},
+      {"num_parameters", m.num_params},
+      {"forward_ms", fwd_ms},
+      {"backward_ms", bwd_ms},
+      {"optimizer_ms", opt_ms},
+      {"step_ms", fwd_ms + bwd_ms + opt_ms},
+      {"tokens_per_s", tokens / ((fwd_ms + bwd_ms) * 1e-3)},  // NeMo's: forward + backward
+      {"tokens_per_s_step", tokens / ((fwd_ms + bwd_ms + opt_ms) * 1e-3)},  // the whole step
+      {"train_flops_per_token", flops_per_token},
+      {"loss_first", t.losses.front()},
+      {"loss_last", t.losses.back()},
+      {"threads", at::get_num_threads()},
+      {"cpu_kernels", ops::cpu::kernel_paths()},
+      {"allocator", allocator_name()},
+      {"torch_version", TORCH_VERSION},
+  };
+}
+
+// The config.json to benchmark: --config's file, or the preset's.
+LoadedConfig bench_config(const Options& o) {
+  if (o.config_file.empty()) {
+    return parse_config(bench::preset_config_json(o.preset), "preset " + o.preset);
+  }
+  std::ifstream in(o.config_file);
+  AUTOMOE_CHECK(in.good(), o.config_file, ": cannot open config");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return parse_config(ss.str(), o.config_file);
+}
+
+}  // namespace
 
 int bench(const Args& args) {
   const Options o = parse(args);
@@ -254,20 +420,7 @@ int bench(const Args& args) {
          o.json_out);
     return 0;
   }
-
-  std::string text, origin;
-  if (!o.config_file.empty()) {
-    std::ifstream in(o.config_file);
-    AUTOMOE_CHECK(in.good(), o.config_file, ": cannot open config");
-    std::stringstream ss;
-    ss << in.rdbuf();
-    text = ss.str();
-    origin = o.config_file;
-  } else {
-    text = bench::preset_config_json(o.preset);
-    origin = "preset " + o.preset;
-  }
-  const LoadedConfig cfg = parse_config(text, origin);
+  const LoadedConfig cfg = bench_config(o);
   const ModelSpec& spec = cfg.spec;
   const double flops_per_token = training_flops_per_token(spec, o.seq);
   if (o.print_config) {
@@ -277,143 +430,24 @@ int bench(const Args& args) {
   }
 
   const int64_t rss_before = rss_now();
-  const std::string attn = !o.attn.empty() ? o.attn : spec.attn.sinks ? "eager" : "sdpa";
-  BackendConfig backend =
-      BackendConfig::from_map({{"attn", attn}, {"experts", o.experts}, {"loss", o.loss},
-                               {"linear", o.linear}},
-                              "automoe bench");
-  backend.fake_balanced_gate = o.fake_gate;
-  NamedTensors params = init_parameters(spec, o.dtype, dev, o.seed);
-  int64_t num_params = 0;
-  for (const auto& [n, t] : params) num_params += t.numel();
-  Decoder model(spec, backend, std::move(params));
-  std::vector<LoraSite> sites;
-  if (o.lora > 0) {  // what PEFT's get_peft_model makes: float32 adapters, trained alone
-    LoraConfig c;
-    c.r = o.lora;
-    c.lora_alpha = 2.0 * static_cast<double>(o.lora);
-    c.target_modules = {"q_proj", "k_proj", "v_proj", "o_proj"};
-    c.target_parameters = {"mlp.experts.gate_up_proj", "mlp.experts.down_proj"};
-    sites = plan_lora(spec, parameter_layout(spec), c, /*strict=*/false);
-    init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), o.seed);
-  }
-  // The trainer's own state and step (train/step.h): float32 masters, the forward on compute-dtype
-  // copies, gradients accumulated in float32, the fused AdamW, clipping at the recipe default.
-  train::OptimizerSection optim_cfg;
-  optim_cfg.master_weights = o.master_weights;
-  optim_cfg.state_dtype = o.state_dtype;
-  optim_cfg.in_backward = o.in_backward;
-  AUTOMOE_CHECK(!(o.in_backward && o.lora > 0), "--optimizer-in-backward: not with --lora");
-  if (o.in_backward) optim_cfg.max_grad_norm = 0;  // (the recipe demands it too)
-  train::TrainState ts =
-      train::make_train_state(model, o.dtype, dev, std::move(sites), /*zero=*/false, optim_cfg);
-  int64_t trainable_params = 0;
-  for (const auto& t : ts.opt.master) trainable_params += t.numel();
-  optim_cfg.lr = 1e-4;
-  optim_cfg.weight_decay = 0.01;
+  const std::unique_ptr<BenchModel> m = build_model(o, spec, dev);
 #ifdef AUTOMOE_TORCH_CUDA
   if (dev.is_cuda())
     c10::cuda::CUDACachingAllocator::resetPeakStats(dev.index() < 0 ? 0 : dev.index());
 #endif
-
   at::Generator gen = at::detail::createCPUGenerator(o.seed + 1);
   const at::Tensor ids = at::randint(0, spec.vocab_size, {o.batch, o.seq}, gen).to(dev);
-  std::vector<double> fwd, bwd, optim, losses;
   bench::OpProfile profiler;
-  for (int64_t step = 0; step < o.warmup + o.steps; ++step) {
-    if (o.profile > 0 && step == o.warmup) profiler.start();
-    train::seed_step(o.seed, 0, step);  // the trainer's draws (router jitter, LoRA dropout)
-    sync(dev);
-    auto t0 = Clock::now();
-    ForwardArgs a{ids, std::nullopt, std::nullopt, ids, false, std::nullopt, true};
-    a.training = true;
-    const ForwardResult r = model.forward(a);
-    const at::Tensor loss = *r.loss;
-    sync(dev);
-    const double f = ms_since(t0);
-    t0 = Clock::now();
-    train::begin_step(ts, optim_cfg, optim_cfg.lr);
-    train::backward_micro_batch(ts, loss, /*last=*/true);
-    sync(dev);
-    const double b = ms_since(t0);
-    t0 = Clock::now();
-    train::adopt_gradients(ts);
-    train::clip_gradients(ts, ts.opt.grad_norm(), optim_cfg.max_grad_norm);
-    train::update_weights(ts, optim_cfg, optim_cfg.lr);
-    train::release_gradients(ts);
-    sync(dev);
-    const double s = ms_since(t0);
-    losses.push_back(loss.item<double>());
-    if (step >= o.warmup) {
-      fwd.push_back(f);
-      bwd.push_back(b);
-      optim.push_back(s);
-    }
-  }
-
+  const Timings t = time_steps(o, *m, ids, dev, profiler);
   const nlohmann::json profile = o.profile > 0 ? profiler.stop(o.steps) : nlohmann::json();
-
-  const double tokens = static_cast<double>(o.batch * o.seq);
-  const double fwd_ms = median(fwd), bwd_ms = median(bwd), opt_ms = median(optim);
   if (o.profile > 0) {
     double mean_step = 0;
-    for (size_t i = 0; i < fwd.size(); ++i) mean_step += fwd[i] + bwd[i] + optim[i];
-    mean_step /= static_cast<double>(std::max<size_t>(fwd.size(), 1));
+    for (size_t i = 0; i < t.fwd.size(); ++i) mean_step += t.fwd[i] + t.bwd[i] + t.optim[i];
+    mean_step /= static_cast<double>(std::max<size_t>(t.fwd.size(), 1));
     std::cerr << bench::profile_table(profile, mean_step, static_cast<size_t>(o.profile));
   }
-  json j = {
-      {"side", "automoe"},
-      {"impl", "automoe (experts=" + o.experts + ", attn=" + attn + ", loss=" + o.loss +
-                   (o.linear != "auto" ? ", linear=" + o.linear : std::string()) +
-                   (o.lora > 0 ? ", LoRA r=" + std::to_string(o.lora) : std::string()) +
-                   (o.master_weights != "float32" || o.state_dtype != "float32"
-                        ? ", masters=" + o.master_weights + ", moments=" + o.state_dtype
-                        : std::string()) +
-                   (o.in_backward ? ", in backward" : "") +
-                   ")"},
-      {"lora", o.lora},
-      {"trainable_parameters", trainable_params},
-      {"device", o.device},
-      {"dtype", dtype_to_name(o.dtype)},
-      {"batch", o.batch},
-      {"seq", o.seq},
-      {"tokens_per_step", tokens},
-      {"warmup", o.warmup},
-      {"steps", o.steps},
-      {"fake_balanced_gate", o.fake_gate},
-      {"master_weights", o.master_weights},
-      {"state_dtype", o.state_dtype},
-      {"optimizer_in_backward", o.in_backward},
-      {"num_parameters", num_params},
-      {"forward_ms", fwd_ms},
-      {"backward_ms", bwd_ms},
-      {"optimizer_ms", opt_ms},
-      {"step_ms", fwd_ms + bwd_ms + opt_ms},
-      {"tokens_per_s", tokens / ((fwd_ms + bwd_ms) * 1e-3)},  // NeMo's: forward + backward
-      {"tokens_per_s_step", tokens / ((fwd_ms + bwd_ms + opt_ms) * 1e-3)},  // the whole step
-      {"train_flops_per_token", flops_per_token},
-      {"loss_first", losses.front()},
-      {"loss_last", losses.back()},
-      {"threads", at::get_num_threads()},
-      {"cpu_kernels", ops::cpu::kernel_paths()},
-      {"allocator", allocator_name()},
-      {"torch_version", TORCH_VERSION},
-  };
-  if (dev.is_cuda()) {
-#ifdef AUTOMOE_TORCH_CUDA
-    const auto stats =
-        c10::cuda::CUDACachingAllocator::getDeviceStats(dev.index() < 0 ? 0 : dev.index());
-    j["peak_memory_bytes"] = stats.allocated_bytes[0].peak;
-    j["peak_memory_kind"] = "cuda max_memory_allocated";
-#else
-    j["peak_memory_bytes"] = nullptr;
-    j["peak_memory_kind"] = "unavailable (built without CUDA headers)";
-#endif
-  } else {
-    j["peak_memory_bytes"] = rss_peak();
-    j["peak_memory_kind"] = "process peak RSS";
-    j["baseline_memory_bytes"] = rss_before;
-  }
+  json j = result(o, *m, t, flops_per_token);
+  add_memory(j, dev, rss_before);
   if (o.profile > 0) j["profile"] = profile;
   emit(j, o.json_out);
   return 0;

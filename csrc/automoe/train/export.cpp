@@ -76,8 +76,8 @@ Exported export_model(const RunPlace& place, TrainModel& m, const parallel::Worl
         const size_t i = next_param++;
         // (bf16 masters exported as bf16: the weights as trained, no copy; otherwise the float32
         // master, rebuilt from its remainder where it has one)
-        const at::Tensor w = opt.master[i].scalar_type() == export_dtype ? opt.master[i]
-                                                                          : opt.master_f32(i);
+        const at::Tensor w =
+            opt.master[i].scalar_type() == export_dtype ? opt.master[i] : opt.master_f32(i);
         exported.emplace_back(opt.names[i], mine(w, opt.expert[i], export_dtype));
       } else {
         const auto& [name, t] = m.ts.buffers[next_buffer++];

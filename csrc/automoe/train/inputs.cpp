@@ -17,9 +17,11 @@ TrainInputs open_inputs(const Recipe& rc, const TrainData& data, const ModelSpec
   // token is refused (it would train nothing and export the model unchanged).
   in.cut = truncation_at(train_set, rc.data.seq_len);
   const Truncation& cut = in.cut;
-  AUTOMOE_CHECK(cut.documents_without_loss < train_set.num_docs(), data.train,
-                ": none of its ", train_set.num_docs(), " documents has a token to learn within "
-                "data.seq_len = ", rc.data.seq_len, " tokens (", cut.documents_cut_to_no_loss,
+  AUTOMOE_CHECK(cut.documents_without_loss < train_set.num_docs(), data.train, ": none of its ",
+                train_set.num_docs(),
+                " documents has a token to learn within "
+                "data.seq_len = ",
+                rc.data.seq_len, " tokens (", cut.documents_cut_to_no_loss,
                 " have them only past that length: their prompts are longer); raise data.seq_len "
                 "or shorten the prompts");
   const int64_t pad = spec.pad_token_id >= 0 ? spec.pad_token_id : 0;
@@ -29,11 +31,12 @@ TrainInputs open_inputs(const Recipe& rc, const TrainData& data, const ModelSpec
     // A step larger than the data itself repeats documents within the step: a typo, not a plan.
     const int64_t rows_per_epoch =
         Batcher(train_set, 1, rc.data.seq_len, rc.data.packing, false, 0, pad).count_until({}, 1.0);
-    AUTOMOE_CHECK(rc.train.global_batch_size <= rows_per_epoch, "train.global_batch_size: a step of ",
-                  rc.train.global_batch_size, " rows (", rc.train.micro_batch_size, " x ",
-                  rc.train.grad_accumulation_steps, ") is more than the ", rows_per_epoch,
-                  " rows of data.seq_len tokens that ", data.train,
-                  " holds: every step would repeat documents; use at most ", rows_per_epoch);
+    AUTOMOE_CHECK(rc.train.global_batch_size <= rows_per_epoch,
+                  "train.global_batch_size: a step of ", rc.train.global_batch_size, " rows (",
+                  rc.train.micro_batch_size, " x ", rc.train.grad_accumulation_steps,
+                  ") is more than the ", rows_per_epoch, " rows of data.seq_len tokens that ",
+                  data.train, " holds: every step would repeat documents; use at most ",
+                  rows_per_epoch);
   }
   if (!data.validation.empty()) {
     in.val_set = std::make_unique<TokenDataset>(data.validation);

@@ -16,8 +16,8 @@ namespace automoe::train {
 
 struct TrainInputs {
   std::unique_ptr<TokenDataset> train_set;
-  std::unique_ptr<Batcher> batcher;  // micro-batches of train_set
-  Truncation cut;                    // what data.seq_len cuts off train_set's documents
+  std::unique_ptr<Batcher> batcher;       // micro-batches of train_set
+  Truncation cut;                         // what data.seq_len cuts off train_set's documents
   std::unique_ptr<TokenDataset> val_set;  // null without validation data
   std::vector<MicroBatch> val_batches;    // the whole validation pass, in file order
   int64_t total_steps = 0;                // train.max_steps, or the steps of train.epochs
@@ -31,11 +31,11 @@ TrainInputs open_inputs(const Recipe& rc, const TrainData& data, const ModelSpec
 // them (the position and the loss-token total are then the same everywhere without a collective)
 // and trains on its share, micro-batches rank, rank + world, ...
 struct StepPlan {
-  DataPosition start;          // where the step's first micro-batch begins
-  std::vector<int64_t> mine;   // this rank's micro-batches: their index in the step
-  double loss_tokens = 0;      // loss tokens of the whole step (the loss's normaliser)
+  DataPosition start;            // where the step's first micro-batch begins
+  std::vector<int64_t> mine;     // this rank's micro-batches: their index in the step
+  double loss_tokens = 0;        // loss tokens of the whole step (the loss's normaliser)
   double tokens = 0, flops = 0;  // real tokens and training FLOPs of micro-batches with a loss
-  int64_t truncated = 0;       // documents cut at data.seq_len
+  int64_t truncated = 0;         // documents cut at data.seq_len
 };
 
 // Counts the `accum` micro-batches from `pos` (moved past them) for `rank` of `world_size`.

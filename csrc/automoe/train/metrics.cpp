@@ -37,8 +37,7 @@ json expert_load(const std::vector<at::Tensor>& counts, const std::vector<int64_
   return out;
 }
 
-ExpertAdapterMetrics ExpertAdapterMetrics::of(const std::vector<LoraSite>& lora,
-                                              const AdamW& opt) {
+ExpertAdapterMetrics ExpertAdapterMetrics::of(const std::vector<LoraSite>& lora, const AdamW& opt) {
   ExpertAdapterMetrics m;
   for (const auto& site : lora) {
     if (!site.experts) continue;
@@ -96,8 +95,8 @@ RankMetrics gather_rank_metrics(Window& win, Decoder& decoder, const parallel::W
                                 c10::Device dev, size_t moe_layers, int64_t peak_memory_bytes) {
   if (win.expert_counts.empty()) {
     for (size_t l = 0; l < moe_layers; ++l) {
-      win.expert_counts.push_back(at::zeros(
-          {decoder.spec().moe.num_experts}, at::TensorOptions(at::kLong).device(dev)));
+      win.expert_counts.push_back(
+          at::zeros({decoder.spec().moe.num_experts}, at::TensorOptions(at::kLong).device(dev)));
     }
   }
   parallel::all_reduce_sum(world.world, win.expert_counts, "expert load metrics");

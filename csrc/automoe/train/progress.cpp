@@ -9,9 +9,12 @@ namespace automoe::train {
 
 std::string human_count(double v) {
   char buf[32];
-  if (v >= 1e6) std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
-  else if (v >= 1e3) std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
-  else std::snprintf(buf, sizeof buf, "%.0f", v);
+  if (v >= 1e6)
+    std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
+  else if (v >= 1e3)
+    std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);
+  else
+    std::snprintf(buf, sizeof buf, "%.0f", v);
   return buf;
 }
 
@@ -19,8 +22,10 @@ std::string human_time(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const auto t = static_cast<int64_t>(s + 0.5);
   char buf[32];
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
-  else std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, t / 60 % 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%ld:%02ld", t / 60, t % 60);
   return buf;
 }
 

@@ -49,12 +49,12 @@ json run_identity(const Recipe& rc, const TrainData& data, const TokenDataset& t
 void check_same_kind_of_run(const json& state, const json& identity, const fs::path& run,
                             bool lora) {
   const json saved_peft = state.value("peft", json(nullptr));
-  AUTOMOE_CHECK(saved_peft == identity["peft"], "cannot resume ", run.string(), ": its checkpoint ",
-                saved_peft.is_null() ? "is a full fine-tune"
-                                     : "holds LoRA adapters " + saved_peft.dump(),
-                ", but the recipe asks for ",
-                lora ? "LoRA " + identity["peft"].dump() : std::string("a full fine-tune"),
-                "; use another checkpoint.dir, or the recipe's peft section as it was");
+  AUTOMOE_CHECK(
+      saved_peft == identity["peft"], "cannot resume ", run.string(), ": its checkpoint ",
+      saved_peft.is_null() ? "is a full fine-tune" : "holds LoRA adapters " + saved_peft.dump(),
+      ", but the recipe asks for ",
+      lora ? "LoRA " + identity["peft"].dump() : std::string("a full fine-tune"),
+      "; use another checkpoint.dir, or the recipe's peft section as it was");
 }
 
 void check_same_origin(const json& saved, const json& identity, const Recipe& rc,
@@ -82,10 +82,9 @@ void resume_run(const Recipe& rc, const RunPlace& place, const json& identity,
   AdamW& opt = m.ts.opt;
   const fs::path& run = place.run;
   opt.materialize();  // ZeRO-1: full tensors to load into, then this rank's slices of them
-  const json saved = load_checkpoint(run, place.resume_name, opt, m.ts.buffers, st, m.own.begin,
-                                     [&](const json& state) {
-                                       check_same_kind_of_run(state, identity, run, m.lora);
-                                     });
+  const json saved = load_checkpoint(
+      run, place.resume_name, opt, m.ts.buffers, st, m.own.begin,
+      [&](const json& state) { check_same_kind_of_run(state, identity, run, m.lora); });
   opt.absorb();
   opt.release();
   if (!place.dev.is_cuda() && saved.contains("cpu_gemm") && saved["cpu_gemm"].is_string()) {
@@ -98,8 +97,7 @@ void resume_run(const Recipe& rc, const RunPlace& place, const json& identity,
   }
   AUTOMOE_CHECK(st.pos.epoch >= 0 && st.pos.cursor >= 0 && st.pos.cursor < train_documents,
                 (run / "latest").string(), ": data position (epoch ", st.pos.epoch, ", document ",
-                st.pos.cursor, ") is outside the training data's ", train_documents,
-                " documents");
+                st.pos.cursor, ") is outside the training data's ", train_documents, " documents");
   opt.publish(m.ts.model_params);
 }
 

@@ -42,7 +42,8 @@ void check_same_run_on_every_rank(const Recipe& rc, const TrainData& data,
   const std::string mine = ident.dump() + "\n" + config.json->dump() + "\n" + data.train_key;
   const auto all = parallel::all_gather_strings(world.world, mine, world.device, "run identity");
   for (size_t r = 0; r < all.size(); ++r) {
-    AUTOMOE_CHECK(all[r] == all[0], "rank ", r, " was started with a different recipe, model "
+    AUTOMOE_CHECK(all[r] == all[0], "rank ", r,
+                  " was started with a different recipe, model "
                   "config or training data than rank 0; every rank must run the same command");
   }
 }
@@ -68,14 +69,16 @@ parallel::Mesh check_mesh(const Recipe& rc, const parallel::World& world, const 
                           const BackendConfig& backend) {
   const parallel::Mesh mesh = parallel::make_mesh(world.mesh.world, rc.parallel.ep, rc.parallel.dp,
                                                   spec.moe.num_experts, "parallel");
-  AUTOMOE_CHECK(mesh.ep == world.mesh.ep && mesh.dp == world.mesh.dp, "parallel: the recipe's ep = ",
-                mesh.ep, " and dp = ", mesh.dp, " differ from the process groups' (ep = ",
-                world.mesh.ep, ", dp = ", world.mesh.dp, ")");
+  AUTOMOE_CHECK(mesh.ep == world.mesh.ep && mesh.dp == world.mesh.dp,
+                "parallel: the recipe's ep = ", mesh.ep, " and dp = ", mesh.dp,
+                " differ from the process groups' (ep = ", world.mesh.ep, ", dp = ", world.mesh.dp,
+                ")");
   AUTOMOE_CHECK(backend.dispatcher == "auto" || (backend.dispatcher == "local") == (mesh.ep == 1),
                 "model.backend.dispatcher: \"", backend.dispatcher, "\" ",
-                mesh.ep == 1 ? "exchanges tokens between expert-parallel ranks, but parallel.ep is 1"
-                             : "cannot reach the experts of other ranks; with parallel.ep > 1 use "
-                               "allgather, alltoall or alltoall_overlap");
+                mesh.ep == 1
+                    ? "exchanges tokens between expert-parallel ranks, but parallel.ep is 1"
+                    : "cannot reach the experts of other ranks; with parallel.ep > 1 use "
+                      "allgather, alltoall or alltoall_overlap");
   return mesh;
 }
 
@@ -84,8 +87,9 @@ parallel::Mesh check_mesh(const Recipe& rc, const parallel::World& world, const 
 std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::Device dev) {
   AUTOMOE_CHECK(m.mesh.ep == 1, "peft: LoRA under expert parallelism (parallel.ep = ", m.mesh.ep,
                 ") is not supported yet; use parallel.ep: 1 (data parallelism)");
-  AUTOMOE_CHECK(rc.router.bias_update_rate == 0, "router.bias_update_rate: ",
-                rc.router.bias_update_rate, " with peft: the routers' correction bias would train "
+  AUTOMOE_CHECK(rc.router.bias_update_rate == 0,
+                "router.bias_update_rate: ", rc.router.bias_update_rate,
+                " with peft: the routers' correction bias would train "
                 "beside the adapters, but the PEFT adapter export cannot carry it (PEFT would load "
                 "the adapter onto the untrained bias); use 0 with LoRA");
   std::vector<LoraSite> sites;
@@ -95,8 +99,9 @@ std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::
     fail("peft: ", e.what());
   }
   for (const auto& site : sites) {
-    AUTOMOE_CHECK(!(site.experts && rc.peft.lora_dropout > 0), "peft.lora_dropout: ",
-                  rc.peft.lora_dropout, " with routed experts targeted (", site.base(),
+    AUTOMOE_CHECK(!(site.experts && rc.peft.lora_dropout > 0),
+                  "peft.lora_dropout: ", rc.peft.lora_dropout, " with routed experts targeted (",
+                  site.base(),
                   "): PEFT's target_parameters adapters, the format the export writes, have no "
                   "dropout; use 0");
   }
@@ -110,9 +115,11 @@ void use_threads(int64_t threads) {
   if (threads <= 0) return;
   cpu_set_t cpus;
   const int usable = ::sched_getaffinity(0, sizeof cpus, &cpus) == 0 ? CPU_COUNT(&cpus) : 0;
-  AUTOMOE_CHECK(usable == 0 || threads <= usable, "train.threads: ", threads,
-                " is more than the ", usable, " CPUs this process may run on (more threads "
-                "than CPUs only slows every step); use at most ", usable, ", or 0 for all");
+  AUTOMOE_CHECK(usable == 0 || threads <= usable, "train.threads: ", threads, " is more than the ",
+                usable,
+                " CPUs this process may run on (more threads "
+                "than CPUs only slows every step); use at most ",
+                usable, ", or 0 for all");
   at::set_num_threads(static_cast<int>(threads));
 }
 
@@ -135,8 +142,8 @@ RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device de
   // Rank 0 owns the run directory: the lock, metrics, the recipe record; every rank reads it.
   p.lead = world.rank == 0;
   p.dist = world.distributed();
-  AUTOMOE_CHECK(!(p.dist && rc.optimizer.in_backward),
-                "optimizer.in_backward: one process only (", world.mesh.world,
+  AUTOMOE_CHECK(!(p.dist && rc.optimizer.in_backward), "optimizer.in_backward: one process only (",
+                world.mesh.world,
                 " here): each rank's gradients must be summed over the ranks before any update");
   if (p.lead) claim_run_dir(p.run);  // ours (marker), locked, cleaned of a killed save's leftovers
   // Every rank sees the directory as rank 0 left it (a shared file system across nodes).
@@ -151,8 +158,9 @@ RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device de
   if (!rc.checkpoint.resume_from.empty()) {
     std::string complete;
     for (const auto& n : complete_checkpoints(p.run, INT64_MAX)) complete += " " + n;
-    AUTOMOE_CHECK(fs::is_directory(p.run / p.resume_name), "checkpoint.resume_from: ",
-                  p.resume_name, " is not a checkpoint in ", p.run.string(),
+    AUTOMOE_CHECK(fs::is_directory(p.run / p.resume_name),
+                  "checkpoint.resume_from: ", p.resume_name, " is not a checkpoint in ",
+                  p.run.string(),
                   complete.empty() ? " (it holds none)" : "; complete ones:" + complete);
   }
   return p;
@@ -197,8 +205,8 @@ std::unique_ptr<TrainModel> load_train_model(const Recipe& rc, const TrainData& 
   // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
   // (LoRA: the adapters are small; every rank keeps their whole state.)
   const bool zero = place.dist && rc.parallel.zero >= 1 && !m->lora;
-  m->ts = make_train_state(*m->pm.decoder, place.compute, place.dev, m->lora_sites, zero,
-                           rc.optimizer);
+  m->ts =
+      make_train_state(*m->pm.decoder, place.compute, place.dev, m->lora_sites, zero, rc.optimizer);
   AdamW& opt = m->ts.opt;
   m->bias_balance.emplace(*m->pm.decoder, rc.router.bias_update_rate);
   AUTOMOE_CHECK(

@@ -35,10 +35,10 @@ c10::Device resolve_device(const std::string& name);
 struct RunPlace {
   c10::Device dev = c10::kCPU;
   c10::ScalarType compute = c10::kFloat;  // model.dtype
-  std::filesystem::path run;               // checkpoint.dir
-  bool lead = true;                        // rank 0: owns the run directory, writes the logs
-  bool dist = false;                       // more than one process
-  std::string resume_name;                 // the checkpoint to resume from; "" starts afresh
+  std::filesystem::path run;              // checkpoint.dir
+  bool lead = true;                       // rank 0: owns the run directory, writes the logs
+  bool dist = false;                      // more than one process
+  std::string resume_name;                // the checkpoint to resume from; "" starts afresh
 };
 
 // Rank 0 claims checkpoint.dir (marker, lock, a killed save's leftovers removed); every rank then
@@ -51,12 +51,12 @@ RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device de
 struct TrainModel {
   PretrainedModel pm;
   parallel::Mesh mesh;
-  parallel::ExpertRange own;    // this rank's experts (count 0: all of them, no expert parallelism)
-  c10::ScalarType stored;       // the checkpoint's dtype (the export's default)
-  bool lora = false;            // a peft: section: the base frozen, the adapters trained
+  parallel::ExpertRange own;  // this rank's experts (count 0: all of them, no expert parallelism)
+  c10::ScalarType stored;     // the checkpoint's dtype (the export's default)
+  bool lora = false;          // a peft: section: the base frozen, the adapters trained
   LoraConfig lora_config;
   std::vector<LoraSite> lora_sites;
-  TrainState ts;                // must not move once a step began (its hooks point into it)
+  TrainState ts;  // must not move once a step began (its hooks point into it)
   std::optional<BiasBalance> bias_balance;
   std::vector<int64_t> moe_layers;
   ExpertAdapterMetrics expert_adapters;

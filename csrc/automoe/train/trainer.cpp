@@ -80,9 +80,7 @@ class Trainer {
   void sync() const {
     if (place_.dev.is_cuda()) torch::cuda::synchronize();
   }
-  bool logged_step() const {
-    return st_.step % rc_.log.every == 0 || st_.step == in_.total_steps;
-  }
+  bool logged_step() const { return st_.step % rc_.log.every == 0 || st_.step == in_.total_steps; }
   void emit(const json& rec) {
     if (run_log_) run_log_->emit(rec);
   }
@@ -129,11 +127,10 @@ Trainer::Trainer(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
 
 int Trainer::run() {
   // Measured before a resume restores the RNG state (the measurement draws random matrices).
-  peak_tflops_ = rc_.log.peak_tflops > 0
-                     ? rc_.log.peak_tflops
-                     : measure_matmul_peak(place_.dev, place_.compute,
-                                           place_.dev.is_cuda() ? 0 : 512)
-                           .tflops;
+  peak_tflops_ =
+      rc_.log.peak_tflops > 0
+          ? rc_.log.peak_tflops
+          : measure_matmul_peak(place_.dev, place_.compute, place_.dev.is_cuda() ? 0 : 512).tflops;
   identity_ = run_identity(rc_, data_, *in_.train_set, m_.lora);
   if (!place_.resume_name.empty()) {
     resume_run(rc_, place_, identity_, in_.train_set->num_docs(), m_, st_);
@@ -169,16 +166,15 @@ void Trainer::start() {
   const fs::path jsonl = rc_.log.jsonl.empty() ? run / "metrics.jsonl" : fs::path(rc_.log.jsonl);
   if (place_.lead) run_log_ = std::make_unique<RunLog>(jsonl.string(), rc_.log.tensorboard);
   const parallel::Mesh& mesh = m_.mesh;
-  progress_.line("automoe train: " + std::to_string(in_.total_steps) + " steps of " +
-                 std::to_string(rc_.train.global_batch_size) + " x " +
-                 std::to_string(rc_.data.seq_len) + " tokens, " +
-                 dtype_to_name(place_.compute) + " on " + place_.dev.str() +
-                 (place_.dist ? " x " + std::to_string(mesh.world) + " processes (ep " +
-                                    std::to_string(mesh.ep) + ", dp " + std::to_string(mesh.dp) +
-                                    ")"
-                              : std::string()) +
-                 (st_.step > 0 ? ", resuming at step " + std::to_string(st_.step) : "") +
-                 " -> " + run.string());
+  progress_.line(
+      "automoe train: " + std::to_string(in_.total_steps) + " steps of " +
+      std::to_string(rc_.train.global_batch_size) + " x " + std::to_string(rc_.data.seq_len) +
+      " tokens, " + dtype_to_name(place_.compute) + " on " + place_.dev.str() +
+      (place_.dist ? " x " + std::to_string(mesh.world) + " processes (ep " +
+                         std::to_string(mesh.ep) + ", dp " + std::to_string(mesh.dp) + ")"
+                   : std::string()) +
+      (st_.step > 0 ? ", resuming at step " + std::to_string(st_.step) : "") + " -> " +
+      run.string());
   const TokenDataset& train_set = *in_.train_set;
   if (st_.step > 0) {
     emit({{"type", "resume"}, {"step", st_.step}});  // steps after it may be logged a second time
@@ -222,7 +218,7 @@ bool Trainer::step() {
                                   m_.mesh.world, world_.rank, m_.spec());
   win_.truncated += plan.truncated;
   const double lr = learning_rate(rc_.optimizer, rc_.schedule, st_.step, in_.total_steps);
-  begin_step(m_.ts, rc_.optimizer, lr);             // (optimizer.in_backward: the backward updates)
+  begin_step(m_.ts, rc_.optimizer, lr);  // (optimizer.in_backward: the backward updates)
   seed_step(rc_.train.seed, world_.rank, st_.step);  // the step's jitter / dropout draws
   StepLoss loss = forward_backward(plan);
   adopt_gradients(m_.ts);  // float32: the optimizer reads the gradients autograd accumulated
@@ -255,8 +251,7 @@ StepLoss Trainer::forward_backward(const StepPlan& plan) {
   StepLoss loss;
   StepBatches batches(*in_.batcher, plan.start);
   // ZeRO-2 reduces the gradients after every backward: every rank runs all its micro-batches.
-  const bool every_backward_meets =
-      m_.mesh.ep > 1 || (opt_.sharded() && rc_.parallel.zero == 2);
+  const bool every_backward_meets = m_.mesh.ep > 1 || (opt_.sharded() && rc_.parallel.zero == 2);
   for (size_t k = 0; k < plan.mine.size(); ++k) {
     if (plan.loss_tokens == 0) break;  // nothing to learn in the whole step: not run
     const MicroBatch mb = batches.get(plan.mine[k]);
@@ -274,8 +269,8 @@ StepLoss Trainer::forward_backward(const StepPlan& plan) {
     // term's scale does not depend on how the step is split.
     a.aux_loss_scale = static_cast<double>(mb.loss_tokens) / plan.loss_tokens;
     // Under ZeRO the gradients leave for their buckets during the backward (see AdamW::shard).
-    const ForwardResult r = train_micro_batch(m_.ts, m_.decoder(), a, k + 1 == plan.mine.size(),
-                                              [this] { sync(); }, &win_.grad_sync_s);
+    const ForwardResult r = train_micro_batch(
+        m_.ts, m_.decoder(), a, k + 1 == plan.mine.size(), [this] { sync(); }, &win_.grad_sync_s);
     const double aux = r.aux_loss ? r.aux_loss->item<double>() : 0.0;
     const double total = r.loss->item<double>();
     loss.ce_sum += (total - aux_coef_ * a.aux_loss_scale * aux) * plan.loss_tokens;
@@ -392,7 +387,8 @@ void Trainer::log(double lr) {
       {"type", "train"},
       {"step", st_.step},
       {"total_steps", in_.total_steps},
-      {"epoch", static_cast<double>(st_.pos.epoch) + static_cast<double>(st_.pos.cursor) / num_docs},
+      {"epoch",
+       static_cast<double>(st_.pos.epoch) + static_cast<double>(st_.pos.cursor) / num_docs},
       {"loss", win_.loss_tokens > 0 ? win_.ce_sum / win_.loss_tokens : NAN},
       {"aux_loss", win_.aux_steps > 0 ? win_.aux_weighted / win_.aux_steps : NAN},
       {"grad_norm", win_.grad_norm},
@@ -525,8 +521,8 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   // From here a SIGTERM / SIGINT / SIGHUP ends the run after its step, with a checkpoint.
   const StopSignals stop;
   const c10::Device dev = resolve_device(rc.train.device);
-  c10::OptionalDeviceGuard device_guard;  // cuda:N: N is the current device for the whole run
-  if (dev.is_cuda()) device_guard.reset_device(dev);
+  // cuda:N: N is the current device for the whole run.
+  const c10::OptionalDeviceGuard device_guard(dev.is_cuda() ? std::optional(dev) : std::nullopt);
   const RunPlace place = open_run(rc, world, dev);
   const std::unique_ptr<TrainModel> model = load_train_model(rc, data, world, place);
   const TrainInputs inputs = open_inputs(rc, data, model->spec());
