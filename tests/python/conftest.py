@@ -23,6 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 _CACHE = tempfile.mkdtemp(prefix="automoe-test-cache-")
 os.environ["AUTOMOE_CACHE"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, True)
+# Where the `automoe train` tests keep their tokenised data, shared by the session: a dataset is
+# tokenised once (Transformers' import and the tokenisation cost seconds a run), not once a test.
+SHARED_DATA_CACHE = Path(_CACHE) / "datasets"
 
 REPO = Path(__file__).resolve().parents[2]
 AUTOMOE_BIN = REPO / "python" / "automoe" / "bin" / "automoe"

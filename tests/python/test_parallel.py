@@ -274,9 +274,17 @@ def test_a_killed_rank_stops_every_rank_with_an_error(model_dir, tmp_path):
 
 
 def test_a_stalled_rank_fails_the_others_within_the_timeout(model_dir, tmp_path):
+    import psutil
+
     with long_run_on_two_ranks(model_dir, tmp_path, timeout_s=5) as (launcher, workers):
         workers[1].suspend()  # alive, holding its sockets open, never reaching the next collective
         t0 = time.monotonic()
+        psutil.wait_procs([workers[0]], timeout=120)  # rank 0 gives up after parallel.timeout_s
+        assert not workers[0].is_running() or workers[0].status() == psutil.STATUS_ZOMBIE
+        assert time.monotonic() - t0 < 60
+        # The launcher now stops the stalled rank; a stopped process takes torchrun's SIGTERM only
+        # when it runs again (torchrun would wait 30 s, then SIGKILL it): let it run.
+        workers[1].resume()
         _, err = launcher.communicate(timeout=180)
         assert launcher.returncode != 0
         assert time.monotonic() - t0 < 120

@@ -9,6 +9,7 @@ bit. AUTOMOE_FAULT_ALL=1 kills at every write too (slow: thousands of runs)."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import resource
@@ -53,6 +54,28 @@ def write_recipe(recipe: dict, tmp: Path) -> Path:
 def run(args: list[str], env: dict | None = None, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(A + args, capture_output=True, text=True, env=env or globals()["env"](),
                           timeout=300, **kw)
+
+
+def engine(args: list[str], env: dict) -> tuple[list[str], dict]:
+    """`automoe ARGS` as the front starts the engine (automoe.engine_binary: the same binary, its
+    allocator and LibTorch), without the front's Python start (a second per run) — for the loops
+    that run it dozens of times, where every fault point is the engine's. `automoe train`'s front
+    resolves the recipe and tokenises first (cached by then), exactly as it does before its exec."""
+    from automoe import engine_binary
+    from automoe import train as front
+
+    if args[0] == "train":
+        recipe = front.resolve(front.load_recipe(args[1], []), args[1])
+        args = ["train", "--recipe-text", json.dumps(recipe), "--origin", args[1],
+                *front.prepare(recipe, log=io.StringIO())]
+    full = engine_binary.allocator_env(env)
+    full["LD_LIBRARY_PATH"] = engine_binary.engine_env()["LD_LIBRARY_PATH"]
+    return [str(engine_binary.binary()), *args], full
+
+
+def run_engine(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd, full = engine(args, env or globals()["env"]())
+    return subprocess.run(cmd, capture_output=True, text=True, env=full, timeout=300)
 
 
 def fault_points(args: list[str], tmp: Path) -> list[tuple[int, str, str]]:
@@ -117,14 +140,14 @@ def test_sigkill_at_each_rename_and_write_of_checkpoints_and_export_resumes_iden
         run_dir = tmp_path / f"kill-{n}"
         r = dict(recipe, checkpoint=dict(recipe["checkpoint"], dir=str(run_dir)))
         args = ["train", str(write_recipe(r, tmp_path))]
-        killed = run(args, env=env(AUTOMOE_FAULT_KILL_AT=str(n)))
+        killed = run_engine(args, env=env(AUTOMOE_FAULT_KILL_AT=str(n)))
         assert killed.returncode == -signal.SIGKILL, (n, what, path, killed.stderr)
         # No completed checkpoint is lost: `latest` always names a whole one.
         if (run_dir / "latest").exists():
             name = (run_dir / "latest").read_text().strip()
             for f in ("trainer_state.json", "model.safetensors", "optimizer.safetensors"):
                 assert (run_dir / name / f).is_file(), (n, what, path, name, f)
-        resumed = run(args)
+        resumed = run_engine(args)
         assert resumed.returncode == 0, (n, what, path, resumed.stderr)
         got = metrics(run_dir)
         assert {s: rec["loss"] for s, rec in got.items()} == ref_losses, (n, what, path)
@@ -162,12 +185,12 @@ def test_sigkill_at_each_step_of_an_in_place_convert_leaves_a_loadable_checkpoin
     for i, (n, what, path) in enumerate(points):
         d = tmp_path / f"kill-{n}"
         shutil.copytree(src, d)
-        killed = run(args(d), env=env(AUTOMOE_FAULT_KILL_AT=str(n)))
+        killed = run_engine(args(d), env=env(AUTOMOE_FAULT_KILL_AT=str(n)))
         assert killed.returncode == -signal.SIGKILL, (n, what, path, killed.stderr)
         got = transformers_state(d)
         same_tensors(got, want)
         if i % 4 == 0:  # AutoMoE then finishes the job and cleans up after the kill
-            again = run(args(d))
+            again = run_engine(args(d))
             assert again.returncode == 0, (n, what, path, again.stderr)
             assert not [p.name for p in d.iterdir() if ".pending-" in p.name or ".tmp." in p.name]
             same_tensors(transformers_state(d), want)
@@ -324,7 +347,8 @@ def test_a_save_that_does_not_fit_fails_naming_it_and_keeps_the_checkpoint_it_re
 
 
 def test_a_full_cache_disk_names_the_cache(model_dir, tmp_path):
-    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1},
+                         data={"cache_dir": str(tmp_path / "cache")})
     proc = subprocess.run(A + ["train", str(write_recipe(recipe, tmp_path))], capture_output=True,
                           text=True, env=env(), preexec_fn=limit_file_size(1024), timeout=300)
     assert proc.returncode == 1
@@ -389,7 +413,8 @@ def test_a_read_only_directory_is_reported_as_such(model_dir, tmp_path):
 
 
 def test_leftovers_of_a_killed_save_are_removed_at_the_next_start(model_dir, tmp_path):
-    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1})
+    recipe = base_recipe(model_dir, tmp_path, "run", train={"max_steps": 1},
+                         data={"cache_dir": str(tmp_path / "cache")})
     run_train(recipe, tmp_path)
     run_dir = tmp_path / "run"
     dead = 2**22 + 12345  # above the kernel's pid_max default: no such process

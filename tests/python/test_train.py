@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import REPO
+from conftest import REPO, SHARED_DATA_CACHE
 
 EXAMPLES = REPO / "examples" / "data"
 
@@ -58,8 +58,10 @@ def run_train(recipe: dict, tmp: Path, *overrides: str, check: bool = True, time
 def base_recipe(model_dir: Path, tmp: Path, run: str, train_file: Path | None = None, **sections) -> dict:
     r = {
         "model": {"path": str(model_dir), "dtype": "float32"},
+        # The tokenised data in the session's shared cache (conftest's AUTOMOE_CACHE): each dataset
+        # is tokenised once per session; tests of the cache itself give their own data.cache_dir.
         "data": {"train": str(train_file or EXAMPLES / "chat_train.jsonl"), "seq_len": 128,
-                 "cache_dir": str(tmp / "cache")},
+                 "cache_dir": str(SHARED_DATA_CACHE)},
         "train": {"micro_batch_size": 2, "max_steps": 4, "seed": 0, "threads": 2},
         "optimizer": {"lr": 1e-3},
         "schedule": {"warmup_steps": 1},
