@@ -1,6 +1,6 @@
 # AutoMoE developer entry points. `make demo` and `make test` set everything up themselves
 # (Debian packages, .venv, CMake build) and are quick when nothing changed.
-.PHONY: all setup build test test-imports test-cpp test-python test-fuzz demo clean
+.PHONY: all setup build test test-imports test-sizes test-cpp test-python test-fuzz demo clean
 
 BUILD ?= build
 PY := $(CURDIR)/.venv/bin/python
@@ -41,7 +41,12 @@ FUZZ_SECONDS ?= 30
 test-imports:
 	python3 scripts/check_imports.py python/automoe
 
-test: test-imports test-cpp test-python test-fuzz
+# No source file over 800 lines in csrc/ or python/, no C++ function over 150 (scripts/check_sizes.py;
+# function extents from universal-ctags, installed by setup).
+test-sizes: setup
+	python3 scripts/check_sizes.py
+
+test: test-imports test-sizes test-cpp test-python test-fuzz
 
 demo: build
 	$(PY) -m automoe.demo

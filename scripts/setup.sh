@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 debs=(cmake g++ ninja-build ccache nlohmann-json3-dev libgtest-dev python3-venv python3-dev libjemalloc2
+      universal-ctags  # scripts/check_sizes.py (function lengths)
       clang lld libclang-rt-14-dev)  # the last three: scripts/fuzz.sh (libFuzzer, sanitizers)
 missing=()
 for p in "${debs[@]}"; do

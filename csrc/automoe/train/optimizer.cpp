@@ -88,8 +88,8 @@ void AdamW::init(const NamedTensors& masters_in, const std::vector<bool>& routed
 
 void AdamW::split_master(const at::Tensor& f32, at::Tensor& bf16, at::Tensor& rem) {
   at::NoGradGuard no_grad;
-  // The same bits as the adamw row kernel's split (ops/cpu/vec.cpp): the upper half rounded half
-  // away from zero (+0x8000, then the upper 16 bits), the lower half as it is.
+  // The same bits as the adamw row kernel's split (ops/cpu/vec_adamw_step.h): the upper half
+  // rounded half away from zero (+0x8000, then the upper 16 bits), the lower half as it is.
   const at::Tensor bits = f32.contiguous().view(at::kInt);
   bf16 = at::bitwise_right_shift(bits + 0x8000, 16).to(at::kShort).view(at::kBFloat16);
   rem = at::bitwise_and(bits, 0xFFFF).to(at::kShort);
