@@ -8,7 +8,9 @@ Every import statement counts, wherever it stands (module level, inside a functi
 imports at any depth. `from pkg import name` is an edge to the module `pkg.name` when that is a
 file of the package, else to the module that defines `name` (the package's `__init__` when it
 binds it; nothing when it is an extension module such as `_C`). Importing `pkg.x` is not counted
-as importing `pkg` (Python runs the package's `__init__` first, but that edge is in every import).
+as importing `pkg` (Python runs the package's `__init__` first, but that edge is in every import),
+also when `pkg.x` is no file here (generated or compiled at build time: the check gives the same
+answer on a fresh clone as on a built tree).
 Dynamic imports (`importlib.import_module("...")`, names a module-level `__getattr__` serves) are
 not seen.
 
@@ -58,20 +60,14 @@ def imports(name: str, path: Path, tree: ast.Module, modules: dict[str, Path],
     is_package = path.name == "__init__.py"
     found = []
 
-    def known(dotted: str) -> str | None:  # the longest prefix of `dotted` that is a module here
-        parts = dotted.split(".")
-        for n in range(len(parts), 0, -1):
-            candidate = ".".join(parts[:n])
-            if candidate in modules:
-                return candidate
-        return None
-
+    # A dotted name that is no file here (a generated or extension module such as `_build_info`
+    # or `_C`, absent from a fresh clone) is no edge, not an edge to its package: the package's
+    # `__init__` runs first, but that holds for every import of a submodule.
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                target = known(alias.name)
-                if target is not None:
-                    found.append((target, node.lineno))
+                if alias.name in modules:
+                    found.append((alias.name, node.lineno))
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 # the package `from .` means: the module's own package, then one up per extra dot
@@ -87,12 +83,11 @@ def imports(name: str, path: Path, tree: ast.Module, modules: dict[str, Path],
                 if f"{source}.{alias.name}" in modules:
                     found.append((f"{source}.{alias.name}", node.lineno))
                     continue
-                target = known(source)
-                if target is None:
-                    continue
-                if target == source and alias.name != "*" and alias.name not in defines[target]:
+                if source not in modules:
+                    continue  # not ours, or a submodule that is no file (see above)
+                if alias.name != "*" and alias.name not in defines[source]:
                     continue  # a submodule that is no file of ours (an extension such as _C)
-                found.append((target, node.lineno))
+                found.append((source, node.lineno))
     return found
 
 
