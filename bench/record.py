@@ -87,12 +87,13 @@ def isa_text(flags: set[str]) -> str:
 
 
 def commit(repo: Path = REPO) -> str:
-    """`git rev-parse --short HEAD`, "+dirty" when tracked files differ from it."""
+    """`git rev-parse --short HEAD`, "+dirty" when tracked files other than Markdown differ from
+    it (the tables a run of regenerations has already written do not change what is measured)."""
     try:
         head = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
         status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain",
-                                 "--untracked-files=no"],
+                                 "--untracked-files=no", "--", ".", ":(exclude)*.md"],
                                 capture_output=True, text=True, timeout=30, check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return "unknown"
