@@ -315,6 +315,12 @@ def test_records_land_in_the_documents_own_sections(tmp_path):
                 assert f"<!-- slot {cls} {bench} -->" in part and f"<!-- /slot {cls} {bench} -->" in part, (cls, bench)
         else:
             assert "<!-- slot " not in part and f"\n{record.NOT_MEASURED}\n" in part, cls
+    # The cases below must not depend on which classes the real document has measured: the AVX2
+    # LoRA slot and the whole AMX class start empty here (a bare 'Not measured yet.').
+    amx_measured = class_section(real, "AMX CPU")
+    real = real.replace(amx_measured, f"\n## AMX CPU\n\n{record.NOT_MEASURED}\n")
+    avx2_lora = real.split("<!-- slot avx2 lora -->")[1].split("<!-- /slot avx2 lora -->")[0]
+    real = real.replace(avx2_lora, f"\n{record.NOT_MEASURED}\n")
     doc = tmp_path / "performance.md"
     doc.write_text(real)
     zen5 = record.stamp("cpu", cpuinfo=ZEN5, date="2026-12-05", git_commit="eeeeeee")
