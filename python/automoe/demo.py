@@ -7,7 +7,7 @@
 3. Loads the export in Transformers and in AutoMoE, and shows that both give the same loss on a
    held-out batch (examples/data/chat_valid.jsonl), and how far it fell from the start.
 
-`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe, gpt_oss) does the same
+`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe, gpt_oss, nemotron_h) does the same
 for a tiny model of that family with examples/<model_type>.yaml.
 """
 
@@ -90,6 +90,14 @@ FAMILY_DEMOS = {
         rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                          "rope_theta": 150000.0}), "gpt-oss-tiny-chat-v1", "gpt_oss.yaml"),
+    "nemotron_h": ("NemotronHConfig", dict(
+        hidden_size=64, layers_block_type=["linear_attention", "moe", "full_attention", "moe",
+                                           "linear_attention", "moe"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+        chunk_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=64, routed_scaling_factor=2.5,
+        max_position_embeddings=512), "nemotron-h-tiny-chat-v1", "nemotron_h.yaml"),
 }
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

@@ -160,6 +160,14 @@ class GptOssForCausalLM(EngineCausalLM, transformers.GptOssForCausalLM):
     _automoe_backbone_class = GptOssModel
 
 
+class NemotronHModel(EngineBackbone, transformers.NemotronHModel):
+    pass
+
+
+class NemotronHForCausalLM(EngineCausalLM, transformers.NemotronHForCausalLM):
+    _automoe_backbone_class = NemotronHModel
+
+
 # model_type -> the engine-backed causal-LM class
 NATIVE_CLASSES: dict[str, type] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -170,4 +178,5 @@ NATIVE_CLASSES: dict[str, type] = {
     "qwen2_moe": Qwen2MoeForCausalLM,
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
 }

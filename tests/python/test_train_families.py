@@ -1,4 +1,5 @@
-"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE, OLMoE and GPT-OSS end
+"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE, OLMoE, GPT-OSS and
+Nemotron-H end
 to end:
 the export loads in Transformers with AutoMoE's loss (in the original on-disk format: Mixtral's
 block_sparse_moe names included), DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
@@ -27,6 +28,11 @@ SIZES = {
                       shared_expert_intermediate_size=16, num_experts=4, mlp_only_layers=[]),
     "olmoe": dict(_SMALL, intermediate_size=16, num_experts=4),
     "gpt_oss": dict(_SMALL, intermediate_size=16, num_local_experts=4, head_dim=8, sliding_window=8),
+    "nemotron_h": dict(hidden_size=32, layers_block_type=["linear_attention", "moe", "full_attention"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_num_heads=4,
+                       mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=16,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       moe_shared_expert_intermediate_size=16, max_position_embeddings=256),
 }
 AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
 
@@ -148,3 +154,25 @@ def test_router_jitter_draws_from_the_seed_the_same_in_every_run_and_across_a_re
         assert other[step]["loss"] != a[step]["loss"], step
     for k, t in wa.items():
         assert torch.equal(wb[k], t) and torch.equal(ws[k], t), k
+
+
+def test_nemotron_h_packed_documents_train_like_unpacked_ones(tmp_path, tmp_path_factory, tokenizer):
+    """Six chats packed into one row of 512 tokens (its Mamba-2 chunks of 16 straddle the document
+    boundaries) or one per padded row: with the conv and the SSD scan restarting at each boundary
+    (and attention split by document) the first step's loss and gradient norm agree. Without the
+    restart the state of one chat would leak into the next and they would not."""
+    from test_train import EXAMPLES
+
+    model_dir = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    f = tmp_path / "six.jsonl"
+    f.write_text("".join(open(EXAMPLES / "chat_valid.jsonl").readlines()[:6]))
+    out = {}
+    for packing, micro in [(True, 1), (False, 6)]:
+        name = f"packing-{packing}"
+        recipe = base_recipe(model_dir, tmp_path, name, f, train={"micro_batch_size": micro, "max_steps": 1})
+        recipe["data"].update(packing=packing, seq_len=512, shuffle=False)
+        run_train(recipe, tmp_path)
+        out[packing] = metrics(tmp_path / name)[1]
+    assert out[True]["tokens"] == out[False]["tokens"]
+    for key in ("loss", "grad_norm"):
+        assert out[True][key] == pytest.approx(out[False][key], rel=1e-5), key

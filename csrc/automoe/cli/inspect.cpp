@@ -11,6 +11,25 @@
 namespace automoe::cli {
 namespace {
 
+// "2 MoE, 4 dense" for a decoder; per kind for a hybrid stack ("2 Mamba-2, 1 attention, 2 MoE,
+// 1 MLP").
+std::string layer_kinds(const ModelSpec& s) {
+  if (s.naming != Naming::kHybridBlocks) {
+    return std::to_string(s.num_moe_layers()) + " MoE, " +
+           std::to_string(s.num_layers - s.num_moe_layers()) + " dense";
+  }
+  int64_t mamba = 0, attn = 0, moe = 0, mlp = 0;
+  for (const LayerSpec& l : s.layers) {
+    mamba += l.mixer == MixerKind::kMamba2;
+    attn += l.mixer == MixerKind::kAttention;
+    moe += l.mlp == MlpKind::kMoE;
+    mlp += l.mlp == MlpKind::kDense;
+  }
+  return std::to_string(mamba) + " Mamba-2, " + std::to_string(attn) + " attention, " +
+         std::to_string(moe) + " MoE, " + std::to_string(mlp) + " MLP";
+}
+
+
 int64_t numel(const std::vector<int64_t>& shape) {
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
@@ -60,12 +79,12 @@ int inspect(const Args& args) {
 
   std::cout << "checkpoint     " << dir << "\n"
             << "architecture   " << s.model_type << " (" << arch.hf_class << ")\n"
-            << "layers         " << s.num_layers << " (" << s.num_moe_layers() << " MoE, "
-            << s.num_layers - s.num_moe_layers() << " dense)\n"
+            << "layers         " << s.num_layers << " (" << layer_kinds(s) << ")\n"
             << "hidden         " << s.hidden_size << ", vocab " << s.vocab_size
             << (s.tie_word_embeddings ? ", tied embeddings" : "") << "\n";
   const AttentionSpec& at = s.attn;
-  if (at.kind == AttentionKind::kMLA) {
+  if (!s.has_mixer(MixerKind::kAttention)) {
+  } else if (at.kind == AttentionKind::kMLA) {
     std::cout << "attention      latent (MLA), " << at.num_heads << " heads, q_lora_rank "
               << at.q_lora_rank << ", kv_lora_rank " << at.kv_lora_rank << ", qk "
               << at.qk_nope_head_dim << "+" << at.qk_rope_head_dim << ", v " << at.v_head_dim
@@ -74,6 +93,12 @@ int inspect(const Args& args) {
     std::cout << "attention      grouped-query, " << at.num_heads << " heads (kv "
               << at.num_kv_heads << ", head_dim " << at.head_dim << ", rotary " << s.rope.dim
               << ")\n";
+  }
+  if (s.has_mixer(MixerKind::kMamba2)) {
+    const Mamba2Spec& m = s.mamba;
+    std::cout << "mamba-2        " << m.num_heads << " heads x " << m.head_dim << ", state "
+              << m.state_size << ", " << m.n_groups << " groups, conv " << m.conv_kernel
+              << ", chunk " << m.chunk_size << "\n";
   }
   if (s.num_moe_layers() > 0) {
     std::cout << "experts        " << s.moe.num_experts << " per layer, top-" << s.moe.top_k

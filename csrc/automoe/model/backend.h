@@ -68,7 +68,8 @@ struct ComponentOps {
   // adapters (null: none).
   std::function<at::Tensor(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up,
-                           const at::Tensor& w_down, const moe::ExpertLora* lora)>
+                           const at::Tensor& w_down, const moe::ExpertLora* lora,
+                           moe::ExpertMlp mlp)>
       experts;
   // GPT-OSS's experts (moe/experts.h experts_gpt_oss): transposed, interleaved, with biases; the
   // last argument is autocast's dtype (nullopt: the inputs').

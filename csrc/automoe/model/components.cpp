@@ -1,5 +1,7 @@
 #include "automoe/model/components.h"
 
+#include <algorithm>
+
 namespace automoe {
 namespace {
 
@@ -80,6 +82,59 @@ MlpSlots mlp(Declarer& d, int64_t H, int64_t I, const std::string& pre) {
   return s;
 }
 
+// A plain MLP (Nemotron-H's NemotronHMLP): up_proj [I, H], down_proj [H, I], relu2 between, biases
+// with mlp_bias.
+MlpSlots plain_mlp(Declarer& d, int64_t H, int64_t I, bool bias, const std::string& pre) {
+  MlpSlots s;
+  linear(d, pre + "up_proj", H, I, bias, &s.up, &s.up_bias);
+  linear(d, pre + "down_proj", I, H, bias, &s.down, &s.down_bias);
+  return s;
+}
+
+MlpSlots any_mlp(Declarer& d, const ModelSpec& spec, int64_t I, const std::string& pre) {
+  return spec.hidden_act == Activation::kRelu2 ? plain_mlp(d, spec.hidden_size, I, spec.mlp_bias, pre)
+                                               : mlp(d, spec.hidden_size, I, pre);
+}
+
+// Mamba-2: Transformers' NemotronHMamba2Mixer, its own parameters (dt_bias, A_log, D) first, then its
+// submodules' in the order it builds them (conv1d, in_proj, norm, out_proj).
+MambaSlots mamba2(Declarer& d, const Mamba2Spec& m, int64_t H, const std::string& pre) {
+  MambaSlots s;
+  const int64_t heads = m.num_heads, C = m.conv_dim();
+  s.dt_bias = d.add(pre + "dt_bias", {heads}, Init::kOnes);
+  s.a_log = d.add(pre + "A_log", {heads}, Init::kZeros);
+  s.d = d.add(pre + "D", {heads}, Init::kOnes);
+  s.conv = d.add(pre + "conv1d.weight", {C, 1, m.conv_kernel});
+  if (m.conv_bias) s.conv_bias = d.add(pre + "conv1d.bias", {C}, Init::kZeros);
+  linear(d, pre + "in_proj", H, m.inner() + C + heads, m.proj_bias, &s.in_proj, &s.in_proj_bias);
+  s.norm = rms_norm(d, pre + "norm", m.inner());
+  linear(d, pre + "out_proj", m.inner(), H, m.proj_bias, &s.out_proj, &s.out_proj_bias);
+  return s;
+}
+
+// Nemotron-H's MoE block (NemotronHMoE): experts without a gate projection, the router `gate` with
+// its correction bias, the shared expert, the latent projections.
+MoESlots plain_moe(Declarer& d, const ModelSpec& spec, const std::string& pre) {
+  const MoESpec& m = spec.moe;
+  MoESlots s;
+  const int64_t H = spec.hidden_size, E = m.num_experts, I = m.intermediate_size;
+  const int64_t X = m.latent_size > 0 ? m.latent_size : H;  // what the experts read and write
+  s.gate_up = d.add(pre + "experts.up_proj", {m.local_experts(), I, X});
+  d.mark_routed_expert(s.gate_up);
+  s.down = d.add(pre + "experts.down_proj", {m.local_experts(), X, I});
+  d.mark_routed_expert(s.down);
+  s.router = d.add(pre + "gate.weight", {E, H});
+  if (m.correction_bias) s.correction_bias = d.buffer(pre + "gate.e_score_correction_bias", {E}, Init::kZeros);
+  if (m.shared_intermediate_size >= 0) {
+    s.shared = plain_mlp(d, H, m.shared_intermediate_size, spec.mlp_bias, pre + m.shared_name + ".");
+  }
+  if (m.latent_size > 0) {
+    linear(d, pre + "fc1_latent_proj", H, X, spec.mlp_bias, &s.latent_in, &s.latent_in_bias);
+    linear(d, pre + "fc2_latent_proj", X, H, spec.mlp_bias, &s.latent_out, &s.latent_out_bias);
+  }
+  return s;
+}
+
 // The MoE block: routed experts fused [E, 2I, H] / [E, H, I], the router [E, H] (and its
 // correction bias), the shared experts.
 MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
@@ -117,27 +172,43 @@ MoESlots moe(Declarer& d, const MoESpec& m, int64_t H, const std::string& pre) {
 ModelSlots declare_model(const ModelSpec& s, std::vector<ParamDecl>* decls) {
   Declarer d(decls);
   const int64_t H = s.hidden_size;
+  const bool hybrid = s.naming == Naming::kHybridBlocks;
   ModelSlots m;
-  m.embed = d.add("model.embed_tokens.weight", {s.vocab_size, H});
+  m.embed = d.add(hybrid ? "model.embeddings.weight" : "model.embed_tokens.weight", {s.vocab_size, H});
   for (int64_t l = 0; l < s.num_layers; ++l) {
     const std::string pre = "model.layers." + std::to_string(l) + ".";
     const int64_t first = d.size();
+    const LayerSpec& spec = s.layers[l];
     LayerSlots L;
     L.index = l;
-    L.attn = s.attn.kind == AttentionKind::kMLA ? mla(d, s.attn, H, pre + "self_attn.")
-                                                : gqa(d, s.attn, H, pre + "self_attn.");
-    L.moe = s.is_moe(l);
-    if (L.moe) {
-      L.experts = moe(d, s.moe, H, pre + "mlp.");
-    } else {
-      L.mlp = mlp(d, H, s.intermediate_size, pre + "mlp.");
+    L.mixer = spec.mixer;
+    L.mlp_kind = spec.mlp;
+    L.moe = spec.mlp == MlpKind::kMoE;
+    // Nemotron-H's block: its norm, then its one component under `mixer.`.
+    if (hybrid) {
+      L.input_norm = L.post_norm = rms_norm(d, pre + "norm", H);
     }
-    L.input_norm = rms_norm(d, pre + "input_layernorm", H);
-    L.post_norm = rms_norm(d, pre + "post_attention_layernorm", H);
+    const std::string mixer_pre = hybrid ? pre + "mixer." : pre + "self_attn.";
+    const std::string mlp_pre = hybrid ? pre + "mixer." : pre + "mlp.";
+    if (spec.mixer == MixerKind::kAttention) {
+      L.attn = s.attn.kind == AttentionKind::kMLA ? mla(d, s.attn, H, mixer_pre)
+                                                  : gqa(d, s.attn, H, mixer_pre);
+    } else if (spec.mixer == MixerKind::kMamba2) {
+      L.mamba = mamba2(d, s.mamba, H, mixer_pre);
+    }
+    if (spec.mlp == MlpKind::kMoE) {
+      L.experts = s.moe.gated ? moe(d, s.moe, H, mlp_pre) : plain_moe(d, s, mlp_pre);
+    } else if (spec.mlp == MlpKind::kDense) {
+      L.mlp = any_mlp(d, s, s.intermediate_size, mlp_pre);
+    }
+    if (!hybrid) {
+      L.input_norm = rms_norm(d, pre + "input_layernorm", H);
+      L.post_norm = rms_norm(d, pre + "post_attention_layernorm", H);
+    }
     for (int64_t i = first; i < d.size(); ++i) L.all.push_back(i);
     m.layers.push_back(std::move(L));
   }
-  m.final_norm = rms_norm(d, "model.norm", H);
+  m.final_norm = rms_norm(d, hybrid ? "model.norm_f" : "model.norm", H);
   m.lm_head = s.tie_word_embeddings ? m.embed : d.add("lm_head.weight", {s.vocab_size, H});
   return m;
 }
@@ -158,21 +229,33 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
     return n;
   };
   auto mlp_flops = [&](const MlpSlots& p) { return matmul(p.gate) + matmul(p.up) + matmul(p.down); };
+  const Mamba2Spec& mb = s.mamba;
+  // Mamba-2's SSD scan per token, chunked (Q = chunk): within its chunk C·Bᵀ (Q/2 positions on
+  // average, N each) and the weighted x (P), the chunk state B·x (N·P) and its read-out C·state (N·P).
+  const double q = static_cast<double>(std::min<int64_t>(mb.chunk_size, seq_len) + 1) / 2;
+  const double ssd = 2.0 * mb.num_heads * (q * (mb.state_size + mb.head_dim) +
+                                           2.0 * mb.state_size * mb.head_dim);
   const AttentionSpec& a = s.attn;
   const double keys = (static_cast<double>(seq_len) + 1) / 2;
   const double core = 2.0 * a.num_heads * (a.head_dim + a.v_dim()) * keys;
   double total = matmul(m.lm_head);
   for (const LayerSlots& L : m.layers) {
     const AttentionSlots& t = L.attn;
-    total += core;
-    for (int64_t w : {t.q, t.k, t.v, t.o, t.q_a, t.q_b, t.kv_a, t.kv_b}) total += matmul(w);
+    if (L.mixer == MixerKind::kAttention) {
+      total += core;
+      for (int64_t w : {t.q, t.k, t.v, t.o, t.q_a, t.q_b, t.kv_a, t.kv_b}) total += matmul(w);
+    } else if (L.mixer == MixerKind::kMamba2) {
+      total += ssd + matmul(L.mamba.in_proj) + matmul(L.mamba.out_proj);
+    }
+    if (L.mlp_kind == MlpKind::kNone) continue;
     if (L.moe) {
       // Each token runs top_k experts (the declared shapes hold this process's experts).
       const double share =
           static_cast<double>(s.moe.top_k) / static_cast<double>(s.moe.local_experts());
       total += matmul(L.experts.router) +
                share * (matmul(L.experts.gate_up) + matmul(L.experts.down)) +
-               mlp_flops(L.experts.shared) + matmul(L.experts.shared_gate);
+               mlp_flops(L.experts.shared) + matmul(L.experts.shared_gate) +
+               matmul(L.experts.latent_in) + matmul(L.experts.latent_out);
     } else {
       total += mlp_flops(L.mlp);
     }

@@ -44,7 +44,17 @@ struct AttentionSlots {
 };
 
 struct MlpSlots {
-  int64_t gate = -1, up = -1, down = -1;
+  int64_t gate = -1, up = -1, down = -1;  // gate == -1: a plain MLP, down(act(up(x)))
+  int64_t up_bias = -1, down_bias = -1;   // plain MLPs with mlp_bias
+};
+
+// Mamba-2 (Transformers' NemotronHMamba2Mixer).
+struct MambaSlots {
+  int64_t dt_bias = -1, a_log = -1, d = -1;  // [heads] each
+  int64_t conv = -1, conv_bias = -1;         // conv1d.weight [conv_dim, 1, kernel], .bias
+  int64_t in_proj = -1, in_proj_bias = -1;   // [inner + conv_dim + heads, H]
+  int64_t norm = -1;                         // the gated grouped RMSNorm's weight [inner]
+  int64_t out_proj = -1, out_proj_bias = -1; // [H, inner]
 };
 
 struct MoESlots {
@@ -52,14 +62,20 @@ struct MoESlots {
   int64_t router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS
   MlpSlots shared;  // shared experts (absent: gate == -1)
   int64_t shared_gate = -1;  // Qwen2-MoE's shared_expert_gate [1, H]
+  // Nemotron-H's latent projections around the routed experts (absent: -1).
+  int64_t latent_in = -1, latent_in_bias = -1, latent_out = -1, latent_out_bias = -1;
 };
 
 struct LayerSlots {
   int64_t index = 0;  // the layer number (the KV cache's layer)
+  MixerKind mixer = MixerKind::kAttention;
   AttentionSlots attn;
+  MambaSlots mamba;
+  MlpKind mlp_kind = MlpKind::kMoE;
   bool moe = false;
   MlpSlots mlp;  // dense layers
   MoESlots experts;  // MoE layers
+  // The mixer's pre-norm and the MLP's; a hybrid block's one norm is whichever its component uses.
   int64_t input_norm = -1, post_norm = -1;
   std::vector<int64_t> all;  // every parameter of the layer (what a checkpointed layer differentiates)
 };

@@ -1,9 +1,7 @@
 #include "automoe/model/decoder.h"
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/autograd.h>
-#include <torch/custom_class.h>
 
 #include <cmath>
 #include <functional>
@@ -20,6 +18,7 @@
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 #include "automoe/model/rope.h"
 #include "automoe/ops/ops.h"
+#include "automoe/model/mamba_mixer.h"
 
 namespace automoe {
 
@@ -162,6 +161,10 @@ at::Tensor Decoder::router_weight(const MoESlots& M) const {
 }
 
 at::Tensor Decoder::mlp(const at::Tensor& x, const MlpSlots& m, bool training) const {
+  if (m.gate < 0) {  // a plain MLP: relu2 between up and down (Nemotron-H)
+    return linear(at::square(at::relu(linear(x, m.up, m.up_bias, training))), m.down, m.down_bias,
+                  training);
+  }
   if (!adapter(m.gate) && !adapter(m.up) && !adapter(m.down)) {
     return ops_.mlp(x, p(m.gate), p(m.up), p(m.down));
   }
@@ -359,6 +362,7 @@ at::Tensor Decoder::norm(const at::Tensor& x, int64_t weight) const {
 
 at::Tensor Decoder::rotate(const at::Tensor& x_BSND, const LayerContext& c) const {
   const int64_t D = x_BSND.size(3), rot = spec_.rope.dim;
+  if (spec_.rope.type == RopeType::kNone) return x_BSND;
   if (rot == D) return ops_.rope(x_BSND, c.cos_BSh, c.sin_BSh, spec_.rope.interleaved);
   // Partial rotary: the first `rot` dimensions rotate, the rest pass through.
   return at::cat({ops_.rope(x_BSND.narrow(3, 0, rot), c.cos_BSh, c.sin_BSh, spec_.rope.interleaved),
@@ -448,7 +452,8 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
   // padding_idx: the pad token's embedding row gets no gradient, as nn.Embedding(padding_idx=...).
   at::Tensor h_BSH = a.inputs_embeds
                          ? *a.inputs_embeds
-                         : at::embedding(p(slots_.embed), a.input_ids.to(at::kLong), spec_.pad_token_id);
+                         : at::embedding(p(slots_.embed), a.input_ids.to(at::kLong),
+                                        spec_.embedding_padding_idx ? spec_.pad_token_id : -1);
   const int64_t B = h_BSH.size(0), S = h_BSH.size(1);
   // Router logits and the aux loss exist only for types whose Transformers model computes one.
   const bool want_router =
@@ -480,6 +485,18 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
 
   ForwardResult r;
   LayerContext ctx{cos_BSh, sin_BSh, {}, {}, a.cache, autocast_dtype(dev.type()), a.training};
+  if (spec_.has_mixer(MixerKind::kMamba2)) {
+    // Transformers' create_recurrent_attention_mask: this step's part of a 2-D mask with padding,
+    // for more than one token; the trainer's documents restart the recurrence, padding zeroed.
+    if (a.attention_mask && S > 1) {
+      const at::Tensor keep = a.attention_mask->narrow(1, past, S);
+      if (!keep.ne(0).all().item<bool>()) ctx.mamba_keep_BS = keep;
+    }
+    if (a.document_ids) {
+      ctx.doc_BS = *a.document_ids;
+      ctx.mamba_keep_BS = a.document_ids->ge(0).to(at::kLong);
+    }
+  }
   for (const LayerSpec& l : spec_.layers) {
     ctx.mask.push_back(masks.at(l.sliding_window).mask);
     ctx.is_causal.push_back(masks.at(l.sliding_window).is_causal);
@@ -550,41 +567,6 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
 }
 
 
-at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing, const MoESlots& M,
-                            std::optional<c10::ScalarType> compute_dtype) const {
-  const at::Tensor& w_gate_up = p(M.gate_up);
-  const at::Tensor& w_down = p(M.down);
-  moe::ExpertLora lora_factors;
-  const LoraSite* gu_site = adapter(M.gate_up);
-  const LoraSite* d_site = adapter(M.down);
-  if (gu_site) lora_factors.gate_up = {gu_site->a, gu_site->b, gu_site->scaling};
-  if (d_site) lora_factors.down = {d_site->a, d_site->b, d_site->scaling};
-  const moe::ExpertLora* lora = gu_site || d_site ? &lora_factors : nullptr;
-  if (spec_.moe.sharded()) {
-    AUTOMOE_CHECK(dispatcher_, "this model holds experts [", spec_.moe.expert_begin, ", ",
-                  spec_.moe.expert_begin + spec_.moe.expert_count, ") of ", spec_.moe.num_experts,
-                  " and needs an expert-parallel dispatcher to run");
-    const c10::ScalarType mm = compute_dtype.value_or(x_TH.scalar_type());
-    const at::Tensor gu = w_gate_up.to(mm), dn = w_down.to(mm);
-    const std::string backend = backend_.to_map().at("experts");
-    const bool fused_swiglu = backend_.fused_swiglu;
-    auto local = [&](const at::Tensor& x_NH, const at::Tensor& offsets_L1) {
-      return moe::experts_on_rows(backend, x_NH, offsets_L1, gu, dn, fused_swiglu, lora);
-    };
-    return dispatcher_
-        ->run(x_TH.to(mm), routing.idx_TK, routing.weights_TK, local,
-              backend_.experts == ExpertsBackend::kGrouped)
-        .to(x_TH.scalar_type());
-  }
-  if (compute_dtype && *compute_dtype != x_TH.scalar_type()) {
-    return ops_
-        .experts(x_TH.to(*compute_dtype), routing.idx_TK, routing.weights_TK,
-                 w_gate_up.to(*compute_dtype), w_down.to(*compute_dtype), lora)
-        .to(x_TH.scalar_type());
-  }
-  return ops_.experts(x_TH, routing.idx_TK, routing.weights_TK, w_gate_up, w_down, lora);
-}
-
 ops::LossSum Decoder::fused_causal_lm_loss(const at::Tensor& h_BSH, const at::Tensor& labels_BS,
                                            std::optional<c10::ScalarType> compute_dtype) const {
   // Position s predicts labels[s + 1]; the last position of each row predicts nothing.
@@ -607,180 +589,29 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
                                     const LayerContext& c, const at::Tensor* fixed_idx) const {
   const int64_t B = h_in.size(0), S = h_in.size(1), H = spec_.hidden_size;
   LayerOutput out;
-  const LayerContext::Attention ac{c.mask[L.index], c.is_causal[L.index]};
-  const at::Tensor x_BSH = norm(h_in, L.input_norm);
-  const at::Tensor attn = spec_.attn.kind == AttentionKind::kMLA
-                              ? latent_attention(L.attn, L.index, x_BSH, c, ac)
-                              : attention(L.attn, L.index, x_BSH, c, ac);
-  const at::Tensor h_BSH = h_in + attn;
-  at::Tensor x_TH = norm(h_BSH, L.post_norm).reshape({B * S, H});
-  at::Tensor y_TH;
-  if (L.moe && c.training && spec_.moe.router_jitter_noise > 0) {
-    // Mixtral's jitter, drawn as Transformers draws it (a checkpointed layer's recompute replays
-    // the generator state of its forward, so it draws the same noise).
-    const double j = spec_.moe.router_jitter_noise;
-    x_TH = x_TH * at::empty_like(x_TH).uniform_(1.0 - j, 1.0 + j);
-  }
-  if (L.moe) {
-    const MoESlots& M = L.experts;
-    const std::optional<at::Tensor> bias =
-        M.correction_bias >= 0 ? std::optional<at::Tensor>(p(M.correction_bias)) : std::nullopt;
-    moe::Routing routing;
-    const at::Tensor w_router = router_weight(M);
-    if (backend_.fake_balanced_gate) {
-      routing = moe::route_round_robin(x_TH, w_router, spec_.moe.top_k);
-    } else if (fixed_idx) {
-      routing = moe::route_given(x_TH, w_router, bias, router_, *fixed_idx, ops_.router,
-                                 ops_.router_fused, opt_param(params_, M.router_bias));
-    } else {
-      routing = moe::route(x_TH, w_router, bias, router_, ops_.router,
-                           opt_param(params_, M.router_bias));
-    }
-    y_TH = spec_.moe.gpt_oss
-               ? ops_.gpt_oss_experts(x_TH, routing.idx_TK, routing.weights_TK, p(M.gate_up),
-                                      p(M.gate_up_bias), p(M.down), p(M.down_bias), c.autocast)
-               : experts(x_TH, routing, M, c.autocast);
-    if (spec_.moe.shared_intermediate_size > 0) {
-      at::Tensor shared = mlp(x_TH, M.shared, c.training);
-      if (M.shared_gate >= 0) shared = at::sigmoid(linear(x_TH, M.shared_gate, -1, c.training)) * shared;
-      y_TH = y_TH + shared;
-    }
-    out.router_logits = routing.logits_TE;
-    out.idx = routing.idx_TK;
-  } else {
-    y_TH = mlp(x_TH, L.mlp, c.training);
-  }
-  out.h = h_BSH + y_TH.view({B, S, H});
+  out.h = h_in;
+  if (L.mixer != MixerKind::kNone) out.h = h_in + mixer(L, norm(h_in, L.input_norm), c);
+  if (L.mlp_kind == MlpKind::kNone) return out;
+  const at::Tensor x_TH = norm(out.h, L.post_norm).reshape({B * S, H});
+  const at::Tensor y_TH = L.moe ? moe_block(L.experts, x_TH, c, fixed_idx, &out)
+                                : mlp(x_TH, L.mlp, c.training);
+  out.h = out.h + y_TH.view({B, S, H});
   return out;
 }
 
-namespace {
-
-// What a checkpointed layer needs to run again in the backward pass. It owns a snapshot of the
-// decoder (spec, backend and parameter handles as they were in the forward), so the backward
-// works even after the model object is gone or its parameters were re-bound.
-struct LayerRecompute : torch::CustomClassHolder {
-  std::function<Decoder::LayerOutput(const at::Tensor&, const at::Tensor*)> run;
-  std::vector<at::Tensor> params;  // the layer's parameters (what gradients are asked for)
-  // The device's default generator state before the forward ran the layer (only when the layer
-  // draws random numbers): the recompute replays it, as torch.utils.checkpoint's
-  // preserve_rng_state does.
-  std::optional<at::Tensor> rng_state;
-  c10::Device device = c10::kCPU;  // whose default generator rng_state is
-};
-
-// Runs a decoder layer without keeping its activations; the backward recomputes it from the saved
-// input with the routing decisions of the forward (never re-routed, so the recomputed experts are
-// exactly the ones the forward used) and back-propagates through the recomputation.
-struct CheckpointedLayerFn : torch::autograd::Function<CheckpointedLayerFn> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& h, at::TensorList params,
-                                                c10::intrusive_ptr<LayerRecompute> rec) {
-    Decoder::LayerOutput out;
-    {
-      at::NoGradGuard no_grad;
-      if (rec->rng_state) rec->rng_state = at::globalContext().defaultGenerator(rec->device).get_state();
-      out = rec->run(h, nullptr);
-    }
-    // The parameters are saved only for autograd's version check: modifying one in place between
-    // this forward and the backward is an error, as it is without checkpointing.
-    std::vector<at::Tensor> saved{h};
-    saved.insert(saved.end(), params.begin(), params.end());
-    ctx->save_for_backward(saved);
-    ctx->saved_data["recompute"] = c10::IValue::make_capsule(rec);
-    ctx->set_materialize_grads(false);
-    if (out.idx.defined()) {
-      ctx->saved_data["idx"] = out.idx;
-      ctx->mark_non_differentiable({out.idx});
-      return {out.h, out.router_logits, out.idx};
-    }
-    return {out.h};
+at::Tensor Decoder::mixer(const LayerSlots& L, const at::Tensor& x_BSH, const LayerContext& c) const {
+  if (L.mixer == MixerKind::kMamba2) {
+    MambaInputs in;
+    in.keep_BS = c.mamba_keep_BS;
+    in.doc_BS = c.doc_BS;
+    in.cache = c.cache;
+    in.layer = L.index;
+    return mamba2_mixer(spec_.mamba, L.mamba, params_, x_BSH, in,
+                        [&](const at::Tensor& x, int64_t w, int64_t b) { return linear(x, w, b, c.training); });
   }
-
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    AUTOMOE_CHECK(!c10::GradMode::is_enabled(),
-                  "activation checkpointing: no double backward (create_graph=True): the "
-                  "recomputed layer's backward does not build a graph; turn activation "
-                  "checkpointing off for second-order gradients");
-    const auto saved = ctx->get_saved_variables();  // throws if a parameter changed in place
-    auto rec = c10::static_intrusive_pointer_cast<LayerRecompute>(
-        ctx->saved_data["recompute"].toCapsule());
-    torch::autograd::variable_list result(1 + rec->params.size() + 1);  // h, params, closure
-    const bool moe = ctx->saved_data.count("idx") > 0;
-    std::vector<at::Tensor> grad_outputs;
-    const at::Tensor h = saved[0].detach().requires_grad_(true);
-    const at::Tensor idx = moe ? ctx->saved_data["idx"].toTensor() : at::Tensor();
-    Decoder::LayerOutput out;
-    {
-      at::AutoGradMode enable(true);
-      if (rec->rng_state) {
-        // Replay the forward's random draws, then put the generator back where it was.
-        at::Generator gen = at::globalContext().defaultGenerator(rec->device);
-        const at::Tensor now = gen.get_state();
-        gen.set_state(*rec->rng_state);
-        out = rec->run(h, moe ? &idx : nullptr);
-        gen.set_state(now);
-      } else {
-        out = rec->run(h, moe ? &idx : nullptr);
-      }
-    }
-    std::vector<at::Tensor> outputs;
-    if (grads[0].defined()) {
-      outputs.push_back(out.h);
-      grad_outputs.push_back(grads[0]);
-    }
-    if (moe && grads.size() > 1 && grads[1].defined()) {  // the router logits fed the aux loss
-      outputs.push_back(out.router_logits);
-      grad_outputs.push_back(grads[1]);
-    }
-    if (outputs.empty()) return result;
-    std::vector<at::Tensor> inputs{h};
-    std::vector<size_t> wanted;  // positions (in params) of parameters that need gradients
-    for (size_t i = 0; i < rec->params.size(); ++i) {
-      if (rec->params[i].requires_grad()) {
-        inputs.push_back(rec->params[i]);
-        wanted.push_back(i);
-      }
-    }
-    const auto g = torch::autograd::grad(outputs, inputs, grad_outputs, /*retain_graph=*/false,
-                                         /*create_graph=*/false, /*allow_unused=*/true);
-    result[0] = g[0];
-    for (size_t j = 0; j < wanted.size(); ++j) result[1 + wanted[j]] = g[1 + j];
-    return result;
-  }
-};
-
-}  // namespace
-
-Decoder::LayerOutput Decoder::checkpointed_layer(const LayerSlots& L, const at::Tensor& h_in,
-                                                 const LayerContext& c,
-                                                 const std::shared_ptr<const Decoder>& self) const {
-  auto rec = c10::make_intrusive<LayerRecompute>();
-  for (int64_t i : L.all) rec->params.push_back(p(i));
-  bool adapter_dropout = false;
-  if (!layer_adapters_.empty()) {
-    for (const at::Tensor& t : layer_adapters_[L.index]) rec->params.push_back(t);
-    for (int64_t i : L.all) adapter_dropout = adapter_dropout || (adapter(i) && adapter(i)->dropout > 0);
-  }
-  if ((L.moe && c.training && spec_.moe.router_jitter_noise > 0) || (c.training && adapter_dropout)) {
-    rec->rng_state = at::Tensor();  // captured in the forward
-    rec->device = h_in.device();
-  }
-  rec->run = [self, L, c](const at::Tensor& h, const at::Tensor* idx) {
-    // The backward runs outside torch.autocast: recompute under the forward's autocast state.
-    const AutocastGuard autocast(h.device().type(), c.autocast);
-    return self->layer(L, h, c, idx);
-  };
-  const std::vector<at::Tensor> params = rec->params;
-  const auto outs = CheckpointedLayerFn::apply(h_in, at::TensorList(params), rec);
-  LayerOutput out;
-  out.h = outs[0];
-  if (outs.size() > 1) {
-    out.router_logits = outs[1];
-    out.idx = outs[2];
-  }
-  return out;
+  const LayerContext::Attention ac{c.mask[L.index], c.is_causal[L.index]};
+  return spec_.attn.kind == AttentionKind::kMLA ? latent_attention(L.attn, L.index, x_BSH, c, ac)
+                                                : attention(L.attn, L.index, x_BSH, c, ac);
 }
 
 }  // namespace automoe

@@ -16,6 +16,7 @@
 #include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/model/lora.h"
+#include "automoe/model/mamba_mixer.h"
 #include "automoe/model/spec.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
@@ -137,6 +138,9 @@ class Decoder {
     // the backward, where autocast is off, restores it), else nullopt.
     std::optional<c10::ScalarType> autocast;
     bool training = false;  // ForwardArgs::training
+    // Mamba-2 layers: the [B, S] padding mask Transformers' create_recurrent_attention_mask gives
+    // (none without padding or for one token) and the trainer's document ids (restarts).
+    std::optional<at::Tensor> mamba_keep_BS, doc_BS;
     struct Attention {  // one layer's mask
       const std::optional<at::Tensor>& mask;
       bool is_causal;
@@ -146,6 +150,12 @@ class Decoder {
   // `fixed_idx`: route to these experts instead of choosing (a checkpointed layer's recompute).
   LayerOutput layer(const LayerSlots& L, const at::Tensor& h_BSH, const LayerContext& c,
                     const at::Tensor* fixed_idx) const;
+  // The layer's sequence mixer (attention, latent attention or Mamba-2) on its normed input.
+  at::Tensor mixer(const LayerSlots& L, const at::Tensor& x_BSH, const LayerContext& c) const;
+  // The MoE block on x [T, H]: routing, routed and shared experts; fills out's router logits and
+  // chosen experts.
+  at::Tensor moe_block(const MoESlots& M, const at::Tensor& x_TH, const LayerContext& c,
+                       const at::Tensor* fixed_idx, LayerOutput* out) const;
   LayerOutput checkpointed_layer(const LayerSlots& L, const at::Tensor& h_BSH,
                                  const LayerContext& c,
                                  const std::shared_ptr<const Decoder>& self) const;
@@ -160,7 +170,8 @@ class Decoder {
   at::Tensor linear(const at::Tensor& x, int64_t w, int64_t bias, bool training) const;
   // The router's weight, with its LoRA adapter merged in when it has one.
   at::Tensor router_weight(const MoESlots& M) const;
-  // down(silu(gate(x)) * up(x)): the dense MLP and the shared experts.
+  // down(silu(gate(x)) * up(x)) (or, without a gate, down(relu(up(x))²)): the dense MLP and the
+  // shared experts.
   at::Tensor mlp(const at::Tensor& x, const MlpSlots& m, bool training) const;
   const LoraSite* adapter(int64_t slot) const {
     return adapter_of_.empty() || adapter_of_[slot] < 0 ? nullptr : &adapters_[adapter_of_[slot]];

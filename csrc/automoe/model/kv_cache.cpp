@@ -31,8 +31,17 @@ int64_t KVCache::length(int64_t layer) const {
 int64_t KVCache::batch_size() const {
   for (const Layer& l : layers_) {
     if (l.k.defined()) return l.k.size(0);
+    if (l.state.conv.defined()) return l.state.conv.size(0);
   }
   return 0;
+}
+
+KVCache::Recurrent& KVCache::recurrent(int64_t layer) { return at_layer(layer).state; }
+
+void KVCache::advance(int64_t layer, int64_t n) {
+  Layer& L = at_layer(layer);
+  AUTOMOE_CHECK(!L.k.defined() && n >= 0, "KVCache.advance: layer ", layer, " holds keys");
+  L.length += n;
 }
 
 std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tensor& k,
@@ -91,12 +100,12 @@ std::pair<at::Tensor, at::Tensor> KVCache::append(int64_t layer, const at::Tenso
 
 at::Tensor KVCache::keys(int64_t layer) const {
   const Layer& L = at_layer(layer);
-  return L.length == 0 ? at::Tensor() : L.k.narrow(2, 0, L.length);
+  return L.length == 0 || !L.k.defined() ? at::Tensor() : L.k.narrow(2, 0, L.length);
 }
 
 at::Tensor KVCache::values(int64_t layer) const {
   const Layer& L = at_layer(layer);
-  return L.length == 0 ? at::Tensor() : L.v.narrow(2, 0, L.length);
+  return L.length == 0 || !L.v.defined() ? at::Tensor() : L.v.narrow(2, 0, L.length);
 }
 
 void KVCache::index_batch(const at::Tensor& batch_idx) {
@@ -105,15 +114,22 @@ void KVCache::index_batch(const at::Tensor& batch_idx) {
                 batch_idx.scalar_type());
   at::NoGradGuard no_grad;
   for (Layer& L : layers_) {
-    if (!L.k.defined()) continue;
-    const at::Tensor idx = batch_idx.to(L.k.device(), at::kLong);
+    const at::Tensor& first = L.k.defined() ? L.k : L.state.conv;
+    if (!first.defined()) continue;
+    const at::Tensor idx = batch_idx.to(first.device(), at::kLong);
     if (idx.numel() > 0) {
       const int64_t lo = idx.min().item<int64_t>(), hi = idx.max().item<int64_t>();
-      AUTOMOE_CHECK(lo >= 0 && hi < L.k.size(0), "KVCache: batch index out of range [0, ",
-                    L.k.size(0), "): found values in [", lo, ", ", hi, "]");
+      AUTOMOE_CHECK(lo >= 0 && hi < first.size(0), "KVCache: batch index out of range [0, ",
+                    first.size(0), "): found values in [", lo, ", ", hi, "]");
     }
-    L.k = L.k.index_select(0, idx);
-    L.v = L.v.index_select(0, idx);
+    if (L.k.defined()) {
+      L.k = L.k.index_select(0, idx);
+      L.v = L.v.index_select(0, idx);
+    }
+    if (L.state.conv.defined()) {
+      L.state.conv = L.state.conv.index_select(0, idx);
+      L.state.ssm = L.state.ssm.index_select(0, idx);
+    }
     L.borrowed = false;
   }
 }
@@ -122,6 +138,10 @@ void KVCache::repeat_interleave_batch(int64_t repeats) {
   AUTOMOE_CHECK(repeats >= 1, "KVCache: repeats must be >= 1, got ", repeats);
   at::NoGradGuard no_grad;
   for (Layer& L : layers_) {
+    if (L.state.conv.defined()) {
+      L.state.conv = L.state.conv.repeat_interleave(repeats, 0);
+      L.state.ssm = L.state.ssm.repeat_interleave(repeats, 0);
+    }
     if (!L.k.defined()) continue;
     L.k = L.k.repeat_interleave(repeats, 0);
     L.v = L.v.repeat_interleave(repeats, 0);
@@ -131,6 +151,12 @@ void KVCache::repeat_interleave_batch(int64_t repeats) {
 
 void KVCache::remove_last(int64_t n) {
   AUTOMOE_CHECK(n >= 0, "KVCache: cannot remove a negative number (", n, ") of positions");
+  if (n == 0) return;
+  for (const Layer& L : layers_) {
+    AUTOMOE_CHECK(!L.state.ssm.defined(),
+                  "KVCache: cannot remove positions from a Mamba-2 layer's recurrent state (a "
+                  "hybrid model's cache cannot be cropped, as in Transformers)");
+  }
   for (Layer& L : layers_) L.length = std::max<int64_t>(L.length - n, 0);
 }
 
@@ -143,8 +169,14 @@ KVCache KVCache::clone() const {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < layers_.size(); ++i) {
     if (layers_[i].length == 0) continue;
-    out.layers_[i].k = keys(i).clone();
-    out.layers_[i].v = values(i).clone();
+    if (layers_[i].k.defined()) {
+      out.layers_[i].k = keys(i).clone();
+      out.layers_[i].v = values(i).clone();
+    }
+    if (layers_[i].state.conv.defined()) {
+      out.layers_[i].state.conv = layers_[i].state.conv.clone();
+      out.layers_[i].state.ssm = layers_[i].state.ssm.clone();
+    }
     out.layers_[i].length = layers_[i].length;
   }
   return out;

@@ -47,6 +47,8 @@ at::Tensor yarn_inv_freq(const RopeSpec& r) {
 
 at::Tensor rope_inv_freq(const RopeSpec& r) {
   switch (r.type) {
+    case RopeType::kNone:
+      return at::empty({0}, at::kFloat);
     case RopeType::kYarn:
       return yarn_inv_freq(r);
     case RopeType::kLinear:

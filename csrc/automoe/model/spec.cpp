@@ -14,4 +14,9 @@ void ModelSpec::set_moe_layers(const std::vector<bool>& is_moe) {
   for (size_t l = 0; l < is_moe.size(); ++l) layers[l].mlp = is_moe[l] ? MlpKind::kMoE : MlpKind::kDense;
 }
 
+bool ModelSpec::has_mixer(MixerKind kind) const {
+  return std::any_of(layers.begin(), layers.end(),
+                     [kind](const LayerSpec& l) { return l.mixer == kind; });
+}
+
 }  // namespace automoe

@@ -11,7 +11,8 @@
 
 namespace automoe {
 
-enum class RopeType { kDefault, kLinear, kYarn };
+// kNone: no rotary embedding at all (Nemotron-H's attention has no positions).
+enum class RopeType { kDefault, kLinear, kYarn, kNone };
 
 struct RopeSpec {
   RopeType type = RopeType::kDefault;
@@ -65,7 +66,9 @@ struct AttentionSpec {
   int64_t rope_head_dim() const { return kind == AttentionKind::kMLA ? qk_rope_head_dim : head_dim; }
 };
 
-enum class Activation { kSilu };
+// The MLPs' activation: kSilu in a gated MLP (SwiGLU: down(silu(gate(x)) * up(x))); kRelu2 in a
+// plain one (down(relu(up(x))²), Nemotron-H's "relu2").
+enum class Activation { kSilu, kRelu2 };
 
 enum class RouterScore { kSoftmax, kSigmoid };
 
@@ -93,6 +96,12 @@ struct MoESpec {
   // (`gate_up_proj` [E, H, 2I] with gate and up interleaved, `down_proj` [E, I, H]), carry biases,
   // and use the clamped SwiGLU ((up + 1) * gate * sigmoid(1.702 gate), clamped at 7).
   bool gpt_oss = false;
+  // Nemotron-H: experts without a gate projection (`experts.up_proj` [E, I, H], `down_proj`
+  // [E, H, I], relu2 between them), a shared expert of the same kind, and, with latent_size > 0,
+  // the routed experts run on fc1_latent_proj(x) [latent] and their sum goes through
+  // fc2_latent_proj back to the hidden size (the router and the shared expert see x itself).
+  bool gated = true;
+  int64_t latent_size = 0;
   // Mixtral: in training, the MoE input is multiplied by uniform(1 - j, 1 + j) noise (drawn from
   // torch's default generator, as Transformers draws it) before routing and experts.
   double router_jitter_noise = 0.0;
@@ -107,13 +116,38 @@ struct MoESpec {
   bool sharded() const { return expert_count > 0 && expert_count < num_experts; }
 };
 
-enum class MlpKind { kDense, kMoE };
+// Mamba-2's selective state-space mixer (Transformers' NemotronHMamba2Mixer).
+struct Mamba2Spec {
+  int64_t num_heads = 0, head_dim = 0;  // mamba_num_heads x mamba_head_dim = the inner width
+  int64_t state_size = 0;               // ssm_state_size (N)
+  int64_t n_groups = 1;                 // B/C groups, each shared by num_heads / n_groups heads
+  int64_t conv_kernel = 4;              // depthwise causal conv1d over x, B and C
+  int64_t chunk_size = 128;             // the SSD scan's chunk length
+  bool conv_bias = true, proj_bias = false;
+  double dt_min = 0.0;                  // dt = softplus(dt + dt_bias) clamped below at this
+  double norm_eps = 1e-5;               // the gated grouped RMSNorm's epsilon
+  int64_t inner() const { return num_heads * head_dim; }
+  int64_t conv_dim() const { return inner() + 2 * n_groups * state_size; }
+};
 
-// What one layer is built from (its attention is the model's AttentionSpec).
+// The sequence mixer of a layer: attention (the model's AttentionSpec), Mamba-2 (its Mamba2Spec), or
+// none (a layer that is only an MLP or MoE block, as Nemotron-H's).
+enum class MixerKind { kAttention, kMamba2, kNone };
+enum class MlpKind { kDense, kMoE, kNone };
+
+// What one layer is built from: a sequence mixer then an MLP, each behind its own pre-norm and
+// residual; a hybrid layer has exactly one of the two.
 struct LayerSpec {
+  MixerKind mixer = MixerKind::kAttention;
   MlpKind mlp = MlpKind::kMoE;
   int64_t sliding_window = 0;  // 0: full causal attention; else keys within this many positions
 };
+
+// How Transformers names a model's modules: kDecoder `model.embed_tokens`, `layers.{i}.self_attn` /
+// `.mlp` / `.input_layernorm` / `.post_attention_layernorm`, `model.norm`; kHybridBlocks
+// (Nemotron-H) `model.embeddings`, `layers.{i}.norm` + `layers.{i}.mixer` (whatever the layer's one
+// component is), `model.norm_f`.
+enum class Naming { kDecoder, kHybridBlocks };
 
 struct ModelSpec {
   std::string model_type;
@@ -124,13 +158,19 @@ struct ModelSpec {
   double rms_norm_eps = 1e-6;
   AttentionSpec attn;
   RopeSpec rope;
-  Activation hidden_act = Activation::kSilu;
+  Activation hidden_act = Activation::kSilu;  // the dense MLP's and the shared experts'
   int64_t intermediate_size = 0;  // dense MLP layers
+  bool mlp_bias = false;           // biases on the plain (kRelu2) MLPs and the latent projections
+  Mamba2Spec mamba;
+  Naming naming = Naming::kDecoder;
   MoESpec moe;
   std::vector<LayerSpec> layers;  // size num_layers
   bool tie_word_embeddings = false;
   c10::ScalarType dtype = c10::kFloat;  // the checkpoint's dtype (config "dtype"/"torch_dtype")
   int64_t pad_token_id = -1;            // -1 when the config has none
+  // Whether the embedding treats pad_token_id as nn.Embedding's padding_idx (its row gets no
+  // gradient); Nemotron-H's embedding has none.
+  bool embedding_padding_idx = true;
   // Multi-token-prediction layers a checkpoint may hold after the last layer (DeepSeek-V3's
   // num_nextn_predict_layers): skipped on load, as Transformers ignores them.
   int64_t num_mtp_layers = 0;
@@ -139,6 +179,7 @@ struct ModelSpec {
   bool mxfp4_experts = false;
 
   bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
+  bool has_mixer(MixerKind kind) const;
   int64_t num_moe_layers() const;
   // The per-layer MLP kinds from a list of flags (true = MoE), every window 0.
   void set_moe_layers(const std::vector<bool>& is_moe);

@@ -77,53 +77,65 @@ at::Tensor grouped_mm(const at::Tensor& x_NK, const at::Tensor& w, const at::Ten
   return y + at::_grouped_mm(u, b.transpose(1, 2), ends) * f->scaling;
 }
 
+// Between the two projections: SwiGLU on the fused gate/up output (`fused`: our op, else ATen's),
+// or relu² on a plain up output.
+at::Tensor activate(const at::Tensor& h, ExpertMlp mlp, bool fused) {
+  if (mlp == ExpertMlp::kRelu2) return at::square(at::relu(h));
+  return fused ? ops::swiglu(h) : ops::swiglu_reference(h);
+}
+
 }  // namespace
 
 at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                          const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                         const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+                         const at::Tensor& w_down_EHI, const ExpertLora* lora, ExpertMlp mlp) {
   return loop_over_experts(
       x_TH, idx_TK, weights_TK, w_gate_up_EIH.size(0), x_TH.scalar_type(),
       [&](int64_t e, const at::Tensor& x_eH) {
-        const auto gate_up = expert_linear(x_eH, w_gate_up_EIH, e, gate_up_of(lora)).chunk(2, -1);
+        const at::Tensor h = expert_linear(x_eH, w_gate_up_EIH, e, gate_up_of(lora));
+        if (mlp == ExpertMlp::kRelu2) {
+          return expert_linear(at::square(at::relu(h)), w_down_EHI, e, down_of(lora));
+        }
+        const auto gate_up = h.chunk(2, -1);
         return expert_linear(at::silu(gate_up[0]) * gate_up[1], w_down_EHI, e, down_of(lora));
       });
 }
 
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                           const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+                           const at::Tensor& w_down_EHI, const ExpertLora* lora, ExpertMlp mlp) {
   if (x_TH.is_cuda() && !ops::use_cuda_kernel("grouped_gemm")) {  // ops/cuda_status.h
-    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora, mlp);
   }
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor x_NH = ops::permute(x_TH, plan);
   const at::Tensor h_NI =
-      ops::swiglu(grouped(x_NH, w_gate_up_EIH, plan.offsets, gate_up_of(lora)));
+      activate(grouped(x_NH, w_gate_up_EIH, plan.offsets, gate_up_of(lora)), mlp, true);
   return ops::unpermute(grouped(h_NI, w_down_EHI, plan.offsets, down_of(lora)), plan, weights_TK);
 }
 
 at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                                             const at::Tensor& weights_TK,
                                             const at::Tensor& w_gate_up_EIH,
-                                            const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+                                            const at::Tensor& w_down_EHI, const ExpertLora* lora,
+                                            ExpertMlp mlp) {
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   const at::Tensor gu =
       grouped(ops::permute(x_TH, plan), w_gate_up_EIH, plan.offsets, gate_up_of(lora));
   return ops::unpermute(
-      grouped(ops::swiglu_reference(gu), w_down_EHI, plan.offsets, down_of(lora)), plan,
+      grouped(activate(gu, mlp, false), w_down_EHI, plan.offsets, down_of(lora)), plan,
       weights_TK);
 }
 
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
-                            const at::Tensor& w_down_EHI, const ExpertLora* lora) {
+                            const at::Tensor& w_down_EHI, const ExpertLora* lora, ExpertMlp mlp) {
   const ops::PermutePlan plan = ops::permute_plan(idx_TK, w_gate_up_EIH.size(0));
   // _grouped_mm takes the cumulative row ends of each group as int32.
   const at::Tensor ends = plan.offsets.narrow(0, 1, w_gate_up_EIH.size(0)).to(at::kInt);
   const at::Tensor x_NH = ops::permute_reference(x_TH, plan);
   const at::Tensor gu = grouped_mm(x_NH, w_gate_up_EIH, ends, gate_up_of(lora));
-  const at::Tensor y = grouped_mm(ops::swiglu_reference(gu), w_down_EHI, ends, down_of(lora));
+  const at::Tensor y = grouped_mm(activate(gu, mlp, false), w_down_EHI, ends, down_of(lora));
   return ops::unpermute_reference(y, plan, weights_TK);
 }
 
@@ -177,7 +189,7 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
 at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
                            const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
                            const at::Tensor& w_down_GHI, bool fused_swiglu,
-                           const ExpertLora* lora) {
+                           const ExpertLora* lora, ExpertMlp mlp) {
   const int64_t G = w_gate_up_GIH.size(0);
   if (backend == "eager") {  // one expert at a time, on its rows
     const at::Tensor off = offsets_G1.cpu();
@@ -188,40 +200,38 @@ at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
       // (empty) output stays in the autograd graph like the other backends' (an expert-parallel
       // exchange's backward must run on every rank).
       if (n == 0 && !(g == G - 1 && ys.empty())) continue;
-      const auto gate_up =
-          expert_linear(x_NH.narrow(0, lo, n), w_gate_up_GIH, g, gate_up_of(lora)).chunk(2, -1);
-      ys.push_back(expert_linear(at::silu(gate_up[0]) * gate_up[1], w_down_GHI, g, down_of(lora)));
+      const at::Tensor h = expert_linear(x_NH.narrow(0, lo, n), w_gate_up_GIH, g, gate_up_of(lora));
+      ys.push_back(expert_linear(activate(h, mlp, false), w_down_GHI, g, down_of(lora)));
     }
     return ys.size() == 1 ? ys.front() : at::cat(ys, 0);
   }
-  auto swiglu = [&](const at::Tensor& gu) {
-    return fused_swiglu ? ops::swiglu(gu) : ops::swiglu_reference(gu);
-  };
   if (backend == "torch_mm") {
     const at::Tensor ends = offsets_G1.narrow(0, 1, G).to(at::kInt);
     const at::Tensor gu = grouped_mm(x_NH, w_gate_up_GIH, ends, gate_up_of(lora));
-    return grouped_mm(ops::swiglu_reference(gu), w_down_GHI, ends, down_of(lora));
+    return grouped_mm(activate(gu, mlp, false), w_down_GHI, ends, down_of(lora));
   }
   AUTOMOE_CHECK(backend == "grouped", "experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
   if (x_NH.is_cuda() && !ops::use_cuda_kernel("grouped_gemm")) {  // ops/cuda_status.h
     return experts_on_rows("torch_mm", x_NH, offsets_G1, w_gate_up_GIH, w_down_GHI, fused_swiglu,
-                           lora);
+                           lora, mlp);
   }
-  return grouped(swiglu(grouped(x_NH, w_gate_up_GIH, offsets_G1, gate_up_of(lora))), w_down_GHI,
-                 offsets_G1, down_of(lora));
+  return grouped(activate(grouped(x_NH, w_gate_up_GIH, offsets_G1, gate_up_of(lora)), mlp, fused_swiglu),
+                 w_down_GHI, offsets_G1, down_of(lora));
 }
 
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,
                            const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI,
-                           const ExpertLora* lora) {
+                           const ExpertLora* lora, ExpertMlp mlp) {
   if (backend == "grouped") {
-    return experts_grouped(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+    return experts_grouped(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora, mlp);
   }
   if (backend == "torch_mm") {
-    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+    return experts_torch_mm(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora, mlp);
   }
-  if (backend == "eager") return experts_eager(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora);
+  if (backend == "eager") {
+    return experts_eager(x_TH, idx_TK, weights_TK, w_gate_up_EIH, w_down_EHI, lora, mlp);
+  }
   fail("experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
 }
 

@@ -19,6 +19,11 @@ struct LoraFactors {
   double scaling = 0.0;
   bool defined() const { return a.defined(); }
 };
+// What runs between an expert's two projections. kSwiglu: the fused [E, 2I, H] gate/up weight,
+// silu(gate) * up. kRelu2: a plain up weight [E, I, H] (Nemotron-H's experts have no gate), relu(up)².
+// The `w_gate_up` arguments below hold whichever of the two the kind says.
+enum class ExpertMlp { kSwiglu, kRelu2 };
+
 // The routed experts' adapters: on gate_up_proj, down_proj, either or both (undefined = none).
 struct ExpertLora {
   LoraFactors gate_up, down;
@@ -29,7 +34,7 @@ struct ExpertLora {
 at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                          const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                          const at::Tensor& w_down_EHI,
-    const ExpertLora* lora = nullptr);
+    const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 // The `grouped` backend: the fused ops router -> permute -> grouped_gemm -> swiglu -> grouped_gemm
 // -> unpermute (ops/ops.h). Rows are grouped by expert in the deterministic order of
@@ -38,7 +43,7 @@ at::Tensor experts_eager(const at::Tensor& x_TH, const at::Tensor& idx_TK,
 at::Tensor experts_grouped(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                            const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                            const at::Tensor& w_down_EHI,
-    const ExpertLora* lora = nullptr);
+    const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 // The same dispatch and grouped GEMMs around ATen's SwiGLU (ops::swiglu_reference): the `grouped`
 // experts with BackendConfig swiglu="torch".
@@ -46,14 +51,14 @@ at::Tensor experts_grouped_reference_swiglu(const at::Tensor& x_TH, const at::Te
                                             const at::Tensor& weights_TK,
                                             const at::Tensor& w_gate_up_EIH,
                                             const at::Tensor& w_down_EHI,
-    const ExpertLora* lora = nullptr);
+    const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 // The `torch_mm` backend: the same dispatch with ATen's `_grouped_mm` for both GEMMs and ATen
 // gathers / SwiGLU around them (the composition NeMo AutoModel's `torch_mm` uses).
 at::Tensor experts_torch_mm(const at::Tensor& x_TH, const at::Tensor& idx_TK,
                             const at::Tensor& weights_TK, const at::Tensor& w_gate_up_EIH,
                             const at::Tensor& w_down_EHI,
-    const ExpertLora* lora = nullptr);
+    const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 // GPT-OSS's experts (Transformers' GptOssExperts): weights stored transposed, w_gate_up [E, H, 2I]
 // with gate and up interleaved along the last dim, w_down [E, I, H], biases [E, 2I] and [E, H],
@@ -77,13 +82,13 @@ at::Tensor experts_gpt_oss(const std::string& backend, const at::Tensor& x_TH,
 at::Tensor experts_on_rows(const std::string& backend, const at::Tensor& x_NH,
                            const at::Tensor& offsets_G1, const at::Tensor& w_gate_up_GIH,
                            const at::Tensor& w_down_GHI, bool fused_swiglu,
-                           const ExpertLora* lora = nullptr);
+                           const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 // By BackendConfig name: "grouped", "torch_mm" or "eager". Every backend (GPT-OSS's excepted)
 // takes `lora`: the adapters run inside it on each expert's rows, never as w + scaling·b·a.
 at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,
                            const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI,
-    const ExpertLora* lora = nullptr);
+    const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 }  // namespace automoe::moe

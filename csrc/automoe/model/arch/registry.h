@@ -39,5 +39,6 @@ Architecture mixtral_architecture();
 Architecture olmoe_architecture();
 Architecture qwen2_moe_architecture();
 Architecture gpt_oss_architecture();
+Architecture nemotron_h_architecture();
 
 }  // namespace automoe

@@ -1,0 +1,51 @@
+// Mamba-2's ops (the selective state-space mixer of Nemotron-H): the depthwise causal conv1d, the
+// chunked SSD scan, its one-token recurrent step and the gated grouped RMSNorm. These are the
+// plain-ATen references, differentiated by ATen's autograd and following Transformers' torch path
+// (modeling_nemotron_h.py: causal_conv1d_fn / _update, mamba2_chunk_scan,
+// mamba2_selective_state_update, Zamba2RMSNormGated) operation by operation.
+//
+// Packed documents: `doc_BS` (integer document of each position, documents contiguous in a row)
+// makes the conv and the scan restart at each document boundary, as if each document ran alone —
+// what the attention mask does for attention (Transformers' torch path has no such input).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace automoe::ops {
+
+// out[b, c, t] = bias[c] + sum_k w[c, k] * x[b, c, t - K + 1 + k] over x [B, C, S] (zeros before the
+// start, and with doc_BS, taps of another document), w [C, K]; the result in x's dtype.
+at::Tensor causal_conv1d_reference(const at::Tensor& x_BCS, const at::Tensor& w_CK,
+                                   const std::optional<at::Tensor>& bias_C,
+                                   const std::optional<at::Tensor>& doc_BS);
+
+struct SsdScan {
+  at::Tensor y_BSHP;         // float32
+  at::Tensor final_BHPN;     // float32 state after the last position (when asked)
+};
+// The SSD scan, chunked by `chunk`: with dt [B, S, H] (already softplus'd and clamped), A [H],
+// x [B, S, H, P], B and C [B, S, G, N] (G groups, each read by H / G heads), D [H]:
+//   h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_tᵀ,   y_t = C_t h_t + D x_t,
+// from `initial` [B, H, P, N] (zeros when absent). Computed in float32.
+SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
+                           const at::Tensor& A_H, const at::Tensor& B_BSGN,
+                           const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                           const std::optional<at::Tensor>& initial_BHPN,
+                           const std::optional<at::Tensor>& doc_BS, bool final_state);
+
+// One decoding step of the same recurrence on `state` [B, H, P, N] (updated in place): x [B, H, P],
+// dt [B, H] raw (dt_bias added and softplus applied here, not clamped: Transformers'
+// selective_state_update), B and C [B, G, N]; y [B, H, P] in x's dtype.
+at::Tensor ssd_step_reference(at::Tensor& state_BHPN, const at::Tensor& x_BHP, const at::Tensor& dt_BH,
+                              const at::Tensor& dt_bias_H, const at::Tensor& A_H,
+                              const at::Tensor& B_BGN, const at::Tensor& C_BGN, const at::Tensor& D_H);
+
+// weight * rmsnorm_per_group(y * silu(z)) over groups of `group_size` of the last dim, statistics
+// in float32, the normalised value cast to y's dtype before the weight multiplies it.
+at::Tensor gated_rms_norm_reference(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
+                                    int64_t group_size, double eps);
+
+}  // namespace automoe::ops

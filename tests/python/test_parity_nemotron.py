@@ -1,0 +1,167 @@
+"""Nemotron-H (Nemotron 3's hybrid Mamba-2 + attention + MoE stack) in AutoMoE's engine matches
+Transformers v5 on checkpoints Transformers wrote.
+
+float32, a batch with left and right padding: logits at every position and the loss to 1e-5
+relative, every parameter's gradient to 1e-4, with Transformers' default attention (sdpa) against
+ours and eager against eager, both on-disk layouts (`backbone.` per-expert tensors as the released
+checkpoints, and the fused in-memory names), for configs of odd sizes that vary what changes the
+math: the block pattern and its order (list and legacy `hybrid_override_pattern`), n_groups 1 / 2 /
+3, chunk sizes that do and do not divide the sequence, conv kernels 2-4 with and without bias,
+projection and MLP biases, latent MoE on and off, group-limited routing, unnormalised top-k.
+`generate` (greedy, sampled, a left-padded batch) gives Transformers' tokens, and decoding runs
+the recurrent step: one token at a time on the cache reproduces the full forward's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import padded_batch, rel_err, write_checkpoint
+
+import automoe
+
+BASE = dict(vocab_size=67, hidden_size=24,
+            layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"],
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=20,
+            mamba_num_heads=4, mamba_head_dim=6, ssm_state_size=5, n_groups=2, conv_kernel=3,
+            chunk_size=4, n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=12,
+            moe_shared_expert_intermediate_size=14, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+            pad_token_id=0)
+CONFIGS = {
+    "mamba_moe_attn_mlp_groups2_chunk4": {},
+    "latent_moe_biases": dict(moe_latent_size=8, mlp_bias=True, use_bias=True),
+    "legacy_pattern_groups1_chunk3_kernel4_no_conv_bias": dict(
+        layers_block_type=None, hybrid_override_pattern="M*E-ME", n_groups=1, chunk_size=3,
+        conv_kernel=4, use_conv_bias=False),
+    "chunk_longer_than_the_batch_unnormed_no_groups": dict(chunk_size=16, n_group=1, topk_group=1,
+                                                           norm_topk_prob=False),
+    "attention_first_groups3_heads6": dict(
+        layers_block_type=["full_attention", "linear_attention", "linear_attention", "moe"],
+        mamba_num_heads=6, mamba_head_dim=4, n_groups=3, chunk_size=5, ssm_state_size=7),
+    "chunk_divides_mha_kernel2": dict(chunk_size=3, num_key_value_heads=4, conv_kernel=2,
+                                      num_experts_per_tok=3),
+    # top-1 unnormalised: a normalised top-1 weight is exactly 1, its router gradient exactly 0
+    "moe_first_top1_latent": dict(layers_block_type=["moe", "linear_attention", "full_attention", "moe"],
+                                  moe_latent_size=12, num_experts_per_tok=1, n_group=1, topk_group=1,
+                                  norm_topk_prob=False),
+    "two_attention_blocks_gqa1_chunk2": dict(
+        layers_block_type=["linear_attention", "full_attention", "moe", "full_attention", "linear_attention"],
+        num_key_value_heads=1, chunk_size=2, time_step_min=0.05),
+}
+TORCH = dict(experts="eager", rms_norm="torch", rope="torch", swiglu="torch", loss="torch")
+FUSED = dict(experts="grouped", rms_norm="fused", rope="fused", swiglu="fused", loss="fused_linear_ce")
+# (layout, our backend, attention): sdpa against Transformers' default, eager against eager.
+COMBOS = [("per-expert", TORCH, "eager"), ("fused", FUSED, "sdpa")]
+
+
+def make_config(name: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model("nemotron_h", **{**BASE, **CONFIGS[name]})
+
+
+@pytest.fixture(scope="module")
+def nemotron_checkpoint(tmp_path_factory):
+    cache: dict = {}
+
+    def make(name: str, layout: str = "per-expert"):
+        if (name, layout) not in cache:
+            path = tmp_path_factory.mktemp(f"nemotron-{name}-{layout}")
+            cache[name, layout] = write_checkpoint(path, make_config(name), layout, seed=7)
+        return cache[name, layout]
+
+    return make
+
+
+@pytest.mark.parametrize("combo", range(len(COMBOS)))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_matches_transformers_logits_loss_and_grads(nemotron_checkpoint, name, combo):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    layout, backend, attn = COMBOS[combo]
+    path = nemotron_checkpoint(name, layout)
+    hf = HFModel.from_pretrained(path, attn_implementation=attn)
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn, backend=backend)
+    assert isinstance(ours, type(hf)) and ours.automoe_path == "native" and ours.layout == layout
+    ids, mask, labels = padded_batch(hf.config.vocab_size)
+    ref = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    ref.loss.backward()
+    out.loss.backward()
+    if out.logits is None:  # the fused loss forms no logits: read them from a label-free pass
+        with torch.no_grad():
+            out.logits = ours(input_ids=ids, attention_mask=mask).logits
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    assert rel_err(out.loss, ref.loss) <= 1e-5
+    ref_params, our_params = dict(hf.named_parameters()), dict(ours.named_parameters())
+    assert list(our_params) == list(ref_params)  # names and Transformers' order
+    for pname, p in our_params.items():
+        assert p.grad is not None, f"{pname} got no gradient"
+        assert rel_err(p.grad, ref_params[pname].grad) <= 1e-4, pname
+
+
+def test_saved_checkpoint_loads_back_into_transformers_bit_identically(nemotron_checkpoint, tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM as HFModel
+
+    for layout in ("per-expert", "fused"):
+        path = nemotron_checkpoint("latent_moe_biases", layout)
+        automoe.AutoModelForCausalLM.from_pretrained(path).save_pretrained(tmp_path / layout)
+        original = HFModel.from_pretrained(path).state_dict()
+        reloaded = HFModel.from_pretrained(tmp_path / layout).state_dict()
+        assert reloaded.keys() == original.keys()
+        for key, t in original.items():
+            assert reloaded[key].dtype == t.dtype and torch.equal(reloaded[key], t), key
+
+        def names(directory):
+            with safe_open(str(next(directory.glob("*.safetensors"))), "pt") as f:
+                return set(f.keys())
+
+        assert names(tmp_path / layout) == names(path)  # `backbone.` and per-expert names as written
+        if layout == "per-expert":
+            assert any(n.startswith("backbone.layers.1.mixer.experts.0.") for n in names(path))
+
+
+def left_padded_prompts(vocab_size: int):
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, vocab_size, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("name", ["mamba_moe_attn_mlp_groups2_chunk4", "attention_first_groups3_heads6"])
+def test_generate_gives_transformers_tokens(nemotron_checkpoint, name):
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = nemotron_checkpoint(name)
+    hf, ours = HFModel.from_pretrained(path), automoe.AutoModelForCausalLM.from_pretrained(path)
+    ids, mask = left_padded_prompts(hf.config.vocab_size)
+    for kwargs in (dict(do_sample=False), dict(do_sample=True, top_k=5)):
+        runs = []
+        for model in (hf, ours):
+            torch.manual_seed(0)
+            runs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8,
+                                       pad_token_id=0, **kwargs))
+        assert torch.equal(runs[1], runs[0]), kwargs
+
+
+def test_decoding_runs_the_recurrent_step_on_the_cached_state(nemotron_checkpoint):
+    """Each decoding call gets one token and the cache: the Mamba-2 layers can only have its
+    predecessors from their carried conv and SSM state (there is nothing to re-scan), and the
+    logits equal the full sequence's. A cache cannot be cropped (a recurrence has no rollback)."""
+    path = nemotron_checkpoint("mamba_moe_attn_mlp_groups2_chunk4")
+    ours = automoe.AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.randint(1, 60, (2, 11), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = ours(input_ids=ids).logits
+        out = ours(input_ids=ids[:, :6], use_cache=True)
+        cache, steps = out.past_key_values, [out.logits]
+        for t in range(6, 11):
+            out = ours(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+            assert out.logits.shape[1] == 1 and cache.get_seq_length() == t + 1
+            steps.append(out.logits)
+    assert rel_err(torch.cat(steps, 1), full) <= 1e-5
+    with pytest.raises(automoe.AutoMoEError, match="cannot remove positions from a Mamba-2"):
+        cache.crop(-1)
