@@ -218,6 +218,46 @@ def test_all_linear_and_experts_on_other_families_match_peft_on_transformers(fam
             assert rel_err(grads[n], p.grad) <= 1e-4, n
 
 
+def test_nemotron_h_mamba_latent_and_relu2_experts_match_peft_on_transformers(tmp_path):
+    """Nemotron-H under PEFT: the Mamba-2 in_proj (PEFT refuses out_proj and conv1d on Mamba
+    models), attention, the shared expert, the dense MLP and the latent projections;
+    target_parameters the routed experts without a gate (up_proj / down_proj). Logits and every
+    adapter's gradient equal PEFT's on Transformers' model."""
+    import transformers
+    from test_parity_nemotron import make_config
+
+    path = write_checkpoint(tmp_path / "ckpt", make_config("latent_moe_biases"), "fused", seed=7)
+    cfg = LoraConfig(r=4, lora_alpha=8,
+                     target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                                     "down_proj", "fc1_latent_proj", "fc2_latent_proj"],
+                     target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"])
+    models = []
+    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
+        torch.manual_seed(0)
+        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
+    ours, theirs = models
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert n1 == n2
+            if "lora_B" in n1:
+                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
+                b.copy_(a)
+    names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
+    for part in ("in_proj", "q_proj", "fc1_latent_proj", "shared_experts.up_proj", "3.mixer.up_proj",
+                 "experts.up_proj", "experts.down_proj"):
+        assert any(part in n for n in names), part
+    ids, labels = next(batches(theirs.config.vocab_size, 1))
+    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
+    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
+    for o in out:
+        o.loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for n, p in theirs.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[n], p.grad) <= 1e-4, n
+
+
 def test_disable_adapter_after_merge_gives_the_base_model(ckpt):
     """PEFT unmerges a merged adapter when it is disabled; the engine must see the base weights."""
     p_ours, p_theirs = peft_pair(ckpt, BOTH)

@@ -445,6 +445,28 @@ def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("nproc,ep,dispatcher", [(2, 2, "alltoall"), (4, 4, "allgather")],
+                         ids=["ep2-alltoall", "ep4-allgather"])
+def test_a_hybrid_mamba_attention_moe_model_under_ep_equals_one_process(tmp_path, tmp_path_factory, tokenizer,
+                                                                       nproc, ep, dispatcher):
+    """Nemotron-H (Mamba-2 + attention + relu2 MoE): experts sharded over the EP group, the Mamba-2
+    and attention blocks replicated; losses, gradient norms and the export match one process."""
+    from test_train_families import tiny_family_checkpoint
+
+    ckpt = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    run_train(ep_recipe(ckpt, tmp_path, "one"), tmp_path)
+    run_ranks(ep_recipe(ckpt, tmp_path, "ep", ep=ep, dispatcher=dispatcher), tmp_path, nproc)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
+    assert got[3]["parallel"]["ep"] == ep and min(got[3]["dispatch"]["bytes_sent"]) > 0
+    a, b = weights(tmp_path / "one"), weights(tmp_path / "ep")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=5e-5, atol=5e-5, msg=k)
+
+
 # ---- the drop-in ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 2)], ids=["ep2", "ep2-dp2"])

@@ -219,3 +219,33 @@ def test_an_adapter_for_another_model_is_refused_with_its_shapes(model_dir, tmp_
     assert proc.returncode != 0
     assert "was it trained on another base model?" in proc.stderr, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_nemotron_h_lora_recipe_round_trips_through_peft_and_transformers(tmp_path, tmp_path_factory, tokenizer):
+    """LoRA through the recipe on Nemotron-H (Mamba-2 in_proj, attention, the relu2 experts without
+    a gate): PEFT loads the exported adapter onto Transformers' model and Transformers the merged
+    model, both with the engine's logits."""
+    import transformers
+    from peft import PeftModel
+    from test_train_families import tiny_family_checkpoint
+
+    import automoe
+
+    model_dir = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    experts = ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+    run_train(lora_recipe(model_dir, tmp_path, "run", target_modules=["in_proj", "q_proj", "o_proj"],
+                          target_parameters=experts, export_merged=True), tmp_path)
+    adapter, merged_dir = tmp_path / "run" / "export", tmp_path / "run" / "export-merged"
+    assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == experts
+    ids = sample_ids(300)
+    theirs = PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter).eval()
+    ours = PeftModel.from_pretrained(
+        automoe.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), adapter).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+    with torch.no_grad():
+        want = ours(input_ids=ids).logits
+        assert rel_err(theirs(input_ids=ids).logits, want) <= 1e-5
+        assert rel_err(merged(input_ids=ids).logits, want) <= 1e-5
+        with ours.disable_adapter():
+            assert rel_err(ours(input_ids=ids).logits, want) > 1e-4

@@ -68,12 +68,17 @@ std::vector<Candidate> candidates(const ModelSpec& spec, const std::vector<Param
   for (const LayerSlots& L : slots.layers) {
     const AttentionSlots& A = L.attn;
     for (int64_t i : {A.q, A.q_a, A.q_b, A.kv_a, A.kv_b, A.k, A.v, A.o}) add(i, Kind::kLinear);
+    // Mamba-2's in_proj; not its out_proj (nor conv1d), which PEFT refuses on Mamba models.
+    add(L.mamba.in_proj, Kind::kLinear);
     if (L.moe) {
       const MoESlots& M = L.experts;
       add(M.router, Kind::kRouter);
       add(M.gate_up, Kind::kExperts);
       add(M.down, Kind::kExperts);
-      for (int64_t i : {M.shared.gate, M.shared.up, M.shared.down, M.shared_gate}) add(i, Kind::kLinear);
+      for (int64_t i : {M.shared.gate, M.shared.up, M.shared.down, M.shared_gate, M.latent_in,
+                        M.latent_out}) {
+        add(i, Kind::kLinear);
+      }
     } else {
       for (int64_t i : {L.mlp.gate, L.mlp.up, L.mlp.down}) add(i, Kind::kLinear);
     }
