@@ -164,8 +164,13 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   std::vector<std::string> extra;
   std::set<int64_t> mtp_layers;
   int64_t mtp_tensors = 0;
+  int64_t mtp_module_tensors = 0;  // Nemotron-H's `mtp.*` module (Transformers ignores it on load)
   for (const auto& name : ckpt.names()) {
     if (used.count(name) || ignorable_extra(name, spec)) continue;
+    if (spec.naming == Naming::kHybridBlocks && name.rfind("mtp.", 0) == 0) {
+      ++mtp_module_tensors;
+      continue;
+    }
     const int64_t layer = layer_of(name);
     if (layer >= spec.num_layers && layer < spec.num_layers + spec.num_mtp_layers) {
       mtp_layers.insert(layer);
@@ -180,6 +185,11 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     log_info(ckpt.dir(), ": skipping ", mtp_tensors, " tensor(s) of multi-token-prediction layer(s) ",
              list, " (num_nextn_predict_layers after the ", spec.num_layers,
              " decoder layers; not used for training, as in Transformers, and not written on save)");
+  }
+  if (mtp_module_tensors > 0) {
+    log_info(ckpt.dir(), ": skipping ", mtp_module_tensors,
+             " tensor(s) of the multi-token-prediction module (mtp.*; not used for training, as in "
+             "Transformers, and not written on save)");
   }
   if (!extra.empty()) {
     std::string list;
