@@ -28,6 +28,11 @@ at::Tensor pad_seq(const at::Tensor& x, int64_t pad) {
   return at::constant_pad_nd(x, p, 0);
 }
 
+// The dtype the scan and the norm compute in: float32 (Transformers' upcast), float64 kept (tests).
+c10::ScalarType acc(const at::Tensor& t) {
+  return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 }  // namespace
 
 at::Tensor causal_conv1d_reference(const at::Tensor& x_BCS, const at::Tensor& w_CK,
@@ -66,14 +71,15 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
                 C_BSGN.sizes());
   const int64_t Bn = x_BSHP.size(0), S = x_BSHP.size(1), H = x_BSHP.size(2), P = x_BSHP.size(3);
   const int64_t G = B_BSGN.size(2), N = B_BSGN.size(3), Q = chunk;
+  const c10::ScalarType A_t = acc(x_BSHP);
   const int64_t pad = (Q - S % Q) % Q, T = S + pad, nc = T / Q;
-  const at::Tensor xf = x_BSHP.to(at::kFloat);
-  const at::Tensor dt = dt_BSH.to(at::kFloat);
-  const at::Tensor Bm = B_BSGN.to(at::kFloat).repeat_interleave(H / G, 2);
-  const at::Tensor Cm = C_BSGN.to(at::kFloat).repeat_interleave(H / G, 2);
+  const at::Tensor xf = x_BSHP.to(A_t);
+  const at::Tensor dt = dt_BSH.to(A_t);
+  const at::Tensor Bm = B_BSGN.to(A_t).repeat_interleave(H / G, 2);
+  const at::Tensor Cm = C_BSGN.to(A_t).repeat_interleave(H / G, 2);
   const at::Tensor D_residual = D_H.view({H, 1}) * xf;
   const at::Tensor xdt = xf * dt.unsqueeze(-1);
-  const at::Tensor Adt = A_H.to(at::kFloat) * dt;  // [B, S, H]
+  const at::Tensor Adt = A_H.to(A_t) * dt;  // [B, S, H]
 
   const at::Tensor xc = pad_seq(xdt, pad).view({Bn, nc, Q, H, P});
   const at::Tensor Bc = pad_seq(Bm, pad).view({Bn, nc, Q, H, N});
@@ -88,12 +94,12 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
     at::Tensor doc = doc_BS->to(at::kLong);
     if (pad) doc = at::cat({doc, doc.narrow(1, S - 1, 1).expand({Bn, pad})}, 1);
     const at::Tensor dc = doc.view({Bn, nc, Q});
-    same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(at::kFloat);               // [B,c,l,s]
+    same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(A_t);               // [B,c,l,s]
     const at::Tensor end = dc.select(2, Q - 1);                                    // [B,c]
-    local_cl = dc.eq(end.unsqueeze(-1)).to(at::kFloat);                            // [B,c,s]
+    local_cl = dc.eq(end.unsqueeze(-1)).to(A_t);                            // [B,c,s]
     const at::Tensor ends = at::cat({dc.select(2, 0).narrow(1, 0, 1), end}, 1);   // [B,c+1]
-    ends_zc = ends.unsqueeze(-1).eq(ends.unsqueeze(-2)).to(at::kFloat);            // [B,z,c]
-    read_cl = dc.eq(ends.narrow(1, 0, nc).unsqueeze(-1)).to(at::kFloat);           // [B,c,l]
+    ends_zc = ends.unsqueeze(-1).eq(ends.unsqueeze(-2)).to(A_t);            // [B,z,c]
+    read_cl = dc.eq(ends.narrow(1, 0, nc).unsqueeze(-1)).to(A_t);           // [B,c,l]
   }
 
   // Within each chunk: y_l = sum_{s <= l} (C_l · B_s) exp(A_s+1 + ... + A_l) x_s dt_s.
@@ -107,7 +113,7 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
   at::Tensor B_decay = Bc * decay_states.permute({0, 2, 3, 1}).unsqueeze(-1);
   if (local_cl) B_decay = B_decay * local_cl->view({Bn, nc, Q, 1, 1});
   at::Tensor states = at::einsum("bclhn,bclhp->bchpn", {B_decay, xc});
-  const at::Tensor previous = initial_BHPN ? initial_BHPN->to(at::kFloat).unsqueeze(1)
+  const at::Tensor previous = initial_BHPN ? initial_BHPN->to(A_t).unsqueeze(1)
                                            : at::zeros_like(states.narrow(1, 0, 1));
   states = at::cat({previous, states}, 1);                                        // [B,c+1,H,P,N]
 
@@ -128,12 +134,82 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
   return out;
 }
 
+SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                 const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                 const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                 bool final_state) {
+  AUTOMOE_CHECK(x_BSHP.dim() == 4 && B_BSGN.dim() == 4 && C_BSGN.sizes() == B_BSGN.sizes() &&
+                    dt_BSH.dim() == 3 && x_BSHP.size(2) % B_BSGN.size(2) == 0 && chunk > 0,
+                "ssd_scan: expected x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N] with G dividing "
+                "H; got x ", x_BSHP.sizes(), ", dt ", dt_BSH.sizes(), ", B ", B_BSGN.sizes(), ", C ",
+                C_BSGN.sizes());
+  const int64_t Bn = x_BSHP.size(0), S = x_BSHP.size(1), H = x_BSHP.size(2), P = x_BSHP.size(3);
+  const int64_t G = B_BSGN.size(2), N = B_BSGN.size(3), Q = chunk;
+  const c10::ScalarType A_t = acc(x_BSHP);
+  const int64_t pad = (Q - S % Q) % Q, T = S + pad, nc = T / Q;
+  const at::Tensor xf = x_BSHP.to(A_t);
+  const at::Tensor dt = dt_BSH.to(A_t);
+  // Everything in [B, H, c, Q, ...]: each (batch, head, chunk) is one matrix of a bmm.
+  auto chunked = [&](const at::Tensor& t_BSHX) {  // [B, S, H, X] -> [B, H, c, Q, X]
+    return pad_seq(t_BSHX, pad).view({Bn, nc, Q, H, t_BSHX.size(3)}).permute({0, 3, 1, 2, 4});
+  };
+  auto heads = [&](const at::Tensor& t_BSGN) {  // the G groups spread over the H heads
+    return t_BSGN.to(A_t).repeat_interleave(H / G, 2);
+  };
+  const at::Tensor X = chunked(xf * dt.unsqueeze(-1)).contiguous();           // [B,H,c,Q,P]
+  const at::Tensor Bc = chunked(heads(B_BSGN)).contiguous();                   // [B,H,c,Q,N]
+  const at::Tensor Cc = chunked(heads(C_BSGN)).contiguous();                   // [B,H,c,Q,N]
+  const at::Tensor Ac = pad_seq(A_H.to(A_t) * dt, pad).view({Bn, nc, Q, H}).permute({0, 3, 1, 2});
+  const at::Tensor Acum = Ac.cumsum(-1);                                       // [B,H,c,Q]
+
+  std::optional<at::Tensor> same_cls, local_cl, ends_zc, read_cl;  // as in the reference
+  if (doc_BS) {
+    at::Tensor doc = doc_BS->to(at::kLong);
+    if (pad) doc = at::cat({doc, doc.narrow(1, S - 1, 1).expand({Bn, pad})}, 1);
+    const at::Tensor dc = doc.view({Bn, 1, nc, Q});
+    same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(A_t);              // [B,1,c,l,s]
+    const at::Tensor end = dc.select(3, Q - 1);                                   // [B,1,c]
+    local_cl = dc.eq(end.unsqueeze(-1)).to(A_t).unsqueeze(-1);             // [B,1,c,s,1]
+    const at::Tensor ends = at::cat({dc.select(3, 0).narrow(2, 0, 1), end}, 2);  // [B,1,c+1]
+    ends_zc = ends.unsqueeze(-1).eq(ends.unsqueeze(-2)).to(A_t);           // [B,1,z,c]
+    read_cl = dc.eq(ends.narrow(2, 0, nc).unsqueeze(-1)).to(A_t).unsqueeze(-1);  // [B,1,c,l,1]
+  }
+  auto bmm = [](const at::Tensor& a, const at::Tensor& b) { return at::matmul(a, b); };
+
+  // Within each chunk: (C·Bᵀ ∘ decays) · x.
+  at::Tensor M = bmm(Cc, Bc.transpose(-1, -2)) * at::exp(segment_sum(Ac));       // [B,H,c,l,s]
+  if (same_cls) M = M * *same_cls;
+  const at::Tensor y_diag = bmm(M, X);                                            // [B,H,c,Q,P]
+  // Each chunk's own state at its end: (B ∘ decay to the end)ᵀ · x  -> [B,H,c,N,P].
+  at::Tensor B_decay = Bc * at::exp(Acum.narrow(3, Q - 1, 1) - Acum).unsqueeze(-1);
+  if (local_cl) B_decay = B_decay * *local_cl;
+  at::Tensor states = bmm(B_decay.transpose(-1, -2), X);
+  const at::Tensor previous = initial_BHPN
+                                  ? initial_BHPN->to(A_t).transpose(-1, -2).unsqueeze(2)
+                                  : at::zeros({Bn, H, 1, N, P}, X.options());
+  states = at::cat({previous, states}, 2);                                        // [B,H,c+1,N,P]
+  // Carried across chunks: [B,H,z,c] · [B,H,c,N*P].
+  at::Tensor decay_chunk = at::exp(segment_sum(at::constant_pad_nd(Acum.select(3, Q - 1), {1, 0}, 0)));
+  if (ends_zc) decay_chunk = decay_chunk * *ends_zc;
+  const at::Tensor carried =
+      bmm(decay_chunk, states.flatten(3)).view({Bn, H, nc + 1, N, P});
+  // What each position reads of its chunk's starting state.
+  at::Tensor y_off = bmm(Cc, carried.narrow(2, 0, nc)) * at::exp(Acum).unsqueeze(-1);
+  if (read_cl) y_off = y_off * *read_cl;
+  SsdScan out;
+  out.y_BSHP = (y_diag + y_off).permute({0, 2, 3, 1, 4}).reshape({Bn, T, H, P}).narrow(1, 0, S) +
+               D_H.view({H, 1}) * xf;
+  if (final_state) out.final_BHPN = carried.select(2, nc).transpose(-1, -2);
+  return out;
+}
+
 at::Tensor ssd_step_reference(at::Tensor& state_BHPN, const at::Tensor& x_BHP, const at::Tensor& dt_BH,
                               const at::Tensor& dt_bias_H, const at::Tensor& A_H,
                               const at::Tensor& B_BGN, const at::Tensor& C_BGN, const at::Tensor& D_H) {
-  const int64_t Bn = x_BHP.size(0), H = x_BHP.size(1), G = B_BGN.size(1);
+  const int64_t H = x_BHP.size(1), G = B_BGN.size(1);
+  const c10::ScalarType A_t = acc(x_BHP);
   const at::Tensor dt = at::softplus(dt_BH + dt_bias_H.to(dt_BH.scalar_type())).unsqueeze(-1);  // [B,H,1]
-  const at::Tensor dA = at::exp(dt.to(at::kFloat).unsqueeze(-1) * A_H.to(at::kFloat).view({1, H, 1, 1}));
+  const at::Tensor dA = at::exp(dt.to(A_t).unsqueeze(-1) * A_H.to(A_t).view({1, H, 1, 1}));
   const at::Tensor Bh = B_BGN.repeat_interleave(H / G, 1).unsqueeze(2);   // [B,H,1,N]
   const at::Tensor Ch = C_BGN.repeat_interleave(H / G, 1);                // [B,H,N]
   const at::Tensor dBx = dt.unsqueeze(-1) * Bh * x_BHP.unsqueeze(-1);     // [B,H,P,N]
@@ -141,19 +217,19 @@ at::Tensor ssd_step_reference(at::Tensor& state_BHPN, const at::Tensor& x_BHP, c
   state_BHPN.copy_(next.to(state_BHPN.scalar_type()));
   at::Tensor y = at::matmul(next.to(Ch.scalar_type()), Ch.unsqueeze(-1)).squeeze(-1);  // [B,H,P]
   y = y + x_BHP * D_H.view({H, 1});
-  (void)Bn;
   return y.to(x_BHP.scalar_type());
 }
 
 at::Tensor gated_rms_norm_reference(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
                                     int64_t group_size, double eps) {
   const int64_t width = y.size(-1);
+  const c10::ScalarType A_t = acc(y);
   AUTOMOE_CHECK(group_size > 0 && width % group_size == 0 && z.sizes() == y.sizes() &&
                     weight.dim() == 1 && weight.size(0) == width,
                 "gated_rms_norm: expected y and z of one shape, weight [", width,
                 "] and a group size dividing it; got y ", y.sizes(), ", z ", z.sizes(), ", weight ",
                 weight.sizes(), ", group ", group_size);
-  const at::Tensor h = y.to(at::kFloat) * at::silu(z.to(at::kFloat));
+  const at::Tensor h = y.to(A_t) * at::silu(z.to(A_t));
   std::vector<int64_t> grouped(y.sizes().begin(), y.sizes().end() - 1);
   grouped.push_back(width / group_size);
   grouped.push_back(group_size);

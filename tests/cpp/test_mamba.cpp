@@ -1,0 +1,139 @@
+// Mamba-2's ops (ops/mamba): the bmm-form SSD scan against the reference (forward, final state and
+// every input's gradient, float64), and the semantics the model relies on: with document ids the
+// scan and the conv equal running each document alone; a scan's final state continued by the
+// recurrent step equals scanning one token more; a scan from an initial state equals the scan of
+// the concatenated sequence.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include "automoe/ops/mamba/mamba.h"
+
+namespace automoe::ops {
+namespace {
+
+const auto f64 = at::TensorOptions().dtype(at::kDouble);
+
+struct Inputs {
+  at::Tensor x, dt, A, B, C, D;
+};
+
+// B rows of S positions, H heads of P, G groups of N; dt positive (as after softplus).
+Inputs random_inputs(int64_t Bn, int64_t S, int64_t H, int64_t P, int64_t G, int64_t N) {
+  Inputs in;
+  in.x = at::randn({Bn, S, H, P}, f64);
+  in.dt = at::rand({Bn, S, H}, f64) * 0.5 + 0.05;
+  in.A = -at::rand({H}, f64) * 2 - 0.1;
+  in.B = at::randn({Bn, S, G, N}, f64);
+  in.C = at::randn({Bn, S, G, N}, f64);
+  in.D = at::randn({H}, f64);
+  return in;
+}
+
+double max_rel(const at::Tensor& a, const at::Tensor& b) {
+  return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
+}
+
+TEST(SsdScan, BmmFormMatchesTheReferenceForwardStateAndGradients) {
+  at::manual_seed(1);
+  for (const int64_t chunk : {1, 3, 4, 16}) {  // 3 does not divide 10; 16 is longer than it
+    for (const bool docs : {false, true}) {
+      Inputs in = random_inputs(2, 10, 4, 3, 2, 5);
+      const at::Tensor init = at::randn({2, 4, 3, 5}, f64);
+      std::optional<at::Tensor> doc;
+      if (docs) doc = at::tensor({0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 5, 5, 5, 5, 5, 5, 7, 7, 7, -1}, at::kLong).view({2, 10});
+      std::vector<at::Tensor> leaves{in.x, in.dt, in.A, in.B, in.C, in.D};
+      for (auto& t : leaves) t.requires_grad_(true);
+      const std::optional<at::Tensor> initial = docs ? std::nullopt : std::optional<at::Tensor>(init);
+      const SsdScan want = ssd_scan_reference(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                              leaves[5], chunk, initial, doc, true);
+      const SsdScan got = ssd_scan(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                                   chunk, initial, doc, true);
+      EXPECT_LT(max_rel(got.y_BSHP, want.y_BSHP), 1e-12) << chunk << docs;
+      if (!docs) EXPECT_LT(max_rel(got.final_BHPN, want.final_BHPN), 1e-12) << chunk;
+      const at::Tensor w = at::randn(want.y_BSHP.sizes(), f64);
+      const auto gw = torch::autograd::grad({(want.y_BSHP * w).sum()}, leaves);
+      const auto gg = torch::autograd::grad({(got.y_BSHP * w).sum()}, leaves);
+      for (size_t i = 0; i < leaves.size(); ++i) {
+        EXPECT_LT(max_rel(gg[i], gw[i]), 1e-10) << "input " << i << " chunk " << chunk << " docs " << docs;
+      }
+    }
+  }
+}
+
+TEST(SsdScan, DocumentsRestartTheStateAsIfEachRanAlone) {
+  at::manual_seed(2);
+  const Inputs in = random_inputs(1, 11, 4, 3, 2, 5);
+  const std::vector<int64_t> starts{0, 4, 5, 11};  // documents of 4, 1 and 6 positions
+  const at::Tensor doc = at::tensor({0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2}, at::kLong).view({1, 11});
+  for (const int64_t chunk : {3, 4}) {
+    for (const bool bmm_form : {false, true}) {
+      auto scan = bmm_form ? &ssd_scan : &ssd_scan_reference;
+      const at::Tensor packed = scan(in.x, in.dt, in.A, in.B, in.C, in.D, chunk, std::nullopt, doc, false).y_BSHP;
+      for (size_t d = 0; d + 1 < starts.size(); ++d) {
+        const int64_t a = starts[d], n = starts[d + 1] - a;
+        const at::Tensor alone = scan(in.x.narrow(1, a, n), in.dt.narrow(1, a, n), in.A, in.B.narrow(1, a, n),
+                                      in.C.narrow(1, a, n), in.D, chunk, std::nullopt, std::nullopt, false)
+                                     .y_BSHP;
+        EXPECT_LT(max_rel(packed.narrow(1, a, n), alone), 1e-12) << "document " << d << " chunk " << chunk;
+      }
+    }
+  }
+}
+
+TEST(SsdScan, ContinuingFromAStateEqualsScanningTheWholeSequence) {
+  at::manual_seed(3);
+  const Inputs in = random_inputs(2, 9, 4, 3, 2, 5);
+  const SsdScan whole = ssd_scan(in.x, in.dt, in.A, in.B, in.C, in.D, 4, std::nullopt, std::nullopt, true);
+  auto part = [&](int64_t a, int64_t n, const std::optional<at::Tensor>& init) {
+    return ssd_scan(in.x.narrow(1, a, n), in.dt.narrow(1, a, n), in.A, in.B.narrow(1, a, n),
+                    in.C.narrow(1, a, n), in.D, 4, init, std::nullopt, true);
+  };
+  const SsdScan first = part(0, 5, std::nullopt);
+  const SsdScan rest = part(5, 4, first.final_BHPN);
+  EXPECT_LT(max_rel(at::cat({first.y_BSHP, rest.y_BSHP}, 1), whole.y_BSHP), 1e-12);
+  EXPECT_LT(max_rel(rest.final_BHPN, whole.final_BHPN), 1e-12);
+}
+
+TEST(SsdStep, OneRecurrentStepContinuesTheScan) {
+  at::manual_seed(4);
+  Inputs in = random_inputs(2, 7, 4, 3, 2, 5);
+  const at::Tensor raw_dt = at::randn({2, 7, 4}, f64), dt_bias = at::randn({4}, f64);
+  const at::Tensor dt = at::softplus(raw_dt + dt_bias);
+  const SsdScan whole = ssd_scan_reference(in.x, dt, in.A, in.B, in.C, in.D, 3, std::nullopt, std::nullopt, true);
+  const SsdScan first = ssd_scan_reference(in.x.narrow(1, 0, 6), dt.narrow(1, 0, 6), in.A, in.B.narrow(1, 0, 6),
+                                           in.C.narrow(1, 0, 6), in.D, 3, std::nullopt, std::nullopt, true);
+  at::Tensor state = first.final_BHPN.clone();
+  const at::Tensor y = ssd_step_reference(state, in.x.select(1, 6), raw_dt.select(1, 6), dt_bias, in.A,
+                                          in.B.select(1, 6), in.C.select(1, 6), in.D);
+  EXPECT_LT(max_rel(y, whole.y_BSHP.select(1, 6)), 1e-12);
+  EXPECT_LT(max_rel(state, whole.final_BHPN), 1e-12);
+}
+
+TEST(CausalConv1d, DocumentsSeeOnlyTheirOwnTaps) {
+  at::manual_seed(5);
+  const at::Tensor x = at::randn({1, 6, 9}, f64), w = at::randn({6, 4}, f64), bias = at::randn({6}, f64);
+  const at::Tensor doc = at::tensor({3, 3, 3, 3, 3, 8, 8, 9, 9}, at::kLong).view({1, 9});
+  const at::Tensor packed = causal_conv1d_reference(x, w, bias, doc);
+  const std::vector<int64_t> starts{0, 5, 7, 9};
+  for (size_t d = 0; d + 1 < starts.size(); ++d) {
+    const int64_t a = starts[d], n = starts[d + 1] - a;
+    const at::Tensor alone = causal_conv1d_reference(x.narrow(2, a, n), w, bias, std::nullopt);
+    EXPECT_LT(max_rel(packed.narrow(2, a, n), alone), 1e-12) << "document " << d;
+  }
+  // One document: the same as the plain conv.
+  const at::Tensor one = causal_conv1d_reference(x, w, bias, at::zeros({1, 9}, at::kLong));
+  EXPECT_LT(max_rel(one, causal_conv1d_reference(x, w, bias, std::nullopt)), 1e-12);
+}
+
+TEST(GatedRmsNorm, NormalisesEachGroupOfTheGatedValues) {
+  at::manual_seed(6);
+  const at::Tensor y = at::randn({2, 3, 8}, f64), z = at::randn({2, 3, 8}, f64), w = at::randn({8}, f64);
+  const at::Tensor got = gated_rms_norm_reference(y, z, w, 4, 1e-5);
+  const at::Tensor h = (y * at::silu(z)).view({2, 3, 2, 4});
+  const at::Tensor want = w * (h / at::sqrt(h.pow(2).mean(-1, true) + 1e-5)).view({2, 3, 8});
+  EXPECT_LT(max_rel(got, want), 1e-12);
+}
+
+}  // namespace
+}  // namespace automoe::ops
