@@ -41,6 +41,10 @@ PRESETS = {
     "qwen3-30b-a3b": dict(T=4096, H=2048, E=128, K=8, I=768, V=151936, N=32, KV=4, D=128),
     # the benchmark issue's cpu-small geometry (bench/presets in the engine)
     "cpu-small": dict(T=512, H=256, E=16, K=4, I=128, V=8192, N=8, KV=2, D=32),
+    # Nemotron 3 Nano's layer geometry (hidden 2688, 128 experts top-6, vocabulary 131072; its
+    # Mamba-2 mixer: MH heads of MP, MG groups of state MN, chunk MQ)
+    "nemotron-3-nano": dict(T=1024, H=2688, E=128, K=6, I=1856, V=131072, N=32, KV=2, D=128,
+                            MH=64, MP=64, MG=8, MN=128, MQ=128),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -202,6 +206,17 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
 
     if memory_bound_only:
         return rows
+    if "MH" in p:  # Mamba-2's SSD scan: [1, T] tokens, float32 inside whatever the input dtype
+        MH, MP, MG, MN, MQ = (p[k] for k in ("MH", "MP", "MG", "MN", "MQ"))
+        sx, sdt = leaf(mk(1, T, MH, MP)), leaf((torch.rand(1, T, MH) * 0.1).to(device=device, dtype=dtype))
+        sA = leaf(-torch.rand(MH, device=device))
+        sB, sC, sD = leaf(mk(1, T, MG, MN)), leaf(mk(1, T, MG, MN)), leaf(torch.randn(MH, device=device))
+        # per token and head: within its chunk C·Bᵀ (MQ x MN) and the weighted x (MQ x MP), the chunk
+        # state (MN x MP) and its read-out (MN x MP); fwd + bwd = 3 x the forward
+        ssd_flops = 3 * 2 * T * MH * (MQ * (MN + MP) + 2 * MN * MP)
+        add("ssd_scan fwd+bwd (reference: ATen, float32 inside)",
+            fwd_bwd(lambda *a: OPS.ssd_scan_reference(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]), None,
+            flops=ssd_flops)
     xp = leaf(mk(T * K, H))
     w_gu = leaf(mk(E, 2 * I, H, scale=0.02))
     gg_flops = 3 * 2 * T * K * H * 2 * I

@@ -10,6 +10,7 @@
 #include "automoe/ops/cpu/isa.h"
 #include "automoe/ops/cuda_status.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
+#include "automoe/ops/mamba/mamba.h"
 #include "automoe/ops/ops.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
@@ -107,6 +108,17 @@ cuda_kernels_op() {
   return {cuda_kernel_names(), validated_cuda_kernels(), on};
 }
 
+template <SsdScan (*Fn)(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                        const Tensor&, int64_t, const std::optional<Tensor>&,
+                        const std::optional<Tensor>&, bool)>
+std::tuple<Tensor, Tensor> ssd_scan_op(const Tensor& x, const Tensor& dt, const Tensor& A, const Tensor& B,
+                                       const Tensor& C, const Tensor& D, int64_t chunk,
+                                       const std::optional<Tensor>& initial_state,
+                                       const std::optional<Tensor>& document_ids) {
+  const SsdScan r = Fn(x, dt, A, B, C, D, chunk, initial_state, document_ids, true);
+  return {r.y_BSHP, r.final_BHPN};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(automoe, m) {
@@ -154,6 +166,11 @@ TORCH_LIBRARY(automoe, m) {
       "(Tensor loss_sum, Tensor count)";
   m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
   m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
+  // Mamba-2 (ops/mamba/mamba.h): the SSD scan's reference (what the model runs until a kernel does).
+  const std::string ssd_args =
+      "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, int chunk, Tensor? initial_state=None, "
+      "Tensor? document_ids=None) -> (Tensor y, Tensor final_state)";
+  m.def((std::string("ssd_scan_reference") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan_reference>));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
   m.def("_cpu_kernel_paths() -> Dict(str, str)", TORCH_FN(cpu_kernel_paths_op));
   m.def("_set_cpu_paths(str isa=\"\", str gemm=\"\") -> ()", TORCH_FN(set_cpu_paths_op));
