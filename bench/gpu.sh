@@ -78,6 +78,15 @@ timeout 100 $PY bench/compare_hf.py --config bench/configs/deepseek_v3-cpu-small
   --dtype bfloat16 --batch 4 --seq 1024 --warmup 1 --steps 3 --impls grouped_mm \
   --automoe "$PKG/automoe/bin/automoe" --timeout 40 --out "$OUT/deepseek_v3-cpu-small" \
   || echo "compare_hf (deepseek_v3) failed or ran out of time (see above)"
+step "side by side on the hybrid family: Nemotron 3 Nano's geometry (4 blocks MEM*, real vocabulary), bf16"
+timeout 150 $PY bench/compare_hf.py --config bench/configs/nemotron_h-nano-L4.json --device "$DEVICE" \
+  --dtype bfloat16 --batch 2 --seq 1024 --warmup 1 --steps 3 --impls grouped_mm \
+  --automoe-optimizer float32/float32,none/bfloat16 \
+  --automoe "$PKG/automoe/bin/automoe" --timeout 60 --out "$OUT/nemotron_h-nano-L4" \
+  || echo "compare_hf (nemotron_h) failed or ran out of time (see above)"
+AUTOMOE_CUDA_KERNELS=all timeout 60 $PY bench/ops_bench.py --preset nemotron-3-nano --dtype bf16 --device "$DEVICE" \
+  --no-layer-refs --reps 2 --json "$OUT/ops-nemotron-3-nano.json" --markdown "$OUT/ops-nemotron-3-nano.md" \
+  || echo "ops_bench (nemotron-3-nano: the SSD scan) failed or ran out of time"
 step "trainer: examples/chat.yaml on $DEVICE, bf16 compute + fp32 masters, 60 steps"
 # The demo's tiny model and tokenizer, then a short packed chat fine-tune with metrics and export.
 $PY - "$OUT/train-model" <<'PYEOF' || echo "trainer model build failed"
