@@ -31,10 +31,10 @@ def main() -> None:
     par = model.automoe_parallel
     assert par["ep"] == ep and par["dp"] == world // ep and par["rank"] == rank, par
     begin, count = par["expert_begin"], par["expert_count"]
-    num_experts = model.config.num_experts
+    num_experts = getattr(model.config, "num_experts", None) or model.config.n_routed_experts
     assert count == num_experts // ep and begin == (rank % ep) * count, par
     routed = set(model._ddp_params_and_buffers_to_ignore)
-    assert routed and all(".mlp.experts." in n for n in routed), routed
+    assert routed and all(".experts." in n for n in routed), routed
 
     def rows(name, t):  # this rank's part of a one-process tensor
         return t[begin:begin + count] if name in routed else t

@@ -480,6 +480,18 @@ def test_the_drop_in_under_expert_parallelism_matches_one_process(model_dir, tmp
     assert proc.stdout.count(": ok") == nproc
 
 
+def test_the_drop_in_of_a_hybrid_model_under_expert_parallelism_matches_one_process(tmp_path, tmp_path_factory,
+                                                                                    tokenizer):
+    """The same checks on Nemotron-H (experts sharded, Mamba-2 and attention replicated; generate
+    carries each rank's conv and SSM state)."""
+    from test_train_families import tiny_family_checkpoint
+
+    ckpt = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    proc = torchrun(2, str(HERE / "dropin_ep_worker.py"), str(ckpt), str(tmp_path), "2", check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    assert proc.stdout.count(": ok") == 2
+
+
 def test_the_drop_in_refuses_what_expert_parallelism_cannot_do(model_dir):
     import automoe
     from transformers import AutoConfig
