@@ -1,13 +1,14 @@
 """Transformers' own model, with AutoMoE's kernels: the path for MoE types the engine does not
 implement natively (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GraniteMoE, ...).
 
-- Experts: AutoMoE's fused experts (router output -> permute -> grouped GEMM -> SwiGLU -> grouped
-  GEMM -> weighted unpermute, `torch.ops.automoe.moe_experts`) registered in Transformers'
-  `ExpertsInterface` as "automoe" and selected through `experts_implementation`, so every v5 MoE
-  model whose experts use that interface runs them without any change to its modeling file.
-  Experts modules our kernel does not cover (biases, transposed or interleaved weights, a custom
-  gate such as GPT-OSS's clamped SwiGLU, an activation other than SiLU) run Transformers' own
-  `grouped_mm` path; the load report says which.
+- Experts: AutoMoE's fused experts (router output -> permute -> grouped GEMM -> SwiGLU, or relu2
+  for experts without a gate projection such as Nemotron-H's -> grouped GEMM -> weighted
+  unpermute, `torch.ops.automoe.moe_experts`) registered in Transformers' `ExpertsInterface` as
+  "automoe" and selected through `experts_implementation`, so every v5 MoE model whose experts use
+  that interface runs them without any change to its modeling file. Experts modules our kernel
+  does not cover (biases, transposed or interleaved weights, a custom gate such as GPT-OSS's
+  clamped SwiGLU, another activation) run Transformers' own `grouped_mm` path; the load report
+  says which.
 - RMSNorm: modules whose forward is exactly Transformers' standard RMSNorm (float32 statistics,
   `weight * normed.to(input dtype)`) run AutoMoE's fused kernel (`torch.ops.automoe.rmsnorm`).
 - Everything else (attention, router, dense MLPs, loss) is Transformers' code.
@@ -40,12 +41,23 @@ def _is_silu(act: Any) -> bool:
     return isinstance(act, (SiLUActivation, nn.SiLU)) or act is torch.nn.functional.silu
 
 
+def _is_relu2(act: Any) -> bool:
+    from transformers.activations import ReLUSquaredActivation
+
+    return isinstance(act, ReLUSquaredActivation)
+
+
 def experts_supported(experts: nn.Module) -> str | None:
     """None when AutoMoE's fused experts compute exactly what `experts` computes; else why not."""
     from transformers.integrations.moe import _default_apply_gate
 
-    if not getattr(experts, "has_gate", False):
-        return "experts without a gate projection"
+    if not getattr(experts, "has_gate", False):  # up_proj [E, I, H] then act then down_proj
+        if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
+            return "experts without a gate projection, with biases or transposed weights"
+        if not _is_relu2(getattr(experts, "act_fn", None)):
+            return (f"experts without a gate projection and activation "
+                    f"{type(getattr(experts, 'act_fn', None)).__name__} (the fused one is relu2)")
+        return None
     if getattr(experts, "has_bias", False):
         return "experts with biases"
     if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
@@ -64,13 +76,15 @@ def automoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    x, w_gate_up, w_down = hidden_states, self.gate_up_proj, self.down_proj
+    gated = self.has_gate
+    x, w_gate_up, w_down = hidden_states, self.gate_up_proj if gated else self.up_proj, self.down_proj
     device = x.device.type
     if torch.is_autocast_enabled(device):  # the GEMMs in autocast's dtype, as F.linear would run
         dtype = torch.get_autocast_dtype(device)
         x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
     weights = top_k_weights if top_k_weights.dtype == x.dtype else top_k_weights.float()
-    out = torch.ops.automoe.moe_experts(x, top_k_index, weights, w_gate_up, w_down, "grouped")
+    out = torch.ops.automoe.moe_experts(x, top_k_index, weights, w_gate_up, w_down, "grouped",
+                                        activation="swiglu" if gated else "relu2")
     return out.to(hidden_states.dtype)
 
 
