@@ -1,4 +1,5 @@
-// Mamba-2's ops (ops/mamba), in float64, on the semantics the model relies on: with document ids the
+// Mamba-2's ops (ops/mamba), in float64: the grouped SSD scan against the reference (output, final
+// state, every input's gradient), and the semantics the model relies on: with document ids the
 // scan and the conv equal running each document alone; a scan's final state continued by the
 // recurrent step equals scanning one token more; a scan from an initial state equals the scan of
 // the concatenated sequence.
@@ -33,14 +34,42 @@ double max_rel(const at::Tensor& a, const at::Tensor& b) {
   return ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item<double>();
 }
 
+TEST(SsdScan, GroupedFormMatchesTheReferenceForwardStateAndGradients) {
+  at::manual_seed(1);
+  for (const int64_t chunk : {1, 3, 4, 16}) {  // 3 does not divide 10; 16 is longer than it
+    for (const bool docs : {false, true}) {
+      Inputs in = random_inputs(2, 10, 6, 3, 2, 5);  // 3 heads per group
+      const at::Tensor init = at::randn({2, 6, 3, 5}, f64);
+      std::optional<at::Tensor> doc;
+      if (docs) {
+        doc = at::tensor({0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 5, 5, 5, 5, 5, 5, 7, 7, 7, -1}, at::kLong).view({2, 10});
+      }
+      std::vector<at::Tensor> leaves{in.x, in.dt, in.A, in.B, in.C, in.D};
+      for (auto& t : leaves) t.requires_grad_(true);
+      const std::optional<at::Tensor> initial = docs ? std::nullopt : std::optional<at::Tensor>(init);
+      const SsdScan want = ssd_scan_reference(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                              leaves[5], chunk, initial, doc, true);
+      const SsdScan got = ssd_scan(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4], leaves[5],
+                                   chunk, initial, doc, true);
+      EXPECT_LT(max_rel(got.y_BSHP, want.y_BSHP), 1e-12) << chunk << docs;
+      if (!docs) EXPECT_LT(max_rel(got.final_BHPN, want.final_BHPN), 1e-12) << chunk;
+      const at::Tensor w = at::randn(want.y_BSHP.sizes(), f64);
+      const auto gw = torch::autograd::grad({(want.y_BSHP * w).sum()}, leaves);
+      const auto gg = torch::autograd::grad({(got.y_BSHP * w).sum()}, leaves);
+      for (size_t i = 0; i < leaves.size(); ++i) {
+        EXPECT_LT(max_rel(gg[i], gw[i]), 1e-10) << "input " << i << " chunk " << chunk << " docs " << docs;
+      }
+    }
+  }
+}
+
 TEST(SsdScan, DocumentsRestartTheStateAsIfEachRanAlone) {
   at::manual_seed(2);
   const Inputs in = random_inputs(1, 11, 4, 3, 2, 5);
   const std::vector<int64_t> starts{0, 4, 5, 11};  // documents of 4, 1 and 6 positions
   const at::Tensor doc = at::tensor({0, 0, 0, 0, 1, 2, 2, 2, 2, 2, 2}, at::kLong).view({1, 11});
   for (const int64_t chunk : {3, 4}) {
-    {
-      auto scan = &ssd_scan_reference;
+    for (auto scan : {&ssd_scan_reference, &ssd_scan}) {
       const at::Tensor packed = scan(in.x, in.dt, in.A, in.B, in.C, in.D, chunk, std::nullopt, doc, false).y_BSHP;
       for (size_t d = 0; d + 1 < starts.size(); ++d) {
         const int64_t a = starts[d], n = starts[d + 1] - a;

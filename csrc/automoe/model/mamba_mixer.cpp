@@ -64,7 +64,7 @@ at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTen
   } else {
     const at::Tensor dt_BSH =
         at::softplus(dt + p(P.dt_bias).to(dt.scalar_type())).clamp_min(m.dt_min);
-    const ops::SsdScan r = ops::ssd_scan_reference(
+    const ops::SsdScan r = ops::ssd_scan(
         xs.reshape({B, S, H, m.head_dim}), dt_BSH, A, Bm.reshape({B, S, G, N}),
         Cm.reshape({B, S, G, N}), p(P.d), m.chunk_size,
         continues ? std::optional<at::Tensor>(state->ssm) : std::nullopt, in.doc_BS, state != nullptr);

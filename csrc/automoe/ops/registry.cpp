@@ -166,10 +166,11 @@ TORCH_LIBRARY(automoe, m) {
       "(Tensor loss_sum, Tensor count)";
   m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
   m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
-  // Mamba-2 (ops/mamba/mamba.h): the SSD scan's reference (what the model runs until a kernel does).
+  // Mamba-2 (ops/mamba/mamba.h): the SSD scan the model runs and its reference.
   const std::string ssd_args =
       "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, int chunk, Tensor? initial_state=None, "
       "Tensor? document_ids=None) -> (Tensor y, Tensor final_state)";
+  m.def((std::string("ssd_scan") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan>));
   m.def((std::string("ssd_scan_reference") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan_reference>));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
   m.def("_cpu_kernel_paths() -> Dict(str, str)", TORCH_FN(cpu_kernel_paths_op));

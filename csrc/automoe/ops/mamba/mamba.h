@@ -36,6 +36,15 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
                            const std::optional<at::Tensor>& initial_BHPN,
                            const std::optional<at::Tensor>& doc_BS, bool final_state);
 
+// The same scan with the products a group's heads share done once per group (C·Bᵀ is the same for
+// the H / G heads that read one B/C group) and the others as wide matrix products over the group's
+// heads ([Q, N] · [N, (H/G)·P] instead of H/G products of width P): what the model runs. Equal to
+// the reference up to float32 summation order (tests/cpp/test_mamba.cpp).
+SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                 const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                 const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                 bool final_state);
+
 // One decoding step of the same recurrence on `state` [B, H, P, N] (updated in place): x [B, H, P],
 // dt [B, H] raw (dt_bias added and softplus applied here, not clamped: Transformers'
 // selective_state_update), B and C [B, G, N]; y [B, H, P] in x's dtype.

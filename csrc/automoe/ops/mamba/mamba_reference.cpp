@@ -134,6 +134,92 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
   return out;
 }
 
+SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                 const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                 const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                 bool final_state) {
+  AUTOMOE_CHECK(x_BSHP.dim() == 4 && B_BSGN.dim() == 4 && C_BSGN.sizes() == B_BSGN.sizes() &&
+                    dt_BSH.dim() == 3 && x_BSHP.size(2) % B_BSGN.size(2) == 0 && chunk > 0,
+                "ssd_scan: expected x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N] with G dividing "
+                "H; got x ", x_BSHP.sizes(), ", dt ", dt_BSH.sizes(), ", B ", B_BSGN.sizes(), ", C ",
+                C_BSGN.sizes());
+  const int64_t Bn = x_BSHP.size(0), S = x_BSHP.size(1), H = x_BSHP.size(2), P = x_BSHP.size(3);
+  const int64_t G = B_BSGN.size(2), N = B_BSGN.size(3), Q = chunk, Hg = H / G;
+  const int64_t pad = (Q - S % Q) % Q, T = S + pad, nc = T / Q;
+  const c10::ScalarType A_t = acc(x_BSHP);
+  const at::Tensor xf = x_BSHP.to(A_t);
+  const at::Tensor dt = dt_BSH.to(A_t);
+  // x·dt as [B, G, Hg, c, Q, P]; B and C as [B, G, c, Q, N] (one per group, not per head).
+  const at::Tensor X = pad_seq(xf * dt.unsqueeze(-1), pad)
+                           .view({Bn, nc, Q, G, Hg, P})
+                           .permute({0, 3, 4, 1, 2, 5})
+                           .contiguous();
+  auto groups = [&](const at::Tensor& t_BSGN) {
+    return pad_seq(t_BSGN.to(A_t), pad).view({Bn, nc, Q, G, N}).permute({0, 3, 1, 2, 4}).contiguous();
+  };
+  const at::Tensor Bg = groups(B_BSGN), Cg = groups(C_BSGN);
+  const at::Tensor Ac = pad_seq(A_H.to(A_t) * dt, pad).view({Bn, nc, Q, H}).permute({0, 3, 1, 2});
+  const at::Tensor Acum = Ac.cumsum(-1);                                        // [B,H,c,Q]
+  auto per_group = [&](const at::Tensor& t_BHX) {  // [B, H, ...] -> [B, G, Hg, ...]
+    std::vector<int64_t> shape{Bn, G, Hg};
+    shape.insert(shape.end(), t_BHX.sizes().begin() + 2, t_BHX.sizes().end());
+    return t_BHX.reshape(shape);
+  };
+  // [B, G, Hg, c, R, P] <-> [B, G, c, R, Hg * P]: a group's heads side by side as one wide matrix.
+  auto wide = [&](const at::Tensor& t) {
+    return t.permute({0, 1, 3, 4, 2, 5}).reshape({Bn, G, t.size(3), t.size(4), Hg * P});
+  };
+  auto unwide = [&](const at::Tensor& t) {
+    return t.view({Bn, G, t.size(2), t.size(3), Hg, P}).permute({0, 1, 4, 2, 3, 5});
+  };
+
+  std::optional<at::Tensor> same_cls, local_cl, ends_zc, read_cl;  // as in the reference
+  if (doc_BS) {
+    at::Tensor doc = doc_BS->to(at::kLong);
+    if (pad) doc = at::cat({doc, doc.narrow(1, S - 1, 1).expand({Bn, pad})}, 1);
+    const at::Tensor dc = doc.view({Bn, 1, 1, nc, Q});
+    same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(A_t);                     // [B,1,1,c,l,s]
+    const at::Tensor end = dc.select(4, Q - 1);                                   // [B,1,1,c]
+    local_cl = dc.eq(end.unsqueeze(-1)).to(A_t).unsqueeze(-1);                    // [B,1,1,c,s,1]
+    const at::Tensor ends = at::cat({dc.select(4, 0).narrow(3, 0, 1), end}, 3);  // [B,1,1,c+1]
+    ends_zc = ends.squeeze(2).unsqueeze(-1).eq(ends.squeeze(2).unsqueeze(-2)).to(A_t);  // [B,1,z,c]
+    read_cl = dc.eq(ends.narrow(3, 0, nc).unsqueeze(-1)).to(A_t).unsqueeze(-1);  // [B,1,1,c,l,1]
+  }
+
+  // Within each chunk: (C·Bᵀ, once per group, ∘ each head's decays) · x. The decay from s to l is
+  // exp(Acum_l - Acum_s) (l >= s), differences of the chunk's cumulative sum as the Mamba-2 kernels
+  // take them (the reference's masked cumulative sums cost five passes and a flipped cumsum in the
+  // backward over [B, H, c, Q, Q]).
+  const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(Acum.device());
+  const at::Tensor above = at::ones({Q, Q}, bool_opts).triu(1);
+  const at::Tensor decay_ls =
+      at::exp((Acum.unsqueeze(-1) - Acum.unsqueeze(-2)).masked_fill(above, -std::numeric_limits<double>::infinity()));
+  at::Tensor M = at::matmul(Cg, Bg.transpose(-1, -2)).unsqueeze(2) * per_group(decay_ls);
+  if (same_cls) M = M * *same_cls;
+  const at::Tensor y_diag = at::matmul(M, X);                                   // [B,G,Hg,c,Q,P]
+  // Each chunk's own state at its end: Bᵀ · (x ∘ decay to the end), all heads of a group at once.
+  at::Tensor Xd = X * per_group(at::exp(Acum.narrow(3, Q - 1, 1) - Acum)).unsqueeze(-1);
+  if (local_cl) Xd = Xd * *local_cl;
+  const at::Tensor local = unwide(at::matmul(Bg.transpose(-1, -2), wide(Xd)));  // [B,G,Hg,c,N,P]
+  const at::Tensor previous = initial_BHPN
+                                  ? initial_BHPN->to(A_t).transpose(-1, -2).unsqueeze(2)
+                                  : at::zeros({Bn, H, 1, N, P}, X.options());
+  const at::Tensor states = at::cat({previous, local.reshape({Bn, H, nc, N, P})}, 2);  // [B,H,c+1,N,P]
+  // Carried across chunks: [B,H,z,c] · [B,H,c,N*P].
+  at::Tensor decay_chunk = at::exp(segment_sum(at::constant_pad_nd(Acum.select(3, Q - 1), {1, 0}, 0)));
+  if (ends_zc) decay_chunk = decay_chunk * *ends_zc;
+  const at::Tensor carried = at::matmul(decay_chunk, states.flatten(3)).view({Bn, H, nc + 1, N, P});
+  // What each position reads of its chunk's starting state: C · state, a group's heads at once.
+  at::Tensor y_off = unwide(at::matmul(Cg, wide(per_group(carried.narrow(2, 0, nc))))) *
+                     per_group(at::exp(Acum)).unsqueeze(-1);
+  if (read_cl) y_off = y_off * *read_cl;
+  SsdScan out;
+  out.y_BSHP = (y_diag + y_off).permute({0, 3, 4, 1, 2, 5}).reshape({Bn, T, H, P}).narrow(1, 0, S) +
+               D_H.view({H, 1}) * xf;
+  if (final_state) out.final_BHPN = carried.select(2, nc).transpose(-1, -2);
+  return out;
+}
+
 at::Tensor ssd_step_reference(at::Tensor& state_BHPN, const at::Tensor& x_BHP, const at::Tensor& dt_BH,
                               const at::Tensor& dt_bias_H, const at::Tensor& A_H,
                               const at::Tensor& B_BGN, const at::Tensor& C_BGN, const at::Tensor& D_H) {
