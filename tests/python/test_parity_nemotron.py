@@ -224,3 +224,20 @@ def test_bf16_training_follows_transformers_losses_for_20_steps(tmp_path):
     assert theirs[-1] < 0.8 * theirs[0]  # it learns
     for step, (a, b) in enumerate(zip(ours, theirs)):
         assert abs(a - b) <= 0.01 * abs(b), (step, a, b)
+
+
+def test_gradient_checkpointing_recomputes_the_hybrid_layers_exactly(nemotron_checkpoint):
+    """Checkpointed Mamba-2, attention and MoE blocks (recomputed in the backward with the forward's
+    padding mask and routing) give the gradients of the plain backward, bit for bit."""
+    path = nemotron_checkpoint("latent_moe_biases")
+    ids, mask, labels = padded_batch(BASE["vocab_size"])
+    grads = []
+    for checkpointing in (False, True):
+        model = automoe.AutoModelForCausalLM.from_pretrained(path)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert torch.equal(grads[1][name], g), name
