@@ -204,6 +204,26 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
         fwd_bwd(lambda a, b: OPS.unpermute_reference(a, *plan, b), [y, wl]),
         bytes_=4 * T * K * H * es)
 
+    if "MH" in p:  # Mamba-2's depthwise conv (+ SiLU) over x, B and C, and its gated norm
+        MH, MP, MG, MN = (p[k] for k in ("MH", "MP", "MG", "MN"))
+        CC, W = MH * MP + 2 * MG * MN, MH * MP
+        cx, cw, cb = leaf(mk(1, T, CC)), leaf(mk(CC, 4, scale=0.5)), leaf(mk(CC))
+        docs = torch.zeros(1, T, dtype=torch.long, device=device)
+        docs[:, T // 3:] = 1
+        # fwd reads x writes y; bwd reads dy, x writes dx: 4 passes over [T, C]
+        for name, d in (("causal_conv1d + silu", None), ("causal_conv1d + silu, 2 documents", docs)):
+            add(name, fwd_bwd(lambda a, b, c, d=d: OPS.causal_conv1d(a, b, c, d, True), [cx, cw, cb]),
+                fwd_bwd(lambda a, b, c, d=d: OPS.causal_conv1d_reference(a, b, c, d, True), [cx, cw, cb]),
+                bytes_=4 * T * CC * es)
+        # as the model calls it: the scan's float32 y, the gate and weight in the dtype; fwd reads y, z
+        # writes out (float32); bwd reads dout, y, z, writes dy, dz
+        gy, gz = leaf(torch.randn(1, T, W, device=device)), leaf(mk(1, T, W, scale=2))
+        gw = leaf(1 + mk(W, scale=0.1))
+        add("gated_rms_norm (float32 y)",
+            fwd_bwd(lambda a, b, c: OPS.gated_rms_norm(a, b, c, W // MG, 1e-5), [gy, gz, gw]),
+            fwd_bwd(lambda a, b, c: OPS.gated_rms_norm_reference(a, b, c, W // MG, 1e-5), [gy, gz, gw]),
+            bytes_=T * W * (4 + es + 4 + 4 + 4 + es + 4 + es))
+
     if memory_bound_only:
         return rows
     if "MH" in p:  # Mamba-2's SSD scan: [1, T] tokens, float32 inside whatever the input dtype

@@ -21,6 +21,9 @@ class BackendConfig:
     rms_norm: str = "fused"  # "fused" | "torch"
     rope: str = "fused"  # "fused" | "torch"
     swiglu: str = "fused"  # "fused" | "torch"
+    # Mamba-2 mixers (Nemotron-H): the fused depthwise conv1d + SiLU and gated RMSNorm kernels, or
+    # their ATen references ("fused" | "torch")
+    mamba: str = "fused"
     # dense linear layers (attention projections, dense MLPs, shared experts, the LM head):
     # "auto" (bf16 on a CPU without native bf16 GEMM: AutoMoE's GEMM engine; else at::linear) |
     # "torch" (at::linear)

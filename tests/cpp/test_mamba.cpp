@@ -114,18 +114,24 @@ TEST(SsdStep, OneRecurrentStepContinuesTheScan) {
 
 TEST(CausalConv1d, DocumentsSeeOnlyTheirOwnTaps) {
   at::manual_seed(5);
-  const at::Tensor x = at::randn({1, 6, 9}, f64), w = at::randn({6, 4}, f64), bias = at::randn({6}, f64);
+  const at::Tensor x = at::randn({1, 9, 6}, f64), w = at::randn({6, 4}, f64), bias = at::randn({6}, f64);
   const at::Tensor doc = at::tensor({3, 3, 3, 3, 3, 8, 8, 9, 9}, at::kLong).view({1, 9});
-  const at::Tensor packed = causal_conv1d_reference(x, w, bias, doc);
   const std::vector<int64_t> starts{0, 5, 7, 9};
-  for (size_t d = 0; d + 1 < starts.size(); ++d) {
-    const int64_t a = starts[d], n = starts[d + 1] - a;
-    const at::Tensor alone = causal_conv1d_reference(x.narrow(2, a, n), w, bias, std::nullopt);
-    EXPECT_LT(max_rel(packed.narrow(2, a, n), alone), 1e-12) << "document " << d;
+  for (const bool silu : {false, true}) {
+    const at::Tensor packed = causal_conv1d_reference(x, w, bias, doc, silu);
+    // The fused kernel (float32) packs the same way.
+    const at::Tensor fused = causal_conv1d(x.to(at::kFloat), w.to(at::kFloat), bias.to(at::kFloat),
+                                           doc, silu);
+    EXPECT_LT(max_rel(fused.to(at::kDouble), packed), 1e-6);
+    for (size_t d = 0; d + 1 < starts.size(); ++d) {
+      const int64_t a = starts[d], n = starts[d + 1] - a;
+      const at::Tensor alone = causal_conv1d_reference(x.narrow(1, a, n), w, bias, std::nullopt, silu);
+      EXPECT_LT(max_rel(packed.narrow(1, a, n), alone), 1e-12) << "document " << d;
+    }
   }
   // One document: the same as the plain conv.
-  const at::Tensor one = causal_conv1d_reference(x, w, bias, at::zeros({1, 9}, at::kLong));
-  EXPECT_LT(max_rel(one, causal_conv1d_reference(x, w, bias, std::nullopt)), 1e-12);
+  const at::Tensor one = causal_conv1d_reference(x, w, bias, at::zeros({1, 9}, at::kLong), false);
+  EXPECT_LT(max_rel(one, causal_conv1d_reference(x, w, bias, std::nullopt, false)), 1e-12);
 }
 
 TEST(GatedRmsNorm, NormalisesEachGroupOfTheGatedValues) {

@@ -308,9 +308,52 @@ def cross_entropy_cases():
             grad=(0, 1), cast=(0, 1), float_outputs=(0,))
 
 
+def documents(g, B, S):
+    """[B, S] int64 document ids, contiguous runs of random lengths (a run of 1 among them)."""
+    rows = []
+    for _ in range(B):
+        cuts = sorted(torch.randperm(S - 1, generator=g)[: max(1, S // 4)].add(1).tolist())
+        ids = torch.zeros(S, dtype=torch.long)
+        for c in cuts:
+            ids[c:] += 1
+        rows.append(ids)
+    return torch.stack(rows)
+
+
+def mamba_cases():
+    # The depthwise causal conv (channels last): one position, C not a multiple of 8 or 16, K = 2
+    # and 4, no bias, packed documents (a tap of another document counts as zero), SiLU on / off.
+    for B, S, C, K, bias, docs, silu in [(1, 1, 3, 4, True, False, True), (2, 9, 37, 4, True, True, True),
+                                         (1, 70, 16, 4, False, True, True), (3, 5, 33, 2, True, False, False),
+                                         (2, 200, 24, 4, True, True, False)]:
+        def make(g, B=B, S=S, C=C, K=K, bias=bias, docs=docs):
+            return [randn(g, B, S, C), randn(g, C, K, scale=0.5), randn(g, C) if bias else None,
+                    documents(g, B, S) if docs else None]
+        yield Case(f"causal_conv1d-B{B}-S{S}-C{C}-K{K}{'-bias' if bias else ''}"
+                   f"{'-docs' if docs else ''}{'-silu' if silu else ''}", make,
+                   lambda x, w, b, d, s=silu: OPS.causal_conv1d(x, w, b, d, s),
+                   lambda x, w, b, d, s=silu: OPS.causal_conv1d_reference(x, w, b, d, s),
+                   grad=(0, 1, 2) if bias else (0, 1), cast=(0, 1, 2))
+    # The gated grouped RMSNorm: one group, several groups, odd widths; and the model's mixed case
+    # (the scan's float32 y, the gate and weight in the test dtype; the result float32).
+    for shape, group in [((1, 8), 8), ((2, 5, 96), 32), ((7, 50), 25), ((3, 130), 65)]:
+        def make(g, shape=shape):
+            return [randn(g, *shape, scale=2), randn(g, *shape, scale=2), 1 + randn(g, shape[-1], scale=0.3)]
+        yield Case(f"gated_rms_norm{shape}-group{group}", make,
+                   lambda y, z, w, n=group: OPS.gated_rms_norm(y, z, w, n, 1e-5),
+                   lambda y, z, w, n=group: OPS.gated_rms_norm_reference(y, z, w, n, 1e-5),
+                   grad=(0, 1, 2), cast=(0, 1, 2))
+    def make_mixed(g):
+        return [randn(g, 4, 3, 64).float(), randn(g, 4, 3, 64, scale=2), 1 + randn(g, 64, scale=0.3)]
+    yield Case("gated_rms_norm-float32-y", make_mixed,
+               lambda y, z, w: OPS.gated_rms_norm(y, z, w, 16, 1e-5),
+               lambda y, z, w: OPS.gated_rms_norm_reference(y, z, w, 16, 1e-5),
+               grad=(0, 1, 2), cast=(1, 2))
+
+
 CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
          *grouped_gemm_cases(), *linear_cases(), *grouped_gemm_lora_cases(),
-         *cross_entropy_cases()]
+         *cross_entropy_cases(), *mamba_cases()]
 
 
 def run_case(case: Case, dtype, device):

@@ -6,6 +6,7 @@
 
 #include "automoe/core/error.h"
 #include "automoe/moe/experts.h"
+#include "automoe/ops/mamba/mamba.h"
 #include "automoe/ops/ops.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
@@ -18,6 +19,7 @@ const std::map<std::string, std::vector<std::string>>& implemented() {
       {"attn", {"sdpa", "eager"}},      {"experts", {"grouped", "torch_mm", "eager"}},
       {"rms_norm", {"fused", "torch"}}, {"rope", {"fused", "torch"}},
       {"swiglu", {"fused", "torch"}},   {"loss", {"torch", "fused_linear_ce"}},
+      {"mamba", {"fused", "torch"}},
       {"linear", {"auto", "torch"}},
       {"dispatcher", {"auto", "local", "allgather", "alltoall", "alltoall_overlap"}},        {"fake_balanced_gate", {"false", "true"}},
   };
@@ -58,6 +60,7 @@ BackendConfig BackendConfig::from_map(const std::map<std::string, std::string>& 
     if (key == "rms_norm") cfg.fused_rms_norm = value == "fused";
     if (key == "rope") cfg.fused_rope = value == "fused";
     if (key == "swiglu") cfg.fused_swiglu = value == "fused";
+    if (key == "mamba") cfg.fused_mamba = value == "fused";
     if (key == "linear") cfg.engine_linear = value == "auto";
     if (key == "loss") {
       cfg.loss = value == "fused_linear_ce" ? LossBackend::kFusedLinearCE : LossBackend::kTorch;
@@ -76,6 +79,7 @@ std::map<std::string, std::string> BackendConfig::to_map() const {
   out["rms_norm"] = fused_rms_norm ? "fused" : "torch";
   out["rope"] = fused_rope ? "fused" : "torch";
   out["swiglu"] = fused_swiglu ? "fused" : "torch";
+  out["mamba"] = fused_mamba ? "fused" : "torch";
   out["linear"] = engine_linear ? "auto" : "torch";
   out["loss"] = loss == LossBackend::kFusedLinearCE ? "fused_linear_ce" : "torch";
   out["fake_balanced_gate"] = fake_balanced_gate ? "true" : "false";
@@ -154,6 +158,19 @@ ComponentOps resolve(const BackendConfig& b) {
   } else {
     o.rope = &ops::rope_reference;
   }
+  if (b.fused_mamba) {
+    // Mixed dtypes (autocast) take the reference, which computes in the weight's dtype.
+    o.causal_conv1d = [](const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                         const std::optional<at::Tensor>& doc, bool silu) {
+      const bool one_dtype = x.scalar_type() == w.scalar_type() &&
+                             (!bias || bias->scalar_type() == x.scalar_type());
+      return one_dtype ? ops::causal_conv1d(x, w, bias, doc, silu)
+                       : ops::causal_conv1d_reference(x, w, bias, doc, silu);
+    };
+  } else {
+    o.causal_conv1d = &ops::causal_conv1d_reference;
+  }
+  o.gated_rms_norm = b.fused_mamba ? &ops::gated_rms_norm : &ops::gated_rms_norm_reference;
   using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
   const Linear linear = b.engine_linear
                             ? static_cast<Linear>(&ops::linear)

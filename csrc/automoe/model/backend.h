@@ -24,6 +24,7 @@ struct BackendConfig {
   bool fused_rms_norm = true;                         // rms_norm: "fused" | "torch"
   bool fused_rope = true;                             // rope: "fused" | "torch"
   bool fused_swiglu = true;                           // swiglu: "fused" | "torch"
+  bool fused_mamba = true;  // mamba: "fused" (conv1d + gated norm kernels) | "torch" (references)
   // The dense linear layers (attention projections, dense MLPs, shared experts): "auto"
   // (ops::linear: the CPU GEMM engine for bf16 where ATen's bf16 GEMM is not native, at::linear
   // elsewhere) | "torch" (at::linear always).
@@ -91,6 +92,15 @@ struct ComponentOps {
                            const std::optional<at::Tensor>& sinks)>
       attention;
   bool eager_attention = false;  // masks are additive (eager) rather than bool (sdpa)
+  // Mamba-2's depthwise causal conv1d (+ SiLU) over channels-last [B, S, C] and its gated grouped
+  // RMSNorm (ops/mamba/mamba.h): the fused ops or their references.
+  std::function<at::Tensor(const at::Tensor& x_BSC, const at::Tensor& w_CK,
+                           const std::optional<at::Tensor>& bias_C,
+                           const std::optional<at::Tensor>& doc_BS, bool silu)>
+      causal_conv1d;
+  std::function<at::Tensor(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
+                           int64_t group_size, double eps)>
+      gated_rms_norm;
   // true: the LM head and the loss run fused (ops::linear_cross_entropy) and no logits are formed.
   bool fused_loss = false;
 };

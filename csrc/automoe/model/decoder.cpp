@@ -607,7 +607,8 @@ at::Tensor Decoder::mixer(const LayerSlots& L, const at::Tensor& x_BSH, const La
     in.cache = c.cache;
     in.layer = L.index;
     return mamba2_mixer(spec_.mamba, L.mamba, params_, x_BSH, in,
-                        [&](const at::Tensor& x, int64_t w, int64_t b) { return linear(x, w, b, c.training); });
+                        [&](const at::Tensor& x, int64_t w, int64_t b) { return linear(x, w, b, c.training); },
+                        ops_);
   }
   const LayerContext::Attention ac{c.mask[L.index], c.is_causal[L.index]};
   return spec_.attn.kind == AttentionKind::kMLA ? latent_attention(L.attn, L.index, x_BSH, c, ac)

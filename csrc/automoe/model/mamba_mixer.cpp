@@ -17,7 +17,8 @@ at::Tensor zero_padding(const at::Tensor& x_BSX, const std::optional<at::Tensor>
 }  // namespace
 
 at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTensors& params,
-                        const at::Tensor& x_in, const MambaInputs& in, const SlotLinear& linear) {
+                        const at::Tensor& x_in, const MambaInputs& in, const SlotLinear& linear,
+                        const ComponentOps& ops) {
   auto p = [&](int64_t slot) -> const at::Tensor& { return params[slot].second; };
   const int64_t B = x_in.size(0), S = x_in.size(1);
   const int64_t I = m.inner(), C = m.conv_dim(), H = m.num_heads, G = m.n_groups, N = m.state_size;
@@ -25,7 +26,7 @@ at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTen
   const at::Tensor x_BSH = zero_padding(x_in, in.keep_BS);
   const at::Tensor proj = linear(x_BSH, P.in_proj, P.in_proj_bias);
   const at::Tensor gate = proj.narrow(2, 0, I);
-  const at::Tensor xBC_BCS = proj.narrow(2, I, C).transpose(1, 2);
+  const at::Tensor xBC_BSC = proj.narrow(2, I, C);
   const at::Tensor dt = proj.narrow(2, I + C, H);
   const at::Tensor A = -at::exp(p(P.a_log).to(at::kFloat));
   const at::Tensor w_CK = p(P.conv).squeeze(1);
@@ -38,19 +39,23 @@ at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTen
     AUTOMOE_CHECK(state->conv.size(0) == B, "KVCache layer ", in.layer, ": holds a batch of ",
                   state->conv.size(0), " rows; the inputs have ", B);
   }
-  at::Tensor conv_BCS;
+  at::Tensor conv_BSC;  // conv1d + SiLU, channels last
   if (state) {
-    // The conv sees the cached last inputs before this step's; the cache keeps the last K.
-    const at::Tensor full = continues ? at::cat({state->conv.to(xBC_BCS.scalar_type()), xBC_BCS}, 2) : xBC_BCS;
-    const int64_t len = full.size(2);
-    conv_BCS = ops::causal_conv1d_reference(full, w_CK, conv_bias, std::nullopt).narrow(2, len - S, S);
+    // The conv sees the cached last inputs ([B, C, K], Transformers' conv_states layout) before
+    // this step's; the cache keeps the last K.
+    const at::Tensor full =
+        continues ? at::cat({state->conv.to(xBC_BSC.scalar_type()).transpose(1, 2), xBC_BSC}, 1) : xBC_BSC;
+    const int64_t len = full.size(1);
+    conv_BSC = ops.causal_conv1d(full, w_CK, conv_bias, std::nullopt, true).narrow(1, len - S, S);
     at::NoGradGuard no_grad;
-    state->conv = len >= K ? full.narrow(2, len - K, K).detach().clone()
-                           : at::constant_pad_nd(full.detach(), {K - len, 0}, 0);
+    const at::Tensor last = len >= K ? full.narrow(1, len - K, K) : at::constant_pad_nd(full, {0, 0, K - len, 0}, 0);
+    state->conv = last.detach().transpose(1, 2).contiguous();
   } else {
-    conv_BCS = ops::causal_conv1d_reference(xBC_BCS, w_CK, conv_bias, in.doc_BS);
+    const std::optional<at::Tensor> doc =
+        in.doc_BS ? std::optional<at::Tensor>(in.doc_BS->to(at::kLong)) : std::nullopt;
+    conv_BSC = ops.causal_conv1d(xBC_BSC, w_CK, conv_bias, doc, true);
   }
-  const at::Tensor xBC = zero_padding(at::silu(conv_BCS).transpose(1, 2), in.keep_BS);
+  const at::Tensor xBC = zero_padding(conv_BSC, in.keep_BS);
   const at::Tensor xs = xBC.narrow(2, 0, I);
   const at::Tensor Bm = xBC.narrow(2, I, G * N);
   const at::Tensor Cm = xBC.narrow(2, I + G * N, G * N);
@@ -72,7 +77,7 @@ at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTen
     y = r.y_BSHP.reshape({B, S, I});
   }
   if (in.cache) in.cache->advance(in.layer, S);
-  y = ops::gated_rms_norm_reference(y, gate, p(P.norm), I / G, m.norm_eps);
+  y = ops.gated_rms_norm(y, gate, p(P.norm), I / G, m.norm_eps);
   return linear(y.to(x_in.scalar_type()), P.out_proj, P.out_proj_bias);
 }
 

@@ -9,6 +9,7 @@
 #include <functional>
 #include <optional>
 
+#include "automoe/model/backend.h"
 #include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/model/spec.h"
@@ -28,7 +29,9 @@ struct MambaInputs {
 // y = x·wᵀ (+ bias) for the weight in slot `w` (with its LoRA adapter): the decoder's linear.
 using SlotLinear = std::function<at::Tensor(const at::Tensor& x, int64_t w, int64_t bias)>;
 
+// The conv1d and the gated norm are `ops`' (the backend's `mamba` choice).
 at::Tensor mamba2_mixer(const Mamba2Spec& spec, const MambaSlots& slots, const NamedTensors& params,
-                        const at::Tensor& x_BSH, const MambaInputs& in, const SlotLinear& linear);
+                        const at::Tensor& x_BSH, const MambaInputs& in, const SlotLinear& linear,
+                        const ComponentOps& ops);
 
 }  // namespace automoe

@@ -37,8 +37,9 @@ std::set<std::string> enabled() {
 }  // namespace
 
 const std::vector<std::string>& cuda_kernel_names() {
-  static const std::vector<std::string> names = {"router", "permute", "grouped_gemm",
-                                                 "swiglu", "rmsnorm", "rope"};
+  static const std::vector<std::string> names = {"router",  "permute", "grouped_gemm",
+                                                 "swiglu",  "rmsnorm", "rope",
+                                                 "causal_conv1d", "gated_rmsnorm"};
   return names;
 }
 

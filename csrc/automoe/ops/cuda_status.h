@@ -4,7 +4,8 @@
 // torch._grouped_mm), and ours is selectable by name for validation:
 //
 //   AUTOMOE_CUDA_KERNELS=all | none | <op>[,<op>...]    (ops: router, permute, grouped_gemm,
-//                                                         swiglu, rmsnorm, rope)
+//                                                         swiglu, rmsnorm, rope,
+//                                                         causal_conv1d, gated_rmsnorm)
 //
 // The table is docs/ops.md's "CUDA kernels" table, filled from bench/gpu.sh's evidence (the op
 // harness passing on a named GPU); kValidatedCudaKernels below must list exactly its passed rows.

@@ -166,12 +166,20 @@ TORCH_LIBRARY(automoe, m) {
       "(Tensor loss_sum, Tensor count)";
   m.def((std::string("linear_cross_entropy") + lce_args).c_str(), TORCH_FN(lce_op));
   m.def((std::string("linear_cross_entropy_reference") + lce_args).c_str(), TORCH_FN(lce_reference_op));
-  // Mamba-2 (ops/mamba/mamba.h): the SSD scan the model runs and its reference.
+  // Mamba-2 (ops/mamba/mamba.h): the SSD scan the model runs, the conv1d and the gated norm, and
+  // their references.
   const std::string ssd_args =
       "(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, int chunk, Tensor? initial_state=None, "
       "Tensor? document_ids=None) -> (Tensor y, Tensor final_state)";
   m.def((std::string("ssd_scan") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan>));
   m.def((std::string("ssd_scan_reference") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan_reference>));
+  const char* conv_args =
+      "(Tensor x, Tensor w, Tensor? bias=None, Tensor? document_ids=None, bool silu=False) -> Tensor";
+  m.def((std::string("causal_conv1d") + conv_args).c_str(), TORCH_FN(causal_conv1d));
+  m.def((std::string("causal_conv1d_reference") + conv_args).c_str(), TORCH_FN(causal_conv1d_reference));
+  const char* gated_args = "(Tensor y, Tensor z, Tensor weight, int group_size, float eps=1e-5) -> Tensor";
+  m.def((std::string("gated_rms_norm") + gated_args).c_str(), TORCH_FN(gated_rms_norm));
+  m.def((std::string("gated_rms_norm_reference") + gated_args).c_str(), TORCH_FN(gated_rms_norm_reference));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
   m.def("_cpu_kernel_paths() -> Dict(str, str)", TORCH_FN(cpu_kernel_paths_op));
   m.def("_set_cpu_paths(str isa=\"\", str gemm=\"\") -> ()", TORCH_FN(set_cpu_paths_op));

@@ -44,6 +44,24 @@ float rmsnorm_row(const void* x, const float* w, float eps, void* y, c10::Scalar
 // dx = k * (g * w - x * k * m), m = k * sum(g * w * x) / n.
 void rmsnorm_row_bwd(const void* g, const void* x, const float* w, float k, float* dw_acc, void* dx,
                      c10::ScalarType dtype, int64_t n);
+// Mamba-2's rows (vec_mamba.cpp). acc += w * x elementwise (x float32 or bf16 by dtype): one tap
+// of the depthwise conv over a row of channels.
+void mul_add_row(float* acc, const float* w, const void* x, c10::ScalarType dtype, int64_t n);
+// y = silu(a) (a when !silu), written in y's dtype.
+void silu_store_row(const float* a, bool silu, void* y, c10::ScalarType dtype, int64_t n);
+// g = dy * silu'(a) = dy * s * (1 + a (1 - s)), s = sigmoid(a) (g = dy when !silu); g float32.
+void silu_grad_row(const float* a, bool silu, const void* dy, c10::ScalarType dtype, float* g,
+                   int64_t n);
+// One group of the gated RMSNorm: h = y * z * s (y and out in `dtype`; z and s = sigmoid(z) float32),
+// returns k = 1 / sqrt(mean(h^2) + eps) and writes out = round(round(h * k) * w) in y's dtype.
+float gated_norm_group(const void* y, const float* z, const float* s, const float* w, float eps,
+                       void* out, c10::ScalarType dtype, int64_t n);
+// Its backward for upstream g and the group's k: with nhat = h * k and dn = g * w,
+// dh = k * (dn - nhat * mean(dn * nhat)); dy = dh * z * s, dz = dh * y * s * (1 + z (1 - s)),
+// dw_acc += g * round(nhat); g, y and dy in `dtype`, dz float32.
+void gated_norm_group_bwd(const void* g, const void* y, const float* z, const float* s,
+                          const float* w, float k, float* dw_acc, void* dy, float* dz,
+                          c10::ScalarType dtype, int64_t n);
 // Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
 // row by the angles (c[i], sign * s[i]).
 void rotate_heads(const void* x, const float* c, const float* s, float sign, void* y,

@@ -1,6 +1,8 @@
 // Mamba-2's ops (the selective state-space mixer of Nemotron-H): the depthwise causal conv1d, the
-// chunked SSD scan, its one-token recurrent step and the gated grouped RMSNorm. These are the
-// plain-ATen references, differentiated by ATen's autograd and following Transformers' torch path
+// chunked SSD scan, its one-token recurrent step and the gated grouped RMSNorm. The conv and the
+// norm are fused ops (kernels in ops/kernels.h) with plain-ATen `_reference` twins; the scan and
+// the step are ATen compositions. The references, differentiated by ATen's autograd, follow
+// Transformers' torch path
 // (modeling_nemotron_h.py: causal_conv1d_fn / _update, mamba2_chunk_scan,
 // mamba2_selective_state_update, Zamba2RMSNormGated) operation by operation.
 //
@@ -16,11 +18,19 @@
 
 namespace automoe::ops {
 
-// out[b, c, t] = bias[c] + sum_k w[c, k] * x[b, c, t - K + 1 + k] over x [B, C, S] (zeros before the
-// start, and with doc_BS, taps of another document), w [C, K]; the result in x's dtype.
-at::Tensor causal_conv1d_reference(const at::Tensor& x_BCS, const at::Tensor& w_CK,
+// The depthwise causal conv over channels-last x [B, S, C] with w [C, K] (tap K - 1 at the current
+// position): out[b, t, c] = bias[c] + sum_k w[c, k] * x[b, t - K + 1 + k, c] (zeros before the start,
+// and with doc_BS, taps of another document), then SiLU when `silu` (Transformers' conv1d + act);
+// the result in x's dtype. The fused op runs ops/kernels.h's causal_conv1d kernels (custom
+// autograd, the SiLU's input recomputed in the backward; float64 runs the reference); the
+// reference is F.conv1d as Transformers calls it (or, with documents, the masked taps), in x's
+// dtype.
+at::Tensor causal_conv1d(const at::Tensor& x_BSC, const at::Tensor& w_CK,
+                         const std::optional<at::Tensor>& bias_C,
+                         const std::optional<at::Tensor>& doc_BS, bool silu);
+at::Tensor causal_conv1d_reference(const at::Tensor& x_BSC, const at::Tensor& w_CK,
                                    const std::optional<at::Tensor>& bias_C,
-                                   const std::optional<at::Tensor>& doc_BS);
+                                   const std::optional<at::Tensor>& doc_BS, bool silu);
 
 struct SsdScan {
   at::Tensor y_BSHP;         // float32
@@ -53,7 +63,12 @@ at::Tensor ssd_step_reference(at::Tensor& state_BHPN, const at::Tensor& x_BHP, c
                               const at::Tensor& B_BGN, const at::Tensor& C_BGN, const at::Tensor& D_H);
 
 // weight * rmsnorm_per_group(y * silu(z)) over groups of `group_size` of the last dim, statistics
-// in float32, the normalised value cast to y's dtype before the weight multiplies it.
+// in float32, the normalised value cast to y's dtype before the weight multiplies it (Transformers'
+// Zamba2RMSNormGated: with the scan's float32 y, a bf16 gate and weight give a float32 result).
+// The fused op runs the gated_rmsnorm kernels whenever the result has y's dtype (a weight no wider
+// than y); otherwise, and for float64, the reference, which promotes as Transformers does.
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
+                          int64_t group_size, double eps);
 at::Tensor gated_rms_norm_reference(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
                                     int64_t group_size, double eps);
 

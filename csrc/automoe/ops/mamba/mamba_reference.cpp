@@ -35,28 +35,29 @@ c10::ScalarType acc(const at::Tensor& t) {
 
 }  // namespace
 
-at::Tensor causal_conv1d_reference(const at::Tensor& x_BCS, const at::Tensor& w_CK,
+at::Tensor causal_conv1d_reference(const at::Tensor& x_BSC, const at::Tensor& w_CK,
                                    const std::optional<at::Tensor>& bias_C,
-                                   const std::optional<at::Tensor>& doc_BS) {
-  AUTOMOE_CHECK(x_BCS.dim() == 3 && w_CK.dim() == 2 && w_CK.size(0) == x_BCS.size(1),
-                "causal_conv1d: expected x [B, C, S] and w [C, K], got ", x_BCS.sizes(), " and ",
+                                   const std::optional<at::Tensor>& doc_BS, bool silu) {
+  AUTOMOE_CHECK(x_BSC.dim() == 3 && w_CK.dim() == 2 && w_CK.size(0) == x_BSC.size(2),
+                "causal_conv1d: expected x [B, S, C] and w [C, K], got ", x_BSC.sizes(), " and ",
                 w_CK.sizes());
-  const int64_t C = x_BCS.size(1), S = x_BCS.size(2), K = w_CK.size(1);
-  const at::Tensor x = x_BCS.to(w_CK.scalar_type());
+  const int64_t C = x_BSC.size(2), S = x_BSC.size(1), K = w_CK.size(1);
+  const at::Tensor x = x_BSC.transpose(1, 2).to(w_CK.scalar_type());  // [B, C, S]
+  at::Tensor out;
   if (!doc_BS) {  // Transformers' causal_conv1d_fn
-    return at::conv1d(x, w_CK.unsqueeze(1), bias_C ? *bias_C : at::Tensor(), 1, K - 1, 1, C)
-        .narrow(2, 0, S)
-        .to(x_BCS.scalar_type());
+    out = at::conv1d(x, w_CK.unsqueeze(1), bias_C ? *bias_C : at::Tensor(), 1, K - 1, 1, C).narrow(2, 0, S);
+  } else {
+    // Each output's K taps, those of another document zeroed.
+    const at::Tensor taps_BCSK = at::constant_pad_nd(x, {K - 1, 0}, 0).unfold(2, K, 1);
+    const at::Tensor doc = doc_BS->to(at::kLong);
+    const at::Tensor doc_taps_BSK =
+        at::constant_pad_nd(doc, {K - 1, 0}, std::numeric_limits<int64_t>::min()).unfold(1, K, 1);
+    const at::Tensor same_B1SK = doc_taps_BSK.eq(doc.unsqueeze(-1)).unsqueeze(1).to(x.scalar_type());
+    out = (taps_BCSK * same_B1SK * w_CK.view({1, C, 1, K})).sum(-1);
+    if (bias_C) out = out + bias_C->view({1, C, 1});
   }
-  // Each output's K taps, those of another document zeroed.
-  const at::Tensor taps_BCSK = at::constant_pad_nd(x, {K - 1, 0}, 0).unfold(2, K, 1);
-  const at::Tensor doc = doc_BS->to(at::kLong);
-  const at::Tensor doc_taps_BSK =
-      at::constant_pad_nd(doc, {K - 1, 0}, std::numeric_limits<int64_t>::min()).unfold(1, K, 1);
-  const at::Tensor same_B1SK = doc_taps_BSK.eq(doc.unsqueeze(-1)).unsqueeze(1).to(x.scalar_type());
-  at::Tensor out = (taps_BCSK * same_B1SK * w_CK.view({1, C, 1, K})).sum(-1);
-  if (bias_C) out = out + bias_C->view({1, C, 1});
-  return out.to(x_BCS.scalar_type());
+  out = out.to(x_BSC.scalar_type()).transpose(1, 2);
+  return silu ? at::silu(out) : out;
 }
 
 SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,

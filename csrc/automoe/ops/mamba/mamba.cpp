@@ -1,0 +1,123 @@
+// Mamba-2's fused ops: the autograd layer of the conv1d and gated-RMSNorm kernels (the references
+// are mamba_reference.cpp).
+#include "automoe/ops/mamba/mamba.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "automoe/ops/common.h"
+#include "automoe/ops/cuda_status.h"
+
+namespace automoe::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::optional<at::Tensor> maybe(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+struct CausalConv1dFn : torch::autograd::Function<CausalConv1dFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias,
+                            const std::optional<at::Tensor>& doc, bool silu) {
+    const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+    const at::Tensor bc = bias ? bias->contiguous() : at::Tensor();  // (saved undefined if absent)
+    const at::Tensor dc = doc ? doc->contiguous() : at::Tensor();
+    ctx->save_for_backward({xc, wc, bc, dc});
+    ctx->saved_data["silu"] = silu;
+    return AUTOMOE_KERNEL(causal_conv1d_fwd, xc, xc, wc, maybe(bc), maybe(dc), silu);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("causal_conv1d");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].contiguous();
+    auto [dx, dw, db] = AUTOMOE_KERNEL(causal_conv1d_bwd, g, g, s[0], s[1], maybe(s[2]), maybe(s[3]),
+                                       ctx->saved_data["silu"].toBool());
+    return {dx, dw, db, at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GatedRmsNormFn : torch::autograd::Function<GatedRmsNormFn> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& y, const at::Tensor& z,
+                            const at::Tensor& w, int64_t group, double eps) {
+    const at::Tensor yc = y.contiguous(), zc = z.contiguous(), wc = w.contiguous();
+    auto [out, inv] = AUTOMOE_KERNEL(gated_rmsnorm_fwd, yc, yc, zc, wc, group, eps);
+    ctx->save_for_backward({yc, zc, wc, inv});  // the per-group inverse RMS: no normalised copy
+    ctx->saved_data["group"] = group;
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("gated_rms_norm");
+    const auto s = ctx->get_saved_variables();
+    const at::Tensor g = grads[0].contiguous();
+    auto [dy, dz, dw] = AUTOMOE_KERNEL(gated_rmsnorm_bwd, g, g, s[0], s[1], s[2], s[3],
+                                       ctx->saved_data["group"].toInt());
+    return {dy, dz, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor causal_conv1d(const at::Tensor& x_BSC, const at::Tensor& w_CK,
+                         const std::optional<at::Tensor>& bias_C,
+                         const std::optional<at::Tensor>& doc_BS, bool silu) {
+  RECORD_FUNCTION("automoe::causal_conv1d", c10::ArrayRef<const c10::IValue>{});
+  const char* op = "automoe.causal_conv1d";
+  detail::check_float(op, "x", x_BSC);
+  detail::check_float(op, "w", w_CK);
+  detail::check_same_dtype(op, "x", x_BSC, "w", w_CK);
+  detail::check_dim(op, "x", x_BSC, 3);
+  detail::check_dim(op, "w", w_CK, 2);
+  AUTOMOE_CHECK(w_CK.size(0) == x_BSC.size(2) && w_CK.size(1) > 0, op,
+                ": w must be [C, K] with C = x's channels (x is [B, S, C] = ", x_BSC.sizes(),
+                "), got ", w_CK.sizes());
+  if (bias_C) {
+    detail::check_same_dtype(op, "x", x_BSC, "bias", *bias_C);
+    AUTOMOE_CHECK(bias_C->dim() == 1 && bias_C->size(0) == x_BSC.size(2), op, ": bias must be [",
+                  x_BSC.size(2), "], got ", bias_C->sizes());
+  }
+  if (doc_BS) {
+    AUTOMOE_CHECK(doc_BS->scalar_type() == at::kLong &&
+                      doc_BS->sizes() == x_BSC.sizes().slice(0, 2),
+                  op, ": document_ids must be int64 [B, S] = [", x_BSC.size(0), ", ",
+                  x_BSC.size(1), "], got ", doc_BS->scalar_type(), " ", doc_BS->sizes());
+  }
+  detail::check_same_device(op, {{"x", &x_BSC}, {"w", &w_CK}});
+  if (x_BSC.scalar_type() == at::kDouble || (x_BSC.is_cuda() && !use_cuda_kernel("causal_conv1d"))) {
+    return causal_conv1d_reference(x_BSC, w_CK, bias_C, doc_BS, silu);
+  }
+  return CausalConv1dFn::apply(x_BSC, w_CK, bias_C,
+                               doc_BS ? std::optional<at::Tensor>(doc_BS->to(x_BSC.device())) : std::nullopt,
+                               silu);
+}
+
+at::Tensor gated_rms_norm(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
+                          int64_t group_size, double eps) {
+  RECORD_FUNCTION("automoe::gated_rms_norm", c10::ArrayRef<const c10::IValue>{});
+  const char* op = "automoe.gated_rms_norm";
+  detail::check_float(op, "y", y);
+  detail::check_float(op, "z", z);
+  detail::check_float(op, "weight", weight);
+  const int64_t width = y.dim() ? y.size(-1) : 0;
+  AUTOMOE_CHECK(z.sizes() == y.sizes(), op, ": z must have y's shape ", y.sizes(), ", got ",
+                z.sizes());
+  AUTOMOE_CHECK(weight.dim() == 1 && weight.size(0) == width && width > 0, op,
+                ": weight must be [", width, "] (y's last dimension), got ", weight.sizes());
+  AUTOMOE_CHECK(group_size > 0 && width % group_size == 0, op, ": group_size ", group_size,
+                " must divide y's last dimension ", width);
+  detail::check_same_device(op, {{"y", &y}, {"z", &z}, {"weight", &weight}});
+  // The kernels write y's dtype: the result's whenever the weight is no wider (Transformers' bf16
+  // model: float32 y from the scan, bf16 gate and weight, a float32 result).
+  const bool kernel_dtypes = at::promote_types(y.scalar_type(), weight.scalar_type()) == y.scalar_type() &&
+                             z.scalar_type() != at::kDouble;
+  if (!kernel_dtypes || y.scalar_type() == at::kDouble ||
+      (y.is_cuda() && !use_cuda_kernel("gated_rmsnorm"))) {
+    return gated_rms_norm_reference(y, z, weight, group_size, eps);
+  }
+  return GatedRmsNormFn::apply(y, z, weight, group_size, eps);
+}
+
+}  // namespace automoe::ops
