@@ -26,6 +26,8 @@ FAMILIES = {
     "swiglu": (("swiglu",), ("swiglu",)),
     "rmsnorm": (("rmsnorm",), ("rmsnorm",)),
     "rope": (("rope",), ("rope",)),
+    "causal_conv1d": (("causal_conv1d",), ("causal_conv1d",)),
+    "gated_rmsnorm": (("gated_rms_norm",), ("gated_rms_norm",)),
 }
 
 
