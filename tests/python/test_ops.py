@@ -351,9 +351,31 @@ def mamba_cases():
                grad=(0, 1, 2), cast=(1, 2))
 
 
+def ssd_cases():
+    # The SSD scan (the model's fused CPU kernels; ATen's grouped form elsewhere): one position,
+    # a chunk not dividing the sequence, several groups, packed documents, an initial state
+    # (its gradient too), the final state compared as an output.
+    for Bn, S, H, P, G, N, Q, docs, init in [(1, 1, 2, 3, 1, 4, 4, False, False),
+                                             (2, 13, 4, 5, 2, 6, 4, False, False),
+                                             (1, 40, 6, 8, 3, 16, 16, True, False),
+                                             (2, 33, 8, 16, 2, 32, 8, True, True),
+                                             (1, 64, 4, 64, 1, 128, 32, False, True)]:
+        def make(g, Bn=Bn, S=S, H=H, P=P, G=G, N=N, docs=docs, init=init):
+            return [randn(g, Bn, S, H, P), torch.rand(Bn, S, H, generator=g, dtype=torch.float64) * 0.5 + 0.01,
+                    -(torch.rand(H, generator=g) * 2 + 0.1), randn(g, Bn, S, G, N), randn(g, Bn, S, G, N),
+                    randn(g, H), randn(g, Bn, H, P, N).float() if init else None,
+                    documents(g, Bn, S) if docs else None]
+        yield Case(f"ssd_scan-B{Bn}-S{S}-H{H}-P{P}-G{G}-N{N}-Q{Q}{'-docs' if docs else ''}{'-initial' if init else ''}",
+                   make, lambda x, dt, A, B, C, D, h0, d, Q=Q: OPS.ssd_scan(x, dt, A, B, C, D, Q, h0, d),
+                   lambda x, dt, A, B, C, D, h0, d, Q=Q: OPS.ssd_scan_reference(x, dt, A, B, C, D, Q, h0, d),
+                   grad=(0, 1, 2, 3, 4, 5, 6) if init else (0, 1, 2, 3, 4, 5), cast=(0, 1, 3, 4, 5),
+                   float_outputs=(0, 1))
+
+
 CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
          *grouped_gemm_cases(), *linear_cases(), *grouped_gemm_lora_cases(),
-         *cross_entropy_cases(), *mamba_cases()]
+         *cross_entropy_cases(), *mamba_cases(),
+         *ssd_cases()]
 
 
 def run_case(case: Case, dtype, device):

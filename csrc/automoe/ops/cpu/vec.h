@@ -62,6 +62,14 @@ float gated_norm_group(const void* y, const float* z, const float* s, const floa
 void gated_norm_group_bwd(const void* g, const void* y, const float* z, const float* s,
                           const float* w, float k, float* dw_acc, void* dy, float* dz,
                           c10::ScalarType dtype, int64_t n);
+// The SSD scan's within-chunk rows: ldec[i] = exp(al - acum[i]) (the decay from position i to the
+// row's position, al its cumulative sum), m[i] = cb[i] * ldec[i] * dt[i].
+void ssd_decay_row(float al, const float* acum, const float* cb, const float* dt, float* ldec,
+                   float* m, int64_t n);
+// Its backward for dm: t = dm * ldec; dcb += t * dt, ddt += t * cb, r = t * cb * dt, dacum -= r;
+// returns the sum of r (the row position's own cumulative-sum gradient).
+float ssd_decay_row_bwd(const float* dm, const float* ldec, const float* cb, const float* dt,
+                        float* dcb, float* ddt, float* dacum, int64_t n);
 // Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
 // row by the angles (c[i], sign * s[i]).
 void rotate_heads(const void* x, const float* c, const float* s, float sign, void* y,

@@ -174,6 +174,61 @@ void silu_grad_dispatch(const float* a, const T* dy, float* g, int64_t n) {
   }
 }
 
+// The SSD scan's within-chunk row (see vec.h ssd_decay_row).
+#if defined(AUTOMOE_VEC_X86)
+AUTOMOE_TARGET_AVX512 int64_t ssd_decay_avx512(float al, const float* acum, const float* cb,
+                                               const float* dt, float* ldec, float* m, int64_t n) {
+  const __m512 a = _mm512_set1_ps(al);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(a, _mm512_loadu_ps(acum + i)));
+    _mm512_storeu_ps(ldec + i, e);
+    _mm512_storeu_ps(m + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(cb + i), e), _mm512_loadu_ps(dt + i)));
+  }
+  return i;
+}
+
+__attribute__((target("avx2,fma"))) int64_t ssd_decay_avx2(float al, const float* acum, const float* cb,
+                                                          const float* dt, float* ldec, float* m,
+                                                          int64_t n) {
+  const __m256 a = _mm256_set1_ps(al);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(a, _mm256_loadu_ps(acum + i)));
+    _mm256_storeu_ps(ldec + i, e);
+    _mm256_storeu_ps(m + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cb + i), e), _mm256_loadu_ps(dt + i)));
+  }
+  return i;
+}
+#endif
+
+// Its backward (see vec.h ssd_decay_row_bwd); returns the sum of r.
+AUTOMOE_BODY float ssd_decay_row_bwd_body(const float* dm, const float* ldec, const float* cb,
+                                          const float* dt, float* dcb, float* ddt, float* dacum,
+                                          int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) {
+      const float t = dm[i + j] * ldec[i + j], r = t * cb[i + j] * dt[i + j];
+      dcb[i + j] += t * dt[i + j];
+      ddt[i + j] += t * cb[i + j];
+      dacum[i + j] -= r;
+      acc[j] += r;
+    }
+  }
+  float sum = 0.f;
+  for (; i < n; ++i) {
+    const float t = dm[i] * ldec[i], r = t * cb[i] * dt[i];
+    dcb[i] += t * dt[i];
+    ddt[i] += t * cb[i];
+    dacum[i] -= r;
+    sum += r;
+  }
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  return sum;
+}
+
 }  // namespace
 
 AUTOMOE_ROW_FN(void, mul_add_row,
@@ -187,6 +242,28 @@ AUTOMOE_ROW_FN(void, gated_norm_group_bwd,
                (const void* g, const void* y, const float* z, const float* s, const float* w,
                 float k, float* dw_acc, void* dy, float* dz, c10::ScalarType dtype, int64_t n),
                (g, y, z, s, w, k, dw_acc, dy, dz, dtype, n))
+
+AUTOMOE_ROW_FN(float, ssd_decay_row_bwd,
+               (const float* dm, const float* ldec, const float* cb, const float* dt, float* dcb,
+                float* ddt, float* dacum, int64_t n),
+               (dm, ldec, cb, dt, dcb, ddt, dacum, n))
+
+void ssd_decay_row(float al, const float* acum, const float* cb, const float* dt, float* ldec,
+                   float* m, int64_t n) {
+  int64_t i = 0;
+#if defined(AUTOMOE_VEC_X86)
+  const Isa isa = active_isa();
+  if (isa >= Isa::kAvx512) {
+    i = ssd_decay_avx512(al, acum, cb, dt, ldec, m, n);
+  } else if (isa >= Isa::kAvx2) {
+    i = ssd_decay_avx2(al, acum, cb, dt, ldec, m, n);
+  }
+#endif
+  for (; i < n; ++i) {
+    ldec[i] = exp_approx(al - acum[i]);
+    m[i] = cb[i] * ldec[i] * dt[i];
+  }
+}
 
 void silu_store_row(const float* a, bool silu, void* y, c10::ScalarType dtype, int64_t n) {
   if (!silu) return store(a, y, dtype, n);

@@ -8,6 +8,7 @@
 
 #include "automoe/ops/common.h"
 #include "automoe/ops/cuda_status.h"
+#include "automoe/ops/mamba/ssd_cpu.h"
 
 namespace automoe::ops {
 namespace {
@@ -59,7 +60,75 @@ struct GatedRmsNormFn : torch::autograd::Function<GatedRmsNormFn> {
   }
 };
 
+struct SsdScanFn : torch::autograd::Function<SsdScanFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt,
+                               const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                               const at::Tensor& D, const std::optional<at::Tensor>& initial,
+                               const std::optional<at::Tensor>& doc, int64_t chunk) {
+    cpu::SsdArgs a{x.contiguous(), dt.contiguous(), A.contiguous(), B.contiguous(), C.contiguous(),
+                   D.contiguous(), std::nullopt, std::nullopt, chunk};
+    if (initial) a.initial = initial->to(at::kFloat).contiguous();
+    if (doc) a.doc = doc->to(at::kLong).contiguous();
+    auto [y, fin] = cpu::ssd_scan_fwd(a, true);
+    ctx->save_for_backward({a.x, a.dt, a.A, a.B, a.C, a.D, a.initial ? *a.initial : at::Tensor(),
+                            a.doc ? *a.doc : at::Tensor()});
+    ctx->saved_data["chunk"] = chunk;
+    ctx->saved_data["initial_dtype"] = initial ? static_cast<int64_t>(initial->scalar_type()) : -1;
+    return {y, fin};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("ssd_scan");
+    const auto s = ctx->get_saved_variables();
+    cpu::SsdArgs a{s[0], s[1], s[2], s[3], s[4], s[5], maybe(s[6]), maybe(s[7]),
+                   ctx->saved_data["chunk"].toInt()};
+    const at::Tensor dy = grads[0].defined() ? grads[0] : at::zeros_like(s[0], s[0].options().dtype(at::kFloat));
+    const at::Tensor dfin = grads[1].defined() ? grads[1].to(at::kFloat).contiguous() : at::Tensor();
+    cpu::SsdGrads g = cpu::ssd_scan_bwd(a, dy, dfin);
+    const int64_t init_dtype = ctx->saved_data["initial_dtype"].toInt();
+    at::Tensor dinit = g.dinitial.defined() && init_dtype >= 0
+                           ? g.dinitial.to(static_cast<c10::ScalarType>(init_dtype)) : at::Tensor();
+    return {g.dx, g.ddt, g.dA, g.dB, g.dC, g.dD, dinit, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+SsdScan ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                 const at::Tensor& C, const at::Tensor& D, int64_t chunk,
+                 const std::optional<at::Tensor>& initial, const std::optional<at::Tensor>& doc,
+                 bool final_state) {
+  RECORD_FUNCTION("automoe::ssd_scan", c10::ArrayRef<const c10::IValue>{});
+  const char* op = "automoe.ssd_scan";
+  AUTOMOE_CHECK(x.dim() == 4 && B.dim() == 4 && C.sizes() == B.sizes() && dt.dim() == 3 &&
+                    dt.sizes() == x.sizes().slice(0, 3) && B.size(0) == x.size(0) &&
+                    B.size(1) == x.size(1) && B.size(2) > 0 && x.size(2) % B.size(2) == 0 && chunk > 0,
+                op, ": expected x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N] with G dividing H and "
+                "chunk > 0; got x ", x.sizes(), ", dt ", dt.sizes(), ", B ", B.sizes(), ", C ", C.sizes(),
+                ", chunk ", chunk);
+  AUTOMOE_CHECK(A.dim() == 1 && A.size(0) == x.size(2) && D.dim() == 1 && D.size(0) == x.size(2), op,
+                ": A and D must be [", x.size(2), "] (x's heads), got ", A.sizes(), " and ", D.sizes());
+  if (initial) {
+    AUTOMOE_CHECK(initial->dim() == 4 && initial->size(0) == x.size(0) && initial->size(1) == x.size(2) &&
+                      initial->size(2) == x.size(3) && initial->size(3) == B.size(3),
+                  op, ": initial_state must be [B, H, P, N] = [", x.size(0), ", ", x.size(2), ", ",
+                  x.size(3), ", ", B.size(3), "], got ", initial->sizes());
+  }
+  if (doc) {
+    AUTOMOE_CHECK(doc->sizes() == x.sizes().slice(0, 2) && !doc->is_floating_point(), op,
+                  ": document_ids must be integer [B, S] = [", x.size(0), ", ", x.size(1), "], got ",
+                  doc->scalar_type(), " ", doc->sizes());
+  }
+  const auto t = x.scalar_type();
+  const bool kernel = x.is_cpu() && (t == at::kFloat || t == at::kBFloat16) && B.scalar_type() == t &&
+                      C.scalar_type() == t && dt.is_floating_point() && dt.scalar_type() != at::kDouble &&
+                      A.scalar_type() == at::kFloat && D.scalar_type() != at::kDouble;
+  if (!kernel) return ssd_scan_aten(x, dt, A, B, C, D, chunk, initial, doc, final_state);
+  const variable_list out = SsdScanFn::apply(x, dt, A, B, C, D, initial, doc, chunk);
+  SsdScan r;
+  r.y_BSHP = out[0];
+  if (final_state) r.final_BHPN = out[1];
+  return r;
+}
 
 at::Tensor causal_conv1d(const at::Tensor& x_BSC, const at::Tensor& w_CK,
                          const std::optional<at::Tensor>& bias_C,

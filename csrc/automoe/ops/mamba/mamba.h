@@ -48,8 +48,16 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
 
 // The same scan with the products a group's heads share done once per group (C·Bᵀ is the same for
 // the H / G heads that read one B/C group) and the others as wide matrix products over the group's
-// heads ([Q, N] · [N, (H/G)·P] instead of H/G products of width P): what the model runs. Equal to
-// the reference up to float32 summation order (tests/cpp/test_mamba.cpp).
+// heads ([Q, N] · [N, (H/G)·P] instead of H/G products of width P), as ATen operations: what CUDA
+// tensors and float64 run. Equal to the reference up to float32 summation order.
+SsdScan ssd_scan_aten(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                      const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                      const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                      bool final_state);
+// What the model runs: on the CPU, for float32 or bf16 x with B and C in x's dtype, the fused
+// kernels of ops/mamba/ssd_cpu.h (the grouped form on the CPU GEMM engine, operands in x's dtype,
+// float32 accumulation; a hand-derived backward that recomputes the chunk states); otherwise
+// ssd_scan_aten. Tested against the reference in the op harness (tests/python/test_ops.py).
 SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
                  const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
                  const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,

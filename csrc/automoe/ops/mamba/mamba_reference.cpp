@@ -135,7 +135,7 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
   return out;
 }
 
-SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+SsdScan ssd_scan_aten(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
                  const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
                  const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
                  bool final_state) {
