@@ -63,13 +63,44 @@ void gated_norm_group_bwd(const void* g, const void* y, const float* z, const fl
                           const float* w, float k, float* dw_acc, void* dy, float* dz,
                           c10::ScalarType dtype, int64_t n);
 // The SSD scan's within-chunk rows: ldec[i] = exp(al - acum[i]) (the decay from position i to the
-// row's position, al its cumulative sum), m[i] = cb[i] * ldec[i] * dt[i].
+// row's position, al its cumulative sum; not written when ldec is null), m[i] = cb[i] * ldec[i] *
+// dt[i] written in `dtype` (float32, or bf16 rounded to nearest even).
 void ssd_decay_row(float al, const float* acum, const float* cb, const float* dt, float* ldec,
-                   float* m, int64_t n);
+                   void* m, c10::ScalarType dtype, int64_t n);
 // Its backward for dm: t = dm * ldec; dcb += t * dt, ddt += t * cb, r = t * cb * dt, dacum -= r;
 // returns the sum of r (the row position's own cumulative-sum gradient).
 float ssd_decay_row_bwd(const float* dm, const float* ldec, const float* cb, const float* dt,
                         float* dcb, float* ddt, float* dacum, int64_t n);
+// The SSD scan's per-unit blocks: q positions of a chunk x a B/C group's hg heads of p channels.
+// Row l of a block is hg * p values at its row stride (x in `dtype`, the others float32 unless
+// said); per-(head, position) scalars are [hg][q] arrays, per-head ones [hg].
+// y[l, j, :] += e[j][l] * z[l, j, :] + d[j] * x[l, j, :]   (the read-out of the carried state and
+// the D skip).
+void ssd_out_block(float* y, int64_t ldy, const float* z, int64_t ldz, const void* x, int64_t ldx,
+                   c10::ScalarType dtype, const float* e, const float* d, int64_t q, int64_t hg,
+                   int64_t p);
+// out[l, j, :] = x[l, j, :] * w[j][l], out contiguous [q, hg * p] in `dtype` (a GEMM operand).
+void ssd_scale_block(const void* x, int64_t ldx, c10::ScalarType dtype, const float* w, void* out,
+                     int64_t q, int64_t hg, int64_t p);
+// The backward of ssd_out_block for upstream g [q rows at ldg]: dz = e * g and gh = g written in
+// `dtype` (dz contiguous [q, hg * p], gh head-major [hg][q][p]: GEMM operands), dx += d * g,
+// re[j][l] = e * dot(g, z) (written), dd[j] += dot(g, x) (in position order).
+void ssd_out_block_bwd(const float* g, int64_t ldg, const float* z, int64_t ldz, const void* x,
+                       int64_t ldx, c10::ScalarType dtype, const float* e, const float* d, float* dx,
+                       int64_t lddx, void* dz, void* gh, float* re, float* dd, int64_t q, int64_t hg,
+                       int64_t p);
+// The backward of ssd_scale_block for the float32 gradient g of out [q, hg * p]: dx += w * g,
+// u[j][l] = dot(g, x) (written).
+void ssd_scale_block_bwd(const float* g, const void* x, int64_t ldx, c10::ScalarType dtype,
+                         const float* w, float* dx, int64_t lddx, float* u, int64_t q, int64_t hg,
+                         int64_t p);
+// One step of the chunk-state recurrence over rows [rows, hg * p]: next[r, j, :] += f[j] *
+// prev[r, j, :]; and its backward: cur[r, j, :] += f[j] * next[r, j, :], fd[j] += sum over r of
+// dot(next[r, j, :], h[r, j, :]) (rows in order).
+void ssd_state_step(float* next, const float* prev, const float* f, int64_t rows, int64_t hg,
+                    int64_t p);
+void ssd_state_step_bwd(float* cur, const float* next, const float* h, const float* f, float* fd,
+                        int64_t rows, int64_t hg, int64_t p);
 // Rotation of `heads` half-split rows (x and y [heads, 2h]): the pairs (x[i], x[i + h]) of each
 // row by the angles (c[i], sign * s[i]).
 void rotate_heads(const void* x, const float* c, const float* s, float sign, void* y,

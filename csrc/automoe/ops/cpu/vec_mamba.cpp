@@ -174,33 +174,59 @@ void silu_grad_dispatch(const float* a, const T* dy, float* g, int64_t n) {
   }
 }
 
-// The SSD scan's within-chunk row (see vec.h ssd_decay_row).
+// The SSD scan's within-chunk row (see vec.h ssd_decay_row): every element vectorised, the tail
+// with masked lanes on AVX-512; m stored in its dtype.
 #if defined(AUTOMOE_VEC_X86)
-AUTOMOE_TARGET_AVX512 int64_t ssd_decay_avx512(float al, const float* acum, const float* cb,
-                                               const float* dt, float* ldec, float* m, int64_t n) {
+template <typename T>
+AUTOMOE_TARGET_AVX512 void ssd_decay_avx512(float al, const float* acum, const float* cb,
+                                            const float* dt, float* ldec, T* m, int64_t n) {
   const __m512 a = _mm512_set1_ps(al);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(a, _mm512_loadu_ps(acum + i)));
-    _mm512_storeu_ps(ldec + i, e);
-    _mm512_storeu_ps(m + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(cb + i), e), _mm512_loadu_ps(dt + i)));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(a, _mm512_maskz_loadu_ps(k, acum + i)));
+    if (ldec) _mm512_mask_storeu_ps(ldec + i, k, e);
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, cb + i), e),
+                                   _mm512_maskz_loadu_ps(k, dt + i));
+    if (k == 0xFFFF) {
+      st16(m + i, v);
+    } else {
+      alignas(64) T tmp[16];
+      st16(tmp, v);
+      for (int64_t j = 0; j < n - i; ++j) m[i + j] = tmp[j];
+    }
   }
-  return i;
 }
 
-__attribute__((target("avx2,fma"))) int64_t ssd_decay_avx2(float al, const float* acum, const float* cb,
-                                                          const float* dt, float* ldec, float* m,
-                                                          int64_t n) {
+template <typename T>
+__attribute__((target("avx2,fma"))) int64_t ssd_decay_avx2(float al, const float* acum,
+                                                           const float* cb, const float* dt,
+                                                           float* ldec, T* m, int64_t n) {
   const __m256 a = _mm256_set1_ps(al);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(a, _mm256_loadu_ps(acum + i)));
-    _mm256_storeu_ps(ldec + i, e);
-    _mm256_storeu_ps(m + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cb + i), e), _mm256_loadu_ps(dt + i)));
+    if (ldec) _mm256_storeu_ps(ldec + i, e);
+    st8(m + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(cb + i), e), _mm256_loadu_ps(dt + i)));
   }
   return i;
 }
 #endif
+
+template <typename T>
+void ssd_decay_typed(float al, const float* acum, const float* cb, const float* dt, float* ldec, T* m,
+                     int64_t n) {
+  int64_t i = 0;
+#if defined(AUTOMOE_VEC_X86)
+  const Isa isa = active_isa();
+  if (isa >= Isa::kAvx512) return ssd_decay_avx512(al, acum, cb, dt, ldec, m, n);
+  if (isa >= Isa::kAvx2) i = ssd_decay_avx2(al, acum, cb, dt, ldec, m, n);
+#endif
+  for (; i < n; ++i) {
+    const float e = exp_approx(al - acum[i]);
+    if (ldec) ldec[i] = e;
+    st(m, i, cb[i] * e * dt[i]);
+  }
+}
 
 // Its backward (see vec.h ssd_decay_row_bwd); returns the sum of r.
 AUTOMOE_BODY float ssd_decay_row_bwd_body(const float* dm, const float* ldec, const float* cb,
@@ -229,6 +255,144 @@ AUTOMOE_BODY float ssd_decay_row_bwd_body(const float* dm, const float* ldec, co
   return sum;
 }
 
+
+// The SSD scan's unit blocks (vec.h ssd_out_block ...): the per-(position, head) loops of p
+// channels as one call per unit, each compiled per level.
+template <typename T>
+AUTOMOE_BODY float dot_typed(const float* a, const T* b, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * ld(b, i + j);
+  }
+  float sum = 0.f;
+  for (; i < n; ++i) sum += a[i] * ld(b, i);
+  for (int j = 0; j < kLanes; ++j) sum += acc[j];
+  return sum;
+}
+
+template <typename T>
+AUTOMOE_BODY void ssd_out_typed(float* y, int64_t ldy, const float* z, int64_t ldz, const T* x,
+                                int64_t ldx, const float* e, const float* d, int64_t q, int64_t hg,
+                                int64_t p) {
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
+      float* yr = y + l * ldy + j * p;
+      const float* zr = z + l * ldz + j * p;
+      const T* xr = x + l * ldx + j * p;
+      const float ev = e[j * q + l], dv = d[j];
+      for (int64_t i = 0; i < p; ++i) yr[i] += ev * zr[i] + dv * ld(xr, i);
+    }
+  }
+}
+
+AUTOMOE_BODY void ssd_out_block_body(float* y, int64_t ldy, const float* z, int64_t ldz,
+                                     const void* x, int64_t ldx, c10::ScalarType dtype,
+                                     const float* e, const float* d, int64_t q, int64_t hg,
+                                     int64_t p) {
+  AUTOMOE_TYPED(dtype, T, ssd_out_typed(y, ldy, z, ldz, static_cast<const T*>(x), ldx, e, d, q, hg, p))
+}
+
+template <typename T>
+AUTOMOE_BODY void ssd_scale_typed(const T* x, int64_t ldx, const float* w, T* out, int64_t q,
+                                  int64_t hg, int64_t p) {
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
+      const T* xr = x + l * ldx + j * p;
+      T* o = out + (l * hg + j) * p;
+      const float wv = w[j * q + l];
+      for (int64_t i = 0; i < p; ++i) st(o, i, ld(xr, i) * wv);
+    }
+  }
+}
+
+AUTOMOE_BODY void ssd_scale_block_body(const void* x, int64_t ldx, c10::ScalarType dtype,
+                                       const float* w, void* out, int64_t q, int64_t hg, int64_t p) {
+  AUTOMOE_TYPED(dtype, T,
+                ssd_scale_typed(static_cast<const T*>(x), ldx, w, static_cast<T*>(out), q, hg, p))
+}
+
+template <typename T>
+AUTOMOE_BODY void ssd_out_bwd_typed(const float* g, int64_t ldg, const float* z, int64_t ldz,
+                                    const T* x, int64_t ldx, const float* e, const float* d,
+                                    float* dx, int64_t lddx, T* dz, T* gh, float* re, float* dd,
+                                    int64_t q, int64_t hg, int64_t p) {
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
+      const float* gr = g + l * ldg + j * p;
+      const float ev = e[j * q + l], dv = d[j];
+      T* dzr = dz + (l * hg + j) * p;
+      T* ghr = gh + (j * q + l) * p;
+      float* dxr = dx + l * lddx + j * p;
+      for (int64_t i = 0; i < p; ++i) {
+        st(dzr, i, ev * gr[i]);
+        st(ghr, i, gr[i]);
+        dxr[i] += dv * gr[i];
+      }
+      re[j * q + l] = ev * dot_typed(gr, z + l * ldz + j * p, p);
+      dd[j] += dot_typed(gr, x + l * ldx + j * p, p);
+    }
+  }
+}
+
+AUTOMOE_BODY void ssd_out_block_bwd_body(const float* g, int64_t ldg, const float* z, int64_t ldz,
+                                         const void* x, int64_t ldx, c10::ScalarType dtype,
+                                         const float* e, const float* d, float* dx, int64_t lddx,
+                                         void* dz, void* gh, float* re, float* dd, int64_t q,
+                                         int64_t hg, int64_t p) {
+  AUTOMOE_TYPED(dtype, T,
+                ssd_out_bwd_typed(g, ldg, z, ldz, static_cast<const T*>(x), ldx, e, d, dx, lddx,
+                                  static_cast<T*>(dz), static_cast<T*>(gh), re, dd, q, hg, p))
+}
+
+template <typename T>
+AUTOMOE_BODY void ssd_scale_bwd_typed(const float* g, const T* x, int64_t ldx, const float* w,
+                                      float* dx, int64_t lddx, float* u, int64_t q, int64_t hg,
+                                      int64_t p) {
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
+      const float* gr = g + (l * hg + j) * p;
+      float* dxr = dx + l * lddx + j * p;
+      const float wv = w[j * q + l];
+      for (int64_t i = 0; i < p; ++i) dxr[i] += wv * gr[i];
+      u[j * q + l] = dot_typed(gr, x + l * ldx + j * p, p);
+    }
+  }
+}
+
+AUTOMOE_BODY void ssd_scale_block_bwd_body(const float* g, const void* x, int64_t ldx,
+                                           c10::ScalarType dtype, const float* w, float* dx,
+                                           int64_t lddx, float* u, int64_t q, int64_t hg,
+                                           int64_t p) {
+  AUTOMOE_TYPED(dtype, T,
+                ssd_scale_bwd_typed(g, static_cast<const T*>(x), ldx, w, dx, lddx, u, q, hg, p))
+}
+
+AUTOMOE_BODY void ssd_state_step_body(float* next, const float* prev, const float* f, int64_t rows,
+                                      int64_t hg, int64_t p) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < hg; ++j) {
+      float* nr = next + (r * hg + j) * p;
+      const float* pr = prev + (r * hg + j) * p;
+      const float fv = f[j];
+      for (int64_t i = 0; i < p; ++i) nr[i] += fv * pr[i];
+    }
+  }
+}
+
+AUTOMOE_BODY void ssd_state_step_bwd_body(float* cur, const float* next, const float* h,
+                                          const float* f, float* fd, int64_t rows, int64_t hg,
+                                          int64_t p) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < hg; ++j) {
+      const int64_t o = (r * hg + j) * p;
+      const float fv = f[j];
+      for (int64_t i = 0; i < p; ++i) cur[o + i] += fv * next[o + i];
+      fd[j] += dot_typed(next + o, h + o, p);
+    }
+  }
+}
+
 }  // namespace
 
 AUTOMOE_ROW_FN(void, mul_add_row,
@@ -247,22 +411,37 @@ AUTOMOE_ROW_FN(float, ssd_decay_row_bwd,
                (const float* dm, const float* ldec, const float* cb, const float* dt, float* dcb,
                 float* ddt, float* dacum, int64_t n),
                (dm, ldec, cb, dt, dcb, ddt, dacum, n))
+AUTOMOE_ROW_FN(void, ssd_out_block,
+               (float* y, int64_t ldy, const float* z, int64_t ldz, const void* x, int64_t ldx,
+                c10::ScalarType dtype, const float* e, const float* d, int64_t q, int64_t hg,
+                int64_t p),
+               (y, ldy, z, ldz, x, ldx, dtype, e, d, q, hg, p))
+AUTOMOE_ROW_FN(void, ssd_scale_block,
+               (const void* x, int64_t ldx, c10::ScalarType dtype, const float* w, void* out,
+                int64_t q, int64_t hg, int64_t p),
+               (x, ldx, dtype, w, out, q, hg, p))
+AUTOMOE_ROW_FN(void, ssd_out_block_bwd,
+               (const float* g, int64_t ldg, const float* z, int64_t ldz, const void* x,
+                int64_t ldx, c10::ScalarType dtype, const float* e, const float* d, float* dx,
+                int64_t lddx, void* dz, void* gh, float* re, float* dd, int64_t q, int64_t hg,
+                int64_t p),
+               (g, ldg, z, ldz, x, ldx, dtype, e, d, dx, lddx, dz, gh, re, dd, q, hg, p))
+AUTOMOE_ROW_FN(void, ssd_scale_block_bwd,
+               (const float* g, const void* x, int64_t ldx, c10::ScalarType dtype, const float* w,
+                float* dx, int64_t lddx, float* u, int64_t q, int64_t hg, int64_t p),
+               (g, x, ldx, dtype, w, dx, lddx, u, q, hg, p))
+AUTOMOE_ROW_FN(void, ssd_state_step,
+               (float* next, const float* prev, const float* f, int64_t rows, int64_t hg,
+                int64_t p),
+               (next, prev, f, rows, hg, p))
+AUTOMOE_ROW_FN(void, ssd_state_step_bwd,
+               (float* cur, const float* next, const float* h, const float* f, float* fd,
+                int64_t rows, int64_t hg, int64_t p),
+               (cur, next, h, f, fd, rows, hg, p))
 
 void ssd_decay_row(float al, const float* acum, const float* cb, const float* dt, float* ldec,
-                   float* m, int64_t n) {
-  int64_t i = 0;
-#if defined(AUTOMOE_VEC_X86)
-  const Isa isa = active_isa();
-  if (isa >= Isa::kAvx512) {
-    i = ssd_decay_avx512(al, acum, cb, dt, ldec, m, n);
-  } else if (isa >= Isa::kAvx2) {
-    i = ssd_decay_avx2(al, acum, cb, dt, ldec, m, n);
-  }
-#endif
-  for (; i < n; ++i) {
-    ldec[i] = exp_approx(al - acum[i]);
-    m[i] = cb[i] * ldec[i] * dt[i];
-  }
+                   void* m, c10::ScalarType dtype, int64_t n) {
+  AUTOMOE_TYPED(dtype, T, ssd_decay_typed(al, acum, cb, dt, ldec, static_cast<T*>(m), n))
 }
 
 void silu_store_row(const float* a, bool silu, void* y, c10::ScalarType dtype, int64_t n) {

@@ -127,47 +127,53 @@ GemmOperand as_operand(const Geo& g, const float* f, int64_t n, std::vector<uint
   return operand(bf.data(), g.dt, rs, cs);
 }
 
+// A scratch buffer of n elements of x's dtype (the GEMM operands the unit writes itself).
+void* typed(const Geo& g, std::vector<float>& buf, int64_t n) {
+  buf.resize((n * g.es + sizeof(float) - 1) / sizeof(float));
+  return buf.data();
+}
+
 // CB = C_c · B_cᵀ [q, q].
 void chunk_cb(const Unit& u, std::vector<float>& cb) {
-  cb.assign(u.q * u.q, 0.f);
+  cb.resize(u.q * u.q);
   gemm_batch({problem(u.q, u.q, u.g.N, u.Cc(), u.BcT(), cb.data(), u.q, false)});
 }
 
-// Row l of head h's within-chunk matrix: ldec (the decays) and m = cb · ldec · dt over its
-// document's positions s0 .. l, zeros elsewhere.
-void decay_rows(const Unit& u, int64_t h, const float* cb, float* ldec, float* m) {
+// Head h's within-chunk matrix [q, q] in x's dtype: row l holds m = cb · ldec · dt over its
+// document's positions s0 .. l and zeros elsewhere; ldec (the decays, float32) is written over
+// s0 .. l only when asked for (the backward's).
+void decay_rows(const Unit& u, int64_t h, const float* cb, float* ldec, void* m_out) {
+  char* m = static_cast<char*>(m_out);
+  const int64_t es = u.g.es;
   for (int64_t l = 0; l < u.q; ++l) {
     const int64_t s0 = u.r.s0[u.c0 + l] - u.c0, n = l - s0 + 1;
-    for (float* row : {ldec + l * u.q, m + l * u.q}) {
-      std::memset(row, 0, s0 * sizeof(float));
-      std::memset(row + l + 1, 0, (u.q - l - 1) * sizeof(float));
-    }
+    char* row = m + l * u.q * es;
+    std::memset(row, 0, s0 * es);
+    std::memset(row + (l + 1) * es, 0, (u.q - l - 1) * es);
     vec::ssd_decay_row(u.acum(h, u.c0 + l), &u.r.acum[h * u.g.S + u.c0 + s0], cb + l * u.q + s0,
-                       &u.r.dt[h * u.g.S + u.c0 + s0], ldec + l * u.q + s0, m + l * u.q + s0, n);
+                       &u.r.dt[h * u.g.S + u.c0 + s0], ldec ? ldec + l * u.q + s0 : nullptr,
+                       row + s0 * es, u.g.dt, n);
   }
 }
 
-// x ∘ w, the group's heads side by side [q, W] (float32), and ew = exp(Acum_end - Acum_s) · local
-// [Hg][q] (w = ew · dt).
-void weighted_x(const Unit& u, std::vector<float>& xw, std::vector<float>& ew) {
+// x ∘ w, the group's heads side by side [q, W] in x's dtype (a GEMM operand), with
+// ew = exp(Acum_end - Acum_s) · local and w = ew · dt, both [Hg][q].
+GemmOperand weighted_x(const Unit& u, std::vector<float>& xw, std::vector<float>& ew, std::vector<float>& w) {
   const Geo& g = u.g;
-  xw.resize(u.q * g.W);
   ew.resize(g.Hg * u.q);
+  w.resize(g.Hg * u.q);
   for (int64_t j = 0; j < g.Hg; ++j) {
     const int64_t h = u.head(j);
     const float end = u.acum(h, u.c0 + u.q - 1);
     for (int64_t l = 0; l < u.q; ++l) {
-      ew[j * u.q + l] = u.r.local[u.c0 + l] ? std::exp(end - u.acum(h, u.c0 + l)) : 0.f;
+      const float e = u.r.local[u.c0 + l] ? std::exp(end - u.acum(h, u.c0 + l)) : 0.f;
+      ew[j * u.q + l] = e;
+      w[j * u.q + l] = e * u.r.dt[h * g.S + u.c0 + l];
     }
   }
-  for (int64_t l = 0; l < u.q; ++l) {
-    float* row = xw.data() + l * g.W;
-    vec::load(u.x_at(u.c0 + l, u.head(0)), g.dt, row, g.W);
-    for (int64_t j = 0; j < g.Hg; ++j) {
-      const float w = ew[j * u.q + l] * u.r.dt[u.head(j) * g.S + u.c0 + l];
-      vec::scale(row + j * g.P, w, row + j * g.P, g.P);
-    }
-  }
+  void* out = typed(g, xw, u.q * g.W);
+  vec::ssd_scale_block(u.x_at(u.c0, u.head(0)), g.H * g.P, g.dt, w.data(), out, u.q, g.Hg, g.P);
+  return operand(out, g.dt, g.W, 1);
 }
 
 // States buffer: [nc + 1][G][N][W] float32 (H_c of group g: an [N, W] matrix).
@@ -175,36 +181,42 @@ float* state(std::vector<float>& hc, const Geo& g, int64_t c, int64_t grp) {
   return hc.data() + (c * g.G + grp) * g.N * g.W;
 }
 
+// The decay of head grp·Hg + j's carried state across chunk c, for the group's heads.
+void chunk_decays(const Geo& g, const Row& r, int64_t c, int64_t grp, float* f) {
+  const int64_t e = g.c0(c) + g.q(c) - 1;
+  for (int64_t j = 0; j < g.Hg; ++j) f[j] = r.keep[c] ? std::exp(r.acum[(grp * g.Hg + j) * g.S + e]) : 0.f;
+}
+
 // Each chunk's own state S_c into slot c + 1, then the carried states H_c (slot 0: the initial
 // state, or zeros).
 void states(const SsdArgs& a, const Geo& g, const Row& r, int64_t b, std::vector<float>& hc) {
-  hc.assign((g.nc + 1) * g.G * g.N * g.W, 0.f);
+  hc.resize((g.nc + 1) * g.G * g.N * g.W);
   at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> xw, ew;  // (thread-local scratch: no page faults per call)
-    thread_local std::vector<uint16_t> bf;
+    thread_local std::vector<float> xw, ew, w;  // (thread-local scratch: no page faults per call)
     for (int64_t i = begin; i < end; ++i) {
       const Unit u{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)};
-      weighted_x(u, xw, ew);
-      const GemmOperand X = as_operand(g, xw.data(), u.q * g.W, bf, g.W, 1);
+      const GemmOperand X = weighted_x(u, xw, ew, w);
       gemm_batch({problem(g.N, g.W, u.q, u.BcT(), X, state(hc, g, u.c + 1, u.grp), g.W, false)});
     }
   });
-  at::parallel_for(0, g.G * g.N, 1, [&](int64_t begin, int64_t end) {
+  // The recurrence, per group and block of state rows.
+  constexpr int64_t kRows = 16;
+  const int64_t blocks = (g.N + kRows - 1) / kRows;
+  at::parallel_for(0, g.G * blocks, 1, [&](int64_t begin, int64_t end) {
     const float* init = a.initial ? a.initial->const_data_ptr<float>() + b * g.H * g.P * g.N : nullptr;
+    std::vector<float> f(g.Hg);
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t grp = i / g.N, n = i % g.N;
-      if (init) {
+      const int64_t grp = i / blocks, n0 = i % blocks * kRows, rows = std::min(kRows, g.N - n0);
+      for (int64_t n = n0; n < n0 + rows; ++n) {
         float* h0 = state(hc, g, 0, grp) + n * g.W;
-        for (int64_t j = 0; j < g.W; ++j) h0[j] = init[((grp * g.Hg + j / g.P) * g.P + j % g.P) * g.N + n];
+        for (int64_t j = 0; j < g.W; ++j) {
+          h0[j] = init ? init[((grp * g.Hg + j / g.P) * g.P + j % g.P) * g.N + n] : 0.f;
+        }
       }
       for (int64_t c = 0; c < g.nc; ++c) {
-        const float* prev = state(hc, g, c, grp) + n * g.W;
-        float* next = state(hc, g, c + 1, grp) + n * g.W;
-        for (int64_t j = 0; j < g.Hg; ++j) {
-          const int64_t h = grp * g.Hg + j;
-          const float f = r.keep[c] ? std::exp(r.acum[h * g.S + g.c0(c) + g.q(c) - 1]) : 0.f;
-          vec::axpy(next + j * g.P, f, prev + j * g.P, g.P);
-        }
+        chunk_decays(g, r, c, grp, f.data());
+        vec::ssd_state_step(state(hc, g, c + 1, grp) + n0 * g.W, state(hc, g, c, grp) + n0 * g.W, f.data(),
+                            rows, g.Hg, g.P);
       }
     }
   });
@@ -232,37 +244,31 @@ std::pair<at::Tensor, at::Tensor> ssd_scan_fwd(const SsdArgs& a, bool final_stat
     states(a, g, r, b, hc);
     float* yb = y.data_ptr<float>() + b * g.S * g.H * g.P;
     at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
-      thread_local std::vector<float> cb, ldec, m, z, xrow;
-      thread_local std::vector<uint16_t> bf, bf_h;
-      xrow.resize(g.W);
+      thread_local std::vector<float> cb, m, z, e;
+      thread_local std::vector<uint16_t> bf_h;
       for (int64_t i = begin; i < end; ++i) {
         const Unit u{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)};
         chunk_cb(u, cb);
-        ldec.resize(u.q * u.q);
-        m.resize(g.Hg * u.q * u.q);
+        char* M = static_cast<char*>(typed(g, m, g.Hg * u.q * u.q));
+        for (int64_t j = 0; j < g.Hg; ++j) decay_rows(u, u.head(j), cb.data(), nullptr, M + j * u.q * u.q * g.es);
         std::vector<GemmProblem> diag;
-        for (int64_t j = 0; j < g.Hg; ++j) decay_rows(u, u.head(j), cb.data(), ldec.data(), m.data() + j * u.q * u.q);
-        const GemmOperand M = as_operand(g, m.data(), g.Hg * u.q * u.q, bf, u.q, 1);
         for (int64_t j = 0; j < g.Hg; ++j) {
-          GemmOperand Mj = M;
-          Mj.data = static_cast<const char*>(M.data) + j * u.q * u.q * (g.dt == ScalarType::Float ? 4 : 2);
-          diag.push_back(problem(u.q, g.P, u.q, Mj, u.xh(j), yb + (u.c0 * g.H + u.head(j)) * g.P, g.H * g.P, false));
+          diag.push_back(problem(u.q, g.P, u.q, operand(M + j * u.q * u.q * g.es, g.dt, u.q, 1), u.xh(j),
+                                 yb + (u.c0 * g.H + u.head(j)) * g.P, g.H * g.P, false));
         }
         // What each position reads of the state its chunk starts from: Z = C_c · H_c.
         z.resize(u.q * g.W);
         const GemmOperand Hop = as_operand(g, state(hc, g, u.c, u.grp), g.N * g.W, bf_h, g.W, 1);
         diag.push_back(problem(u.q, g.W, g.N, u.Cc(), Hop, z.data(), g.W, false));
         gemm_batch(diag);
-        for (int64_t l = 0; l < u.q; ++l) {
-          const int64_t s = u.c0 + l;
-          vec::load(u.x_at(s, u.head(0)), g.dt, xrow.data(), g.W);
-          float* yrow = yb + (s * g.H + u.head(0)) * g.P;
-          for (int64_t j = 0; j < g.Hg; ++j) {
-            const int64_t h = u.head(j);
-            vec::axpy(yrow + j * g.P, read_decay(r, g, h, s), z.data() + l * g.W + j * g.P, g.P);
-            vec::axpy(yrow + j * g.P, D[h], xrow.data() + j * g.P, g.P);
-          }
+        e.resize(g.Hg * u.q + g.Hg);
+        float* dv = e.data() + g.Hg * u.q;
+        for (int64_t j = 0; j < g.Hg; ++j) {
+          dv[j] = D[u.head(j)];
+          for (int64_t l = 0; l < u.q; ++l) e[j * u.q + l] = read_decay(r, g, u.head(j), u.c0 + l);
         }
+        vec::ssd_out_block(yb + (u.c0 * g.H + u.head(0)) * g.P, g.H * g.P, z.data(), g.W,
+                           u.x_at(u.c0, u.head(0)), g.H * g.P, g.dt, e.data(), dv, u.q, g.Hg, g.P);
       }
     });
     if (final_state) {
@@ -296,42 +302,43 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
                     RowGrads& gr) {
   const Geo& g = u.g;
   const Row& r = u.r;
-  thread_local std::vector<float> z, dz, xrow, cb, ldec, m, dm, dyh, dcb;
-  thread_local std::vector<uint16_t> bf_h, bf_dz, bf_m, bf_dy, bf_cb;
-  z.resize(u.q * g.W), dz.resize(u.q * g.W), xrow.resize(g.W), ldec.resize(g.Hg * u.q * u.q);
-  m.resize(g.Hg * u.q * u.q), dm.resize(g.Hg * u.q * u.q), dyh.resize(g.Hg * u.q * g.P);
+  thread_local std::vector<float> z, dzb, dyb, cb, ldec, mb, dm, dcb, e, re;
+  thread_local std::vector<uint16_t> bf_h, bf_cb;
+  z.resize(u.q * g.W), ldec.resize(g.Hg * u.q * u.q), dm.resize(g.Hg * u.q * u.q);
   dcb.assign(u.q * u.q, 0.f);
-  auto dy_at = [&](int64_t s, int64_t h) { return dy + (s * g.H + h) * g.P; };
+  e.resize(g.Hg * u.q + 2 * g.Hg), re.resize(g.Hg * u.q);
+  float* dv = e.data() + g.Hg * u.q;
+  float* dd = dv + g.Hg;
   const float* hc = hc_all.data() + (u.c * g.G + u.grp) * g.N * g.W;
   const GemmOperand Hop = as_operand(g, hc, g.N * g.W, bf_h, g.W, 1);
   gemm_batch({problem(u.q, g.W, g.N, u.Cc(), Hop, z.data(), g.W, false)});
-  for (int64_t l = 0; l < u.q; ++l) {
-    const int64_t s = u.c0 + l;
-    vec::load(u.x_at(s, u.head(0)), g.dt, xrow.data(), g.W);
-    for (int64_t j = 0; j < g.Hg; ++j) {
-      const int64_t h = u.head(j);
-      const float e = read_decay(r, g, h, s);
-      const float* d = dy_at(s, h);
-      vec::scale(d, e, dz.data() + l * g.W + j * g.P, g.P);
-      gr.dacum[h * g.S + s] += e * vec::dot(d, z.data() + l * g.W + j * g.P, g.P);
-      gr.dD[u.c * g.H + h] += vec::dot(d, xrow.data() + j * g.P, g.P);
-      vec::axpy(gr.dx + (s * g.H + h) * g.P, D[h], d, g.P);
-      std::memcpy(dyh.data() + (j * u.q + l) * g.P, d, g.P * sizeof(float));
-    }
+  for (int64_t j = 0; j < g.Hg; ++j) {
+    dv[j] = D[u.head(j)], dd[j] = 0.f;
+    for (int64_t l = 0; l < u.q; ++l) e[j * u.q + l] = read_decay(r, g, u.head(j), u.c0 + l);
+  }
+  void* dz = typed(g, dzb, u.q * g.W);
+  void* dyh = typed(g, dyb, g.Hg * u.q * g.P);
+  vec::ssd_out_block_bwd(dy + (u.c0 * g.H + u.head(0)) * g.P, g.H * g.P, z.data(), g.W,
+                         u.x_at(u.c0, u.head(0)), g.H * g.P, g.dt, e.data(), dv,
+                         gr.dx + (u.c0 * g.H + u.head(0)) * g.P, g.H * g.P, dz, dyh, re.data(), dd, u.q,
+                         g.Hg, g.P);
+  for (int64_t j = 0; j < g.Hg; ++j) {
+    const int64_t h = u.head(j);
+    for (int64_t l = 0; l < u.q; ++l) gr.dacum[h * g.S + u.c0 + l] += re[j * u.q + l];
+    gr.dD[u.c * g.H + h] += dd[j];
   }
   chunk_cb(u, cb);
+  char* M = static_cast<char*>(typed(g, mb, g.Hg * u.q * u.q));
   for (int64_t j = 0; j < g.Hg; ++j) {
-    decay_rows(u, u.head(j), cb.data(), ldec.data() + j * u.q * u.q, m.data() + j * u.q * u.q);
+    decay_rows(u, u.head(j), cb.data(), ldec.data() + j * u.q * u.q, M + j * u.q * u.q * g.es);
   }
-  const GemmOperand dZ = as_operand(g, dz.data(), u.q * g.W, bf_dz, g.W, 1);
-  const GemmOperand M = as_operand(g, m.data(), g.Hg * u.q * u.q, bf_m, u.q, 1);
-  const GemmOperand dY = as_operand(g, dyh.data(), g.Hg * u.q * g.P, bf_dy, g.P, 1);
-  const int64_t ops = g.dt == ScalarType::Float ? 4 : 2;
+  const GemmOperand dZ = operand(dz, g.dt, g.W, 1);
   auto shifted = [&](GemmOperand o, int64_t elems, int64_t rs, int64_t cs) {
-    o.data = static_cast<const char*>(o.data) + elems * ops;
+    o.data = static_cast<const char*>(o.data) + elems * g.es;
     o.row_stride = rs, o.col_stride = cs;
     return o;
   };
+  const GemmOperand Mop = operand(M, g.dt, u.q, 1), dY = operand(dyh, g.dt, g.P, 1);
   float* dC = gr.dC + (u.c0 * g.G + u.grp) * g.N;
   float* dB = gr.dB + (u.c0 * g.G + u.grp) * g.N;
   std::vector<GemmProblem> ps;
@@ -340,7 +347,7 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
   for (int64_t j = 0; j < g.Hg; ++j) {
     ps.push_back(problem(u.q, u.q, g.P, shifted(dY, j * u.q * g.P, g.P, 1), u.xhT(j),
                          dm.data() + j * u.q * u.q, u.q, false));
-    ps.push_back(problem(u.q, g.P, u.q, shifted(M, j * u.q * u.q, 1, u.q), shifted(dY, j * u.q * g.P, g.P, 1),
+    ps.push_back(problem(u.q, g.P, u.q, shifted(Mop, j * u.q * u.q, 1, u.q), shifted(dY, j * u.q * g.P, g.P, 1),
                          gr.dx + (u.c0 * g.H + u.head(j)) * g.P, g.H * g.P, true));
   }
   gemm_batch(ps);
@@ -364,30 +371,27 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
 void backward_state(const Unit& u, RowGrads& gr) {
   const Geo& g = u.g;
   const Row& r = u.r;
-  thread_local std::vector<float> xw, ew, dxw, xrow;
-  thread_local std::vector<uint16_t> bf_x, bf_s;
-  dxw.resize(u.q * g.W), xrow.resize(g.W);
-  weighted_x(u, xw, ew);
-  const GemmOperand X = as_operand(g, xw.data(), u.q * g.W, bf_x, g.W, 1);
+  thread_local std::vector<float> xw, ew, w, dxw, uu;
+  thread_local std::vector<uint16_t> bf_s;
+  dxw.resize(u.q * g.W), uu.resize(g.Hg * u.q);
+  const GemmOperand X = weighted_x(u, xw, ew, w);
   const float* ds = gr.dH.data() + ((u.c + 1) * g.G + u.grp) * g.N * g.W;
   GemmOperand dS = as_operand(g, ds, g.N * g.W, bf_s, g.W, 1);
   GemmOperand dST = dS;
   dST.row_stride = 1, dST.col_stride = g.W;
   gemm_batch({problem(u.q, g.N, g.W, X, dST, gr.dB + (u.c0 * g.G + u.grp) * g.N, g.G * g.N, true),
               problem(u.q, g.W, g.N, u.Bc(), dS, dxw.data(), g.W, false)});
+  vec::ssd_scale_block_bwd(dxw.data(), u.x_at(u.c0, u.head(0)), g.H * g.P, g.dt, w.data(),
+                           gr.dx + (u.c0 * g.H + u.head(0)) * g.P, g.H * g.P, uu.data(), u.q, g.Hg, g.P);
   const int64_t end = u.c0 + u.q - 1;
-  for (int64_t l = 0; l < u.q; ++l) {
-    const int64_t s = u.c0 + l;
-    vec::load(u.x_at(s, u.head(0)), g.dt, xrow.data(), g.W);
-    for (int64_t j = 0; j < g.Hg; ++j) {
-      const int64_t h = u.head(j);
-      const float ewv = ew[j * u.q + l], dtv = r.dt[h * g.S + s];
-      const float* d = dxw.data() + l * g.W + j * g.P;
-      vec::axpy(gr.dx + (s * g.H + h) * g.P, ewv * dtv, d, g.P);
-      const float uu = vec::dot(d, xrow.data() + j * g.P, g.P);
-      gr.ddt[h * g.S + s] += uu * ewv;
-      gr.dacum[h * g.S + end] += uu * ewv * dtv;
-      gr.dacum[h * g.S + s] -= uu * ewv * dtv;
+  for (int64_t j = 0; j < g.Hg; ++j) {
+    const int64_t h = u.head(j);
+    for (int64_t l = 0; l < u.q; ++l) {
+      const int64_t s = u.c0 + l;
+      const float v = uu[j * u.q + l] * ew[j * u.q + l];
+      gr.ddt[h * g.S + s] += v;
+      gr.dacum[h * g.S + end] += v * r.dt[h * g.S + s];
+      gr.dacum[h * g.S + s] -= v * r.dt[h * g.S + s];
     }
   }
 }
@@ -404,21 +408,15 @@ void reverse_recurrence(const Geo& g, const Row& r, const float* dfinal, const s
           last[n * g.W + j] = dfinal ? dfinal[((grp * g.Hg + j / g.P) * g.P + j % g.P) * g.N + n] : 0.f;
         }
       }
+      std::vector<float> f(g.Hg), fd(g.Hg);
       for (int64_t c = g.nc - 1; c >= 0; --c) {
-        const float* next = gr.dH.data() + ((c + 1) * g.G + grp) * g.N * g.W;
-        float* cur = gr.dH.data() + (c * g.G + grp) * g.N * g.W;
-        const float* h = hc.data() + (c * g.G + grp) * g.N * g.W;
         const int64_t e = g.c0(c) + g.q(c) - 1;
-        for (int64_t j = 0; j < g.Hg; ++j) {
-          const int64_t head = grp * g.Hg + j;
-          const float f = r.keep[c] ? std::exp(r.acum[head * g.S + e]) : 0.f;
-          float dot = 0.f;
-          for (int64_t n = 0; n < g.N; ++n) {
-            dot += vec::dot(next + n * g.W + j * g.P, h + n * g.W + j * g.P, g.P);
-            vec::axpy(cur + n * g.W + j * g.P, f, next + n * g.W + j * g.P, g.P);
-          }
-          gr.dacum[head * g.S + e] += f * dot;
-        }
+        chunk_decays(g, r, c, grp, f.data());
+        std::fill(fd.begin(), fd.end(), 0.f);
+        vec::ssd_state_step_bwd(gr.dH.data() + (c * g.G + grp) * g.N * g.W,
+                                gr.dH.data() + ((c + 1) * g.G + grp) * g.N * g.W,
+                                hc.data() + (c * g.G + grp) * g.N * g.W, f.data(), fd.data(), g.N, g.Hg, g.P);
+        for (int64_t j = 0; j < g.Hg; ++j) gr.dacum[(grp * g.Hg + j) * g.S + e] += f[j] * fd[j];
       }
     }
   });
