@@ -83,7 +83,8 @@ void ssd_out_block(float* y, int64_t ldy, const float* z, int64_t ldz, const voi
 void ssd_scale_block(const void* x, int64_t ldx, c10::ScalarType dtype, const float* w, void* out,
                      int64_t q, int64_t hg, int64_t p);
 // The backward of ssd_out_block for upstream g [q rows at ldg]: dz = e * g and gh = g written in
-// `dtype` (dz contiguous [q, hg * p], gh head-major [hg][q][p]: GEMM operands), dx += d * g,
+// `dtype` (dz contiguous [q, hg * p], gh head-major [hg][q][p]: GEMM operands), dx = d * g
+// (written: dx's first term),
 // re[j][l] = e * dot(g, z) (written), dd[j] += dot(g, x) (in position order).
 void ssd_out_block_bwd(const float* g, int64_t ldg, const float* z, int64_t ldz, const void* x,
                        int64_t ldx, c10::ScalarType dtype, const float* e, const float* d, float* dx,

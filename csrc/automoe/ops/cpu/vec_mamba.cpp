@@ -229,7 +229,7 @@ void ssd_decay_typed(float al, const float* acum, const float* cb, const float* 
 }
 
 // Its backward (see vec.h ssd_decay_row_bwd); returns the sum of r.
-AUTOMOE_BODY float ssd_decay_row_bwd_body(const float* dm, const float* ldec, const float* cb,
+AUTOMOE_BODY float ssd_decay_row_bwd_rows_body(const float* dm, const float* ldec, const float* cb,
                                           const float* dt, float* dcb, float* ddt, float* dacum,
                                           int64_t n) {
   float acc[kLanes] = {};
@@ -327,7 +327,7 @@ AUTOMOE_BODY void ssd_out_bwd_typed(const float* g, int64_t ldg, const float* z,
       for (int64_t i = 0; i < p; ++i) {
         st(dzr, i, ev * gr[i]);
         st(ghr, i, gr[i]);
-        dxr[i] += dv * gr[i];
+        dxr[i] = dv * gr[i];
       }
       re[j * q + l] = ev * dot_typed(gr, z + l * ldz + j * p, p);
       dd[j] += dot_typed(gr, x + l * ldx + j * p, p);
@@ -335,7 +335,7 @@ AUTOMOE_BODY void ssd_out_bwd_typed(const float* g, int64_t ldg, const float* z,
   }
 }
 
-AUTOMOE_BODY void ssd_out_block_bwd_body(const float* g, int64_t ldg, const float* z, int64_t ldz,
+AUTOMOE_BODY void ssd_out_block_bwd_rows_body(const float* g, int64_t ldg, const float* z, int64_t ldz,
                                          const void* x, int64_t ldx, c10::ScalarType dtype,
                                          const float* e, const float* d, float* dx, int64_t lddx,
                                          void* dz, void* gh, float* re, float* dd, int64_t q,
@@ -360,7 +360,7 @@ AUTOMOE_BODY void ssd_scale_bwd_typed(const float* g, const T* x, int64_t ldx, c
   }
 }
 
-AUTOMOE_BODY void ssd_scale_block_bwd_body(const float* g, const void* x, int64_t ldx,
+AUTOMOE_BODY void ssd_scale_block_bwd_rows_body(const float* g, const void* x, int64_t ldx,
                                            c10::ScalarType dtype, const float* w, float* dx,
                                            int64_t lddx, float* u, int64_t q, int64_t hg,
                                            int64_t p) {
@@ -380,7 +380,7 @@ AUTOMOE_BODY void ssd_state_step_body(float* next, const float* prev, const floa
   }
 }
 
-AUTOMOE_BODY void ssd_state_step_bwd_body(float* cur, const float* next, const float* h,
+AUTOMOE_BODY void ssd_state_step_bwd_rows_body(float* cur, const float* next, const float* h,
                                           const float* f, float* fd, int64_t rows, int64_t hg,
                                           int64_t p) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -407,7 +407,7 @@ AUTOMOE_ROW_FN(void, gated_norm_group_bwd,
                 float k, float* dw_acc, void* dy, float* dz, c10::ScalarType dtype, int64_t n),
                (g, y, z, s, w, k, dw_acc, dy, dz, dtype, n))
 
-AUTOMOE_ROW_FN(float, ssd_decay_row_bwd,
+AUTOMOE_ROW_FN(float, ssd_decay_row_bwd_rows,
                (const float* dm, const float* ldec, const float* cb, const float* dt, float* dcb,
                 float* ddt, float* dacum, int64_t n),
                (dm, ldec, cb, dt, dcb, ddt, dacum, n))
@@ -420,13 +420,13 @@ AUTOMOE_ROW_FN(void, ssd_scale_block,
                (const void* x, int64_t ldx, c10::ScalarType dtype, const float* w, void* out,
                 int64_t q, int64_t hg, int64_t p),
                (x, ldx, dtype, w, out, q, hg, p))
-AUTOMOE_ROW_FN(void, ssd_out_block_bwd,
+AUTOMOE_ROW_FN(void, ssd_out_block_bwd_rows,
                (const float* g, int64_t ldg, const float* z, int64_t ldz, const void* x,
                 int64_t ldx, c10::ScalarType dtype, const float* e, const float* d, float* dx,
                 int64_t lddx, void* dz, void* gh, float* re, float* dd, int64_t q, int64_t hg,
                 int64_t p),
                (g, ldg, z, ldz, x, ldx, dtype, e, d, dx, lddx, dz, gh, re, dd, q, hg, p))
-AUTOMOE_ROW_FN(void, ssd_scale_block_bwd,
+AUTOMOE_ROW_FN(void, ssd_scale_block_bwd_rows,
                (const float* g, const void* x, int64_t ldx, c10::ScalarType dtype, const float* w,
                 float* dx, int64_t lddx, float* u, int64_t q, int64_t hg, int64_t p),
                (g, x, ldx, dtype, w, dx, lddx, u, q, hg, p))
@@ -434,7 +434,7 @@ AUTOMOE_ROW_FN(void, ssd_state_step,
                (float* next, const float* prev, const float* f, int64_t rows, int64_t hg,
                 int64_t p),
                (next, prev, f, rows, hg, p))
-AUTOMOE_ROW_FN(void, ssd_state_step_bwd,
+AUTOMOE_ROW_FN(void, ssd_state_step_bwd_rows,
                (float* cur, const float* next, const float* h, const float* f, float* fd,
                 int64_t rows, int64_t hg, int64_t p),
                (cur, next, h, f, fd, rows, hg, p))
@@ -442,6 +442,143 @@ AUTOMOE_ROW_FN(void, ssd_state_step_bwd,
 void ssd_decay_row(float al, const float* acum, const float* cb, const float* dt, float* ldec,
                    void* m, c10::ScalarType dtype, int64_t n) {
   AUTOMOE_TYPED(dtype, T, ssd_decay_typed(al, acum, cb, dt, ldec, static_cast<T*>(m), n))
+}
+
+// The reducing SSD blocks on AVX-512: 16-lane sums reduced once per dot (the bodies' 32 scalar
+// partial sums cost as much as the dot at p = 64), the decay row's tail in masked lanes.
+#if defined(AUTOMOE_VEC_X86)
+namespace {
+
+AUTOMOE_TARGET_AVX512 float decay_row_bwd_avx512(const float* dm, const float* ldec, const float* cb,
+                                                 const float* dt, float* dcb, float* ddt, float* dacum,
+                                                 int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 c = _mm512_maskz_loadu_ps(k, cb + i), d = _mm512_maskz_loadu_ps(k, dt + i);
+    const __m512 t = _mm512_mul_ps(_mm512_maskz_loadu_ps(k, dm + i), _mm512_maskz_loadu_ps(k, ldec + i));
+    const __m512 r = _mm512_mul_ps(_mm512_mul_ps(t, c), d);
+    _mm512_mask_storeu_ps(dcb + i, k, _mm512_fmadd_ps(t, d, _mm512_maskz_loadu_ps(k, dcb + i)));
+    _mm512_mask_storeu_ps(ddt + i, k, _mm512_fmadd_ps(t, c, _mm512_maskz_loadu_ps(k, ddt + i)));
+    _mm512_mask_storeu_ps(dacum + i, k, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, dacum + i), r));
+    acc = _mm512_add_ps(acc, r);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <typename T>
+AUTOMOE_TARGET_AVX512 void out_block_bwd_avx512(const float* g, int64_t ldg, const float* z, int64_t ldz,
+                                                const T* x, int64_t ldx, const float* e, const float* d,
+                                                float* dx, int64_t lddx, T* dz, T* gh, float* re, float* dd,
+                                                int64_t q, int64_t hg, int64_t p) {
+  for (int64_t j = 0; j < hg; ++j) {
+    const __m512 dv = _mm512_set1_ps(d[j]);
+    __m512 dacc = _mm512_setzero_ps();
+    for (int64_t l = 0; l < q; ++l) {
+      const float* gr = g + l * ldg + j * p;
+      const float* zr = z + l * ldz + j * p;
+      const T* xr = x + l * ldx + j * p;
+      float* dxr = dx + l * lddx + j * p;
+      T* dzr = dz + (l * hg + j) * p;
+      T* ghr = gh + (j * q + l) * p;
+      const __m512 ev = _mm512_set1_ps(e[j * q + l]);
+      __m512 zacc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < p; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(gr + i);
+        st16(dzr + i, _mm512_mul_ps(ev, gv));
+        st16(ghr + i, gv);
+        _mm512_storeu_ps(dxr + i, _mm512_mul_ps(dv, gv));
+        zacc = _mm512_fmadd_ps(gv, _mm512_loadu_ps(zr + i), zacc);
+        dacc = _mm512_fmadd_ps(gv, ld16(xr + i), dacc);
+      }
+      re[j * q + l] = e[j * q + l] * _mm512_reduce_add_ps(zacc);
+    }
+    dd[j] += _mm512_reduce_add_ps(dacc);
+  }
+}
+
+template <typename T>
+AUTOMOE_TARGET_AVX512 void scale_block_bwd_avx512(const float* g, const T* x, int64_t ldx, const float* w,
+                                                  float* dx, int64_t lddx, float* u, int64_t q, int64_t hg,
+                                                  int64_t p) {
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
+      const float* gr = g + (l * hg + j) * p;
+      const T* xr = x + l * ldx + j * p;
+      float* dxr = dx + l * lddx + j * p;
+      const __m512 wv = _mm512_set1_ps(w[j * q + l]);
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < p; i += 16) {
+        const __m512 gv = _mm512_loadu_ps(gr + i);
+        _mm512_storeu_ps(dxr + i, _mm512_fmadd_ps(wv, gv, _mm512_loadu_ps(dxr + i)));
+        acc = _mm512_fmadd_ps(gv, ld16(xr + i), acc);
+      }
+      u[j * q + l] = _mm512_reduce_add_ps(acc);
+    }
+  }
+}
+
+AUTOMOE_TARGET_AVX512 void state_step_bwd_avx512(float* cur, const float* next, const float* h,
+                                                 const float* f, float* fd, int64_t rows, int64_t hg,
+                                                 int64_t p) {
+  for (int64_t j = 0; j < hg; ++j) {
+    const __m512 fv = _mm512_set1_ps(f[j]);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t o = (r * hg + j) * p;
+      for (int64_t i = 0; i < p; i += 16) {
+        const __m512 nv = _mm512_loadu_ps(next + o + i);
+        _mm512_storeu_ps(cur + o + i, _mm512_fmadd_ps(fv, nv, _mm512_loadu_ps(cur + o + i)));
+        acc = _mm512_fmadd_ps(nv, _mm512_loadu_ps(h + o + i), acc);
+      }
+    }
+    fd[j] += _mm512_reduce_add_ps(acc);
+  }
+}
+
+}  // namespace
+#endif
+
+float ssd_decay_row_bwd(const float* dm, const float* ldec, const float* cb, const float* dt,
+                        float* dcb, float* ddt, float* dacum, int64_t n) {
+#if defined(AUTOMOE_VEC_X86)
+  if (active_isa() >= Isa::kAvx512) return decay_row_bwd_avx512(dm, ldec, cb, dt, dcb, ddt, dacum, n);
+#endif
+  return ssd_decay_row_bwd_rows(dm, ldec, cb, dt, dcb, ddt, dacum, n);
+}
+
+void ssd_out_block_bwd(const float* g, int64_t ldg, const float* z, int64_t ldz, const void* x,
+                       int64_t ldx, c10::ScalarType dtype, const float* e, const float* d, float* dx,
+                       int64_t lddx, void* dz, void* gh, float* re, float* dd, int64_t q, int64_t hg,
+                       int64_t p) {
+#if defined(AUTOMOE_VEC_X86)
+  if (active_isa() >= Isa::kAvx512 && p % 16 == 0) {
+    AUTOMOE_TYPED(dtype, T,
+                  return out_block_bwd_avx512(g, ldg, z, ldz, static_cast<const T*>(x), ldx, e, d, dx, lddx,
+                                              static_cast<T*>(dz), static_cast<T*>(gh), re, dd, q, hg, p))
+  }
+#endif
+  ssd_out_block_bwd_rows(g, ldg, z, ldz, x, ldx, dtype, e, d, dx, lddx, dz, gh, re, dd, q, hg, p);
+}
+
+void ssd_scale_block_bwd(const float* g, const void* x, int64_t ldx, c10::ScalarType dtype,
+                         const float* w, float* dx, int64_t lddx, float* u, int64_t q, int64_t hg,
+                         int64_t p) {
+#if defined(AUTOMOE_VEC_X86)
+  if (active_isa() >= Isa::kAvx512 && p % 16 == 0) {
+    AUTOMOE_TYPED(dtype, T,
+                  return scale_block_bwd_avx512(g, static_cast<const T*>(x), ldx, w, dx, lddx, u, q, hg, p))
+  }
+#endif
+  ssd_scale_block_bwd_rows(g, x, ldx, dtype, w, dx, lddx, u, q, hg, p);
+}
+
+void ssd_state_step_bwd(float* cur, const float* next, const float* h, const float* f, float* fd,
+                        int64_t rows, int64_t hg, int64_t p) {
+#if defined(AUTOMOE_VEC_X86)
+  if (active_isa() >= Isa::kAvx512 && p % 16 == 0) return state_step_bwd_avx512(cur, next, h, f, fd, rows, hg, p);
+#endif
+  ssd_state_step_bwd_rows(cur, next, h, f, fd, rows, hg, p);
 }
 
 void silu_store_row(const float* a, bool silu, void* y, c10::ScalarType dtype, int64_t n) {

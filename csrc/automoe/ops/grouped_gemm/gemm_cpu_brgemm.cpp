@@ -185,7 +185,12 @@ void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
     ws.a16 = aligned<c10::BFloat16>(kMU * kKC);
     ws.b16 = aligned<c10::BFloat16>(kKC * kNC);
   }
-  float* acc = ws.acc.get();
+  // A float32 C whose tile is whole 16-column blocks is brgemm's own output (written, or added to
+  // when accumulating): no staging tile and no copy out. Otherwise the float32 staging tile acc,
+  // rounded or added into C by store_tile.
+  const bool direct = P.c_dtype == c10::ScalarType::Float && nc % 16 == 0 && P.K > 0;
+  float* acc = direct ? static_cast<float*>(P.C) + u.m0 * P.ldc + u.n0 : ws.acc.get();
+  const int64_t ldacc = direct ? P.ldc : kNC;
   auto* a16 = reinterpret_cast<uint16_t*>(ws.a16.get());
   auto* b16 = reinterpret_cast<uint16_t*>(ws.b16.get());
   for (int64_t k0 = 0; k0 < P.K; k0 += kKC) {
@@ -203,12 +208,14 @@ void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
       const int64_t m = std::min(kBrM, mu - mb);
       for (int64_t j0 = 0; j0 < nc; j0 += kBrN) {
         const int64_t nwp = (std::min(kBrN, nc - j0) + 15) / 16 * 16;
-        at::native::cpublas::brgemm(m, nwp, kcp, kcp, nwp, kNC, /*add_C=*/k0 > 0,
+        at::native::cpublas::brgemm(m, nwp, kcp, kcp, nwp, ldacc,
+                                    /*add_C=*/k0 > 0 || (direct && P.accumulate),
                                     ws.a16.get() + mb * kcp, ws.b16.get() + j0 * kcp,
-                                    acc + mb * kNC + j0, /*is_vnni=*/true);
+                                    acc + mb * ldacc + j0, /*is_vnni=*/true);
       }
     }
   }
+  if (direct) return;
   if (P.K == 0) {
     for (int64_t i = 0; i < mu; ++i) std::fill_n(acc + i * kNC, nc, 0.f);
   }

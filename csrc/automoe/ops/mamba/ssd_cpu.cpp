@@ -294,6 +294,7 @@ struct RowGrads {
   std::vector<float> dacum;            // [H][S]
   std::vector<float> dD;               // [nc][H] (per chunk, summed in order afterwards)
   std::vector<float> dH;               // [nc + 1][G][N][W]: the carried states' gradients
+  std::vector<float> dx_row, dB_row, dC_row;  // the row's float32 dx, dB, dC (dx etc. point here)
 };
 
 // Unit (g, c), first pass: what y reads of H_c (dC, dH_c's own part, dAcum), D · x, and the
@@ -342,7 +343,8 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
   float* dC = gr.dC + (u.c0 * g.G + u.grp) * g.N;
   float* dB = gr.dB + (u.c0 * g.G + u.grp) * g.N;
   std::vector<GemmProblem> ps;
-  ps.push_back(problem(u.q, g.N, g.W, dZ, shifted(Hop, 0, 1, g.W), dC, g.G * g.N, true));
+  // (dx, dC and dB are written first here, added to afterwards: no zeroed buffers)
+  ps.push_back(problem(u.q, g.N, g.W, dZ, shifted(Hop, 0, 1, g.W), dC, g.G * g.N, false));
   ps.push_back(problem(g.N, g.W, u.q, u.CcT(), dZ, gr.dH.data() + (u.c * g.G + u.grp) * g.N * g.W, g.W, false));
   for (int64_t j = 0; j < g.Hg; ++j) {
     ps.push_back(problem(u.q, u.q, g.P, shifted(dY, j * u.q * g.P, g.P, 1), u.xhT(j),
@@ -363,7 +365,7 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
   }
   const GemmOperand dCB = as_operand(g, dcb.data(), u.q * u.q, bf_cb, u.q, 1);
   gemm_batch({problem(u.q, g.N, u.q, dCB, u.Bc(), dC, g.G * g.N, true),
-              problem(u.q, g.N, u.q, shifted(dCB, 0, 1, u.q), u.Cc(), dB, g.G * g.N, true)});
+              problem(u.q, g.N, u.q, shifted(dCB, 0, 1, u.q), u.Cc(), dB, g.G * g.N, false)});
 }
 
 // Unit (g, c), after the reverse recurrence: the chunk's own state S_c = B_cᵀ · (x ∘ w) from
@@ -429,11 +431,14 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
   const at::Tensor dy_all = dy_in.to(at::kFloat).contiguous();
   const at::Tensor Af = a.A.to(at::kFloat).contiguous(), Df = a.D.to(at::kFloat).contiguous();
   const float* A = Af.const_data_ptr<float>();
-  at::Tensor dx = at::zeros({g.Bn, g.S, g.H, g.P}, a.x.options().dtype(at::kFloat));
-  at::Tensor ddt = at::zeros({g.Bn, g.H, g.S}, dx.options());
-  at::Tensor dB = at::zeros({g.Bn, g.S, g.G, g.N}, dx.options()), dC = at::zeros_like(dB);
-  at::Tensor dA = at::zeros({g.H}, dx.options()), dD = at::zeros({g.H}, dx.options());
-  at::Tensor dinit = a.initial ? at::empty({g.Bn, g.H, g.P, g.N}, dx.options()) : at::Tensor();
+  // dx, dB and dC accumulate per batch row in float32 scratch and are rounded into their outputs
+  // (x's dtype) once the row is done.
+  at::Tensor dx = new_output({g.Bn, g.S, g.H, g.P}, a.x.options());
+  at::Tensor dB = new_output({g.Bn, g.S, g.G, g.N}, a.x.options()), dC = new_output(dB.sizes(), dB.options());
+  const auto f32 = a.x.options().dtype(at::kFloat);
+  at::Tensor ddt = at::zeros({g.Bn, g.H, g.S}, f32);
+  at::Tensor dA = at::zeros({g.H}, f32), dD = at::zeros({g.H}, f32);
+  at::Tensor dinit = a.initial ? at::empty({g.Bn, g.H, g.P, g.N}, f32) : at::Tensor();
   thread_local std::vector<float> hc_buffer;
   thread_local RowGrads grads_buffer;
   std::vector<float>& hc = hc_buffer;  // (references: the parallel regions see these)
@@ -441,9 +446,8 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
   for (int64_t b = 0; b < g.Bn; ++b) {
     const Row r = make_row(a, g, b);
     states(a, g, r, b, hc);
-    gr.dx = dx.data_ptr<float>() + b * g.S * g.H * g.P;
-    gr.dB = dB.data_ptr<float>() + b * g.S * g.G * g.N;
-    gr.dC = dC.data_ptr<float>() + b * g.S * g.G * g.N;
+    gr.dx_row.resize(g.S * g.H * g.P), gr.dB_row.resize(g.S * g.G * g.N), gr.dC_row.resize(g.S * g.G * g.N);
+    gr.dx = gr.dx_row.data(), gr.dB = gr.dB_row.data(), gr.dC = gr.dC_row.data();
     gr.ddt = ddt.data_ptr<float>() + b * g.H * g.S;
     gr.dacum.assign(g.H * g.S, 0.f);
     gr.dD.assign(g.nc * g.H, 0.f);
@@ -462,6 +466,13 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
         backward_state(Unit{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)}, gr);
       }
     });
+    const auto round_into = [&](const std::vector<float>& src, const at::Tensor& dst) {
+      char* out = static_cast<char*>(dst.data_ptr()) + b * (dst.numel() / g.Bn) * dst.element_size();
+      at::parallel_for(0, static_cast<int64_t>(src.size()), 16384, [&](int64_t begin, int64_t end) {
+        vec::store(src.data() + begin, out + begin * dst.element_size(), dst.scalar_type(), end - begin);
+      });
+    };
+    round_into(gr.dx_row, dx), round_into(gr.dB_row, dB), round_into(gr.dC_row, dC);
     // Acum is a cumulative sum of A · dt within each chunk: its gradient summed from the chunk's end.
     float* dAp = dA.data_ptr<float>();
     for (int64_t h = 0; h < g.H; ++h) {
@@ -486,11 +497,11 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
     }
   }
   SsdGrads out;
-  out.dx = dx.to(a.x.scalar_type());
+  out.dx = dx;
   out.ddt = ddt.transpose(1, 2).to(a.dt.scalar_type()).contiguous();
   out.dA = dA.to(a.A.scalar_type());
-  out.dB = dB.to(a.B.scalar_type());
-  out.dC = dC.to(a.C.scalar_type());
+  out.dB = dB;
+  out.dC = dC;
   out.dD = dD.to(a.D.scalar_type());
   out.dinitial = dinit;
   return out;
