@@ -4,6 +4,7 @@
 // the scalar body for the tail; the others are one body compiled per level (AUTOMOE_ROW_FN).
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/cpu/vec_levels.h"
@@ -466,23 +467,24 @@ AUTOMOE_TARGET_AVX512 float decay_row_bwd_avx512(const float* dm, const float* l
   return _mm512_reduce_add_ps(acc);
 }
 
+// (positions outer, heads inner: the rows are read in memory order; dd's per-head 16-lane sums in
+// `lanes`, hg x 16 floats of the caller's)
 template <typename T>
 AUTOMOE_TARGET_AVX512 void out_block_bwd_avx512(const float* g, int64_t ldg, const float* z, int64_t ldz,
                                                 const T* x, int64_t ldx, const float* e, const float* d,
                                                 float* dx, int64_t lddx, T* dz, T* gh, float* re, float* dd,
-                                                int64_t q, int64_t hg, int64_t p) {
-  for (int64_t j = 0; j < hg; ++j) {
-    const __m512 dv = _mm512_set1_ps(d[j]);
-    __m512 dacc = _mm512_setzero_ps();
-    for (int64_t l = 0; l < q; ++l) {
+                                                int64_t q, int64_t hg, int64_t p, float* lanes) {
+  for (int64_t j = 0; j < hg; ++j) _mm512_storeu_ps(lanes + 16 * j, _mm512_setzero_ps());
+  for (int64_t l = 0; l < q; ++l) {
+    for (int64_t j = 0; j < hg; ++j) {
       const float* gr = g + l * ldg + j * p;
       const float* zr = z + l * ldz + j * p;
       const T* xr = x + l * ldx + j * p;
       float* dxr = dx + l * lddx + j * p;
       T* dzr = dz + (l * hg + j) * p;
       T* ghr = gh + (j * q + l) * p;
-      const __m512 ev = _mm512_set1_ps(e[j * q + l]);
-      __m512 zacc = _mm512_setzero_ps();
+      const __m512 ev = _mm512_set1_ps(e[j * q + l]), dv = _mm512_set1_ps(d[j]);
+      __m512 zacc = _mm512_setzero_ps(), dacc = _mm512_loadu_ps(lanes + 16 * j);
       for (int64_t i = 0; i < p; i += 16) {
         const __m512 gv = _mm512_loadu_ps(gr + i);
         st16(dzr + i, _mm512_mul_ps(ev, gv));
@@ -491,10 +493,11 @@ AUTOMOE_TARGET_AVX512 void out_block_bwd_avx512(const float* g, int64_t ldg, con
         zacc = _mm512_fmadd_ps(gv, _mm512_loadu_ps(zr + i), zacc);
         dacc = _mm512_fmadd_ps(gv, ld16(xr + i), dacc);
       }
+      _mm512_storeu_ps(lanes + 16 * j, dacc);
       re[j * q + l] = e[j * q + l] * _mm512_reduce_add_ps(zacc);
     }
-    dd[j] += _mm512_reduce_add_ps(dacc);
   }
+  for (int64_t j = 0; j < hg; ++j) dd[j] += _mm512_reduce_add_ps(_mm512_loadu_ps(lanes + 16 * j));
 }
 
 template <typename T>
@@ -539,6 +542,15 @@ AUTOMOE_TARGET_AVX512 void state_step_bwd_avx512(float* cur, const float* next, 
 }  // namespace
 #endif
 
+namespace {
+// A thread's scratch of hg x 16 floats (per-head vector sums).
+float* lanes(int64_t hg) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < 16 * hg) buf.resize(16 * hg);
+  return buf.data();
+}
+}  // namespace
+
 float ssd_decay_row_bwd(const float* dm, const float* ldec, const float* cb, const float* dt,
                         float* dcb, float* ddt, float* dacum, int64_t n) {
 #if defined(AUTOMOE_VEC_X86)
@@ -555,7 +567,8 @@ void ssd_out_block_bwd(const float* g, int64_t ldg, const float* z, int64_t ldz,
   if (active_isa() >= Isa::kAvx512 && p % 16 == 0) {
     AUTOMOE_TYPED(dtype, T,
                   return out_block_bwd_avx512(g, ldg, z, ldz, static_cast<const T*>(x), ldx, e, d, dx, lddx,
-                                              static_cast<T*>(dz), static_cast<T*>(gh), re, dd, q, hg, p))
+                                              static_cast<T*>(dz), static_cast<T*>(gh), re, dd, q, hg, p,
+                                              lanes(hg)))
   }
 #endif
   ssd_out_block_bwd_rows(g, ldg, z, ldz, x, ldx, dtype, e, d, dx, lddx, dz, gh, re, dd, q, hg, p);
