@@ -28,6 +28,7 @@ FAMILIES = {
     "rope": (("rope",), ("rope",)),
     "causal_conv1d": (("causal_conv1d",), ("causal_conv1d",)),
     "gated_rmsnorm": (("gated_rms_norm",), ("gated_rms_norm",)),
+    "ssd_scan": (("ssd_scan",), ("ssd_scan",)),
 }
 
 

@@ -234,7 +234,7 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
         # per token and head: within its chunk C·Bᵀ (MQ x MN) and the weighted x (MQ x MP), the chunk
         # state (MN x MP) and its read-out (MN x MP); fwd + bwd = 3 x the forward
         ssd_flops = 3 * 2 * T * MH * (MQ * (MN + MP) + 2 * MN * MP)
-        add("ssd_scan fwd+bwd (fused CPU kernels: operands in the dtype, float32 accumulation)",
+        add("ssd_scan fwd+bwd (CPU: fused kernels, operands in the dtype, float32 accumulation)",
             fwd_bwd(lambda *a: OPS.ssd_scan(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]),
             fwd_bwd(lambda *a: OPS.ssd_scan_reference(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]),
             flops=ssd_flops)

@@ -63,6 +63,74 @@ TEST(SsdScan, GroupedFormMatchesTheReferenceForwardStateAndGradients) {
   }
 }
 
+TEST(SsdScan, GroupedFormsHandDerivedBackwardEqualsTheReferencesGradients) {
+  // ssd_scan_aten_backward (what CUDA runs with AUTOMOE_CUDA_KERNELS=ssd_scan): every input's
+  // gradient, from y's and the final state's, with and without documents and an initial state.
+  at::manual_seed(7);
+  for (const int64_t chunk : {1, 3, 4, 16}) {
+    for (const bool docs : {false, true}) {
+      Inputs in = random_inputs(2, 10, 6, 3, 2, 5);
+      std::optional<at::Tensor> doc, initial;
+      if (docs) {
+        doc = at::tensor({0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 5, 5, 5, 5, 5, 5, 7, 7, 7, -1}, at::kLong).view({2, 10});
+      } else {
+        initial = at::randn({2, 6, 3, 5}, f64).requires_grad_(true);
+      }
+      std::vector<at::Tensor> leaves{in.x, in.dt, in.A, in.B, in.C, in.D};
+      for (auto& t : leaves) t.requires_grad_(true);
+      const SsdScan want = ssd_scan_reference(leaves[0], leaves[1], leaves[2], leaves[3], leaves[4],
+                                              leaves[5], chunk, initial, doc, true);
+      const at::Tensor dy = at::randn(want.y_BSHP.sizes(), f64), dfin = at::randn(want.final_BHPN.sizes(), f64);
+      std::vector<at::Tensor> inputs = leaves;
+      if (initial) inputs.push_back(*initial);
+      const auto gw = torch::autograd::grad({want.y_BSHP, want.final_BHPN}, inputs, {dy, dfin}, true);
+      at::NoGradGuard no_grad;
+      const SsdGroupedGrads got = ssd_scan_aten_backward(in.x, in.dt, in.A, in.B, in.C, in.D, chunk, initial,
+                                                         doc, dy, dfin);
+      const std::vector<at::Tensor> mine{got.dx, got.ddt, got.dA, got.dB, got.dC, got.dD, got.dinitial};
+      for (size_t i = 0; i < gw.size(); ++i) {
+        EXPECT_LT(max_rel(mine[i], gw[i]), 1e-10) << "input " << i << " chunk " << chunk << " docs " << docs;
+      }
+      // With no upstream gradient for the final state (undefined), only y's part.
+      const auto gy = torch::autograd::grad({want.y_BSHP}, inputs, {dy}, /*retain_graph=*/true, false, true);
+      const SsdGroupedGrads only_y = ssd_scan_aten_backward(in.x, in.dt, in.A, in.B, in.C, in.D, chunk, initial,
+                                                            doc, dy, at::Tensor());
+      EXPECT_LT(max_rel(only_y.dx, gy[0]), 1e-10) << chunk << docs;
+      EXPECT_LT(max_rel(only_y.ddt, gy[1]), 1e-10) << chunk << docs;
+    }
+  }
+}
+
+TEST(SsdScan, GroupedAutogradFunctionGivesTheReferencesGradientsInEachDtype) {
+  // ssd_scan_grouped (the autograd function around it) on the CPU: float64 exact, float32 and bf16
+  // inputs within their precision, each gradient in its input's dtype.
+  at::manual_seed(8);
+  const Inputs base = random_inputs(1, 9, 4, 8, 2, 4);
+  const at::Tensor doc = at::tensor({0, 0, 0, 0, 1, 1, 1, 1, 1}, at::kLong).view({1, 9});
+  for (const auto dtype : {at::kDouble, at::kFloat, at::kBFloat16}) {
+    std::vector<at::Tensor> ref{base.x, base.dt, base.A, base.B, base.C, base.D}, mine;
+    for (auto& t : ref) {
+      t = t.to(dtype).to(at::kDouble).requires_grad_(true);  // the same values in both
+      mine.push_back(t.detach().to(t.dim() == 1 ? at::kFloat : dtype).requires_grad_(true));
+    }
+    if (dtype == at::kDouble) {  // (A and D float32 beside reduced-precision x, as the model has them)
+      mine[2] = ref[2].detach().clone().requires_grad_(true);
+      mine[5] = ref[5].detach().clone().requires_grad_(true);
+    }
+    const SsdScan want = ssd_scan_reference(ref[0], ref[1], ref[2], ref[3], ref[4], ref[5], 4, std::nullopt, doc, true);
+    const SsdScan got = ssd_scan_grouped(mine[0], mine[1], mine[2], mine[3], mine[4], mine[5], 4, std::nullopt, doc, true);
+    const double tol = dtype == at::kDouble ? 1e-10 : dtype == at::kFloat ? 1e-4 : 2e-2;
+    EXPECT_LT(max_rel(got.y_BSHP.to(at::kDouble), want.y_BSHP), tol) << dtype;
+    const at::Tensor w = at::randn(want.y_BSHP.sizes(), f64);
+    const auto gw = torch::autograd::grad({(want.y_BSHP * w).sum()}, ref);
+    const auto gg = torch::autograd::grad({(got.y_BSHP * w.to(got.y_BSHP.scalar_type())).sum()}, mine);
+    for (size_t i = 0; i < ref.size(); ++i) {
+      EXPECT_EQ(gg[i].scalar_type(), mine[i].scalar_type()) << "input " << i;
+      EXPECT_LT(max_rel(gg[i].to(at::kDouble), gw[i]), tol) << "input " << i << " " << dtype;
+    }
+  }
+}
+
 TEST(SsdScan, DocumentsRestartTheStateAsIfEachRanAlone) {
   at::manual_seed(2);
   const Inputs in = random_inputs(1, 11, 4, 3, 2, 5);

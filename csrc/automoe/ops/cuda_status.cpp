@@ -39,7 +39,7 @@ std::set<std::string> enabled() {
 const std::vector<std::string>& cuda_kernel_names() {
   static const std::vector<std::string> names = {"router",  "permute", "grouped_gemm",
                                                  "swiglu",  "rmsnorm", "rope",
-                                                 "causal_conv1d", "gated_rmsnorm"};
+                                                 "causal_conv1d", "gated_rmsnorm", "ssd_scan"};
   return names;
 }
 

@@ -5,7 +5,7 @@
 //
 //   AUTOMOE_CUDA_KERNELS=all | none | <op>[,<op>...]    (ops: router, permute, grouped_gemm,
 //                                                         swiglu, rmsnorm, rope,
-//                                                         causal_conv1d, gated_rmsnorm)
+//                                                         causal_conv1d, gated_rmsnorm, ssd_scan)
 //
 // The table is docs/ops.md's "CUDA kernels" table, filled from bench/gpu.sh's evidence (the op
 // harness passing on a named GPU); kValidatedCudaKernels below must list exactly its passed rows.

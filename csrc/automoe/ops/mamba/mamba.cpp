@@ -91,7 +91,47 @@ struct SsdScanFn : torch::autograd::Function<SsdScanFn> {
   }
 };
 
+// The grouped form in ATen ops with its hand-derived backward (mamba_reference.cpp): only the
+// inputs are saved, the forward's [B, H, c, Q, Q] tensors are recomputed in the backward.
+struct SsdGroupedFn : torch::autograd::Function<SsdGroupedFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& dt,
+                               const at::Tensor& A, const at::Tensor& B, const at::Tensor& C,
+                               const at::Tensor& D, const std::optional<at::Tensor>& initial,
+                               const std::optional<at::Tensor>& doc, int64_t chunk) {
+    SsdScan r;
+    {
+      at::NoGradGuard no_grad;
+      r = ssd_scan_aten(x, dt, A, B, C, D, chunk, initial, doc, true);
+    }
+    ctx->save_for_backward({x, dt, A, B, C, D, initial ? *initial : at::Tensor(), doc ? *doc : at::Tensor()});
+    ctx->saved_data["chunk"] = chunk;
+    return {r.y_BSHP, r.final_BHPN};
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("ssd_scan");
+    const auto s = ctx->get_saved_variables();
+    const SsdGroupedGrads g = ssd_scan_aten_backward(s[0], s[1], s[2], s[3], s[4], s[5], ctx->saved_data["chunk"].toInt(),
+                                                     maybe(s[6]), maybe(s[7]), grads[0], grads[1]);
+    const at::Tensor dinit = s[6].defined() ? g.dinitial.to(s[6].scalar_type()) : at::Tensor();
+    return {g.dx.to(s[0].scalar_type()), g.ddt.to(s[1].scalar_type()), g.dA.to(s[2].scalar_type()),
+            g.dB.to(s[3].scalar_type()),  g.dC.to(s[4].scalar_type()),  g.dD.to(s[5].scalar_type()),
+            dinit, at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
+
+SsdScan ssd_scan_grouped(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
+                         const at::Tensor& C, const at::Tensor& D, int64_t chunk,
+                         const std::optional<at::Tensor>& initial, const std::optional<at::Tensor>& doc,
+                         bool final_state) {
+  RECORD_FUNCTION("automoe::ssd_scan_grouped", c10::ArrayRef<const c10::IValue>{});
+  const variable_list out = SsdGroupedFn::apply(x, dt, A, B, C, D, initial, doc, chunk);
+  SsdScan r;
+  r.y_BSHP = out[0];
+  if (final_state) r.final_BHPN = out[1];
+  return r;
+}
 
 SsdScan ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A, const at::Tensor& B,
                  const at::Tensor& C, const at::Tensor& D, int64_t chunk,
@@ -122,6 +162,9 @@ SsdScan ssd_scan(const at::Tensor& x, const at::Tensor& dt, const at::Tensor& A,
   const bool kernel = x.is_cpu() && (t == at::kFloat || t == at::kBFloat16) && B.scalar_type() == t &&
                       C.scalar_type() == t && dt.is_floating_point() && dt.scalar_type() != at::kDouble &&
                       A.scalar_type() == at::kFloat && D.scalar_type() != at::kDouble;
+  if (!kernel && x.is_cuda() && use_cuda_kernel("ssd_scan")) {
+    return ssd_scan_grouped(x, dt, A, B, C, D, chunk, initial, doc, final_state);
+  }
   if (!kernel) return ssd_scan_aten(x, dt, A, B, C, D, chunk, initial, doc, final_state);
   const variable_list out = SsdScanFn::apply(x, dt, A, B, C, D, initial, doc, chunk);
   SsdScan r;

@@ -54,10 +54,29 @@ SsdScan ssd_scan_aten(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const 
                       const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
                       const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
                       bool final_state);
+// ssd_scan_aten's hand-derived backward: the grouped form recomputed (nothing of it saved between
+// the passes) and differentiated in closed form, in its compute dtype (float32, float64 kept). With
+// an autograd function saving only the inputs it is what CUDA tensors run when "ssd_scan" is
+// enabled (cuda_status.h): ATen's autograd through ssd_scan_aten keeps every [B, H, c, Q, Q] decay
+// and product of the forward for the backward. dy or dfinal may be undefined (zero).
+struct SsdGroupedGrads {
+  at::Tensor dx, ddt, dA, dB, dC, dD, dinitial;  // dinitial defined when initial was given
+};
+SsdGroupedGrads ssd_scan_aten_backward(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                                       const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H,
+                                       int64_t chunk, const std::optional<at::Tensor>& initial_BHPN,
+                                       const std::optional<at::Tensor>& doc_BS, const at::Tensor& dy_BSHP,
+                                       const at::Tensor& dfinal_BHPN);
+// ssd_scan_aten's forward (no autograd graph) with that backward, on any device: what CUDA tensors
+// run when "ssd_scan" is enabled (cuda_status.h); the CPU runs it in the tests.
+SsdScan ssd_scan_grouped(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                         const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                         const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                         bool final_state);
 // What the model runs: on the CPU, for float32 or bf16 x with B and C in x's dtype, the fused
 // kernels of ops/mamba/ssd_cpu.h (the grouped form on the CPU GEMM engine, operands in x's dtype,
-// float32 accumulation; a hand-derived backward that recomputes the chunk states); otherwise
-// ssd_scan_aten. Tested against the reference in the op harness (tests/python/test_ops.py).
+// float32 accumulation; a hand-derived backward that recomputes the chunk states); CUDA tensors
+// with "ssd_scan" enabled, ssd_scan_grouped; otherwise ssd_scan_aten. Tested against the reference in the op harness (tests/python/test_ops.py).
 SsdScan ssd_scan(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
                  const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
                  const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,

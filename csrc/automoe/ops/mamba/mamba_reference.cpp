@@ -135,89 +135,196 @@ SsdScan ssd_scan_reference(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH,
   return out;
 }
 
-SsdScan ssd_scan_aten(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
-                 const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
-                 const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
-                 bool final_state) {
+namespace {
+
+// The grouped form's tensors (ssd_scan_aten's forward, kept for its hand-derived backward), all in
+// the compute dtype: x·dt as X [B, G, Hg, c, Q, P]; B and C as [B, G, c, Q, N] (one per group);
+// the chunks' cumulative sums of A·dt, Acum [B, H, c, Q].
+struct Grouped {
+  int64_t Bn, S, H, P, G, N, Q, Hg, pad, T, nc;
+  c10::ScalarType A_t;
+  at::Tensor xf, dt, A, X, Bg, Cg, Acum;
+  std::optional<at::Tensor> same_cls, local_cl, ends_zc, read_cl;  // document masks
+  at::Tensor CB, L, M;           // C·Bᵀ [B,G,c,Q,Q]; each head's decays [B,H,c,Q,Q]; CB ∘ L
+  at::Tensor ew, Xd;             // decays to the chunk's end [B,G,Hg,c,Q,1] (∘ local), X ∘ ew
+  at::Tensor states, decay_chunk, carried;  // [B,H,c+1,N,P]; [B,H,c+1,c+1]; [B,H,c+1,N,P]
+  at::Tensor Z, E;               // C · carried state (unwide) [B,G,Hg,c,Q,P]; exp(Acum) (∘ read)
+  at::Tensor y, final_state;     // [B, S, H, P]; [B, H, P, N]
+
+  // [B, H, ...] -> [B, G, Hg, ...]
+  at::Tensor per_group(const at::Tensor& t) const {
+    std::vector<int64_t> shape{Bn, G, Hg};
+    shape.insert(shape.end(), t.sizes().begin() + 2, t.sizes().end());
+    return t.reshape(shape);
+  }
+  // [B, G, Hg, c, R, P] <-> [B, G, c, R, Hg * P]: a group's heads side by side as one wide matrix.
+  at::Tensor wide(const at::Tensor& t) const {
+    return t.permute({0, 1, 3, 4, 2, 5}).reshape({Bn, G, t.size(3), t.size(4), Hg * P});
+  }
+  at::Tensor unwide(const at::Tensor& t) const {
+    return t.view({Bn, G, t.size(2), t.size(3), Hg, P}).permute({0, 1, 4, 2, 3, 5});
+  }
+  // [B, G, Hg, c, Q, P] -> [B, S, H, P] (the padding dropped), and back (padded).
+  at::Tensor to_seq(const at::Tensor& t) const {
+    return t.permute({0, 3, 4, 1, 2, 5}).reshape({Bn, T, H, P}).narrow(1, 0, S);
+  }
+  at::Tensor from_seq(const at::Tensor& t_BSHP) const {
+    return pad_seq(t_BSHP, pad).view({Bn, nc, Q, G, Hg, P}).permute({0, 3, 4, 1, 2, 5});
+  }
+  // [B, S, G, N] <-> [B, G, c, Q, N]
+  at::Tensor groups(const at::Tensor& t_BSGN) const {
+    return pad_seq(t_BSGN.to(A_t), pad).view({Bn, nc, Q, G, N}).permute({0, 3, 1, 2, 4}).contiguous();
+  }
+  at::Tensor ungroup(const at::Tensor& t) const {
+    return t.permute({0, 2, 3, 1, 4}).reshape({Bn, T, G, N}).narrow(1, 0, S);
+  }
+};
+
+Grouped grouped_forward(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                        const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                        const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                        bool final_state) {
   AUTOMOE_CHECK(x_BSHP.dim() == 4 && B_BSGN.dim() == 4 && C_BSGN.sizes() == B_BSGN.sizes() &&
                     dt_BSH.dim() == 3 && x_BSHP.size(2) % B_BSGN.size(2) == 0 && chunk > 0,
                 "ssd_scan: expected x [B, S, H, P], dt [B, S, H], B and C [B, S, G, N] with G dividing "
                 "H; got x ", x_BSHP.sizes(), ", dt ", dt_BSH.sizes(), ", B ", B_BSGN.sizes(), ", C ",
                 C_BSGN.sizes());
-  const int64_t Bn = x_BSHP.size(0), S = x_BSHP.size(1), H = x_BSHP.size(2), P = x_BSHP.size(3);
-  const int64_t G = B_BSGN.size(2), N = B_BSGN.size(3), Q = chunk, Hg = H / G;
-  const int64_t pad = (Q - S % Q) % Q, T = S + pad, nc = T / Q;
-  const c10::ScalarType A_t = acc(x_BSHP);
-  const at::Tensor xf = x_BSHP.to(A_t);
-  const at::Tensor dt = dt_BSH.to(A_t);
-  // x·dt as [B, G, Hg, c, Q, P]; B and C as [B, G, c, Q, N] (one per group, not per head).
-  const at::Tensor X = pad_seq(xf * dt.unsqueeze(-1), pad)
-                           .view({Bn, nc, Q, G, Hg, P})
-                           .permute({0, 3, 4, 1, 2, 5})
-                           .contiguous();
-  auto groups = [&](const at::Tensor& t_BSGN) {
-    return pad_seq(t_BSGN.to(A_t), pad).view({Bn, nc, Q, G, N}).permute({0, 3, 1, 2, 4}).contiguous();
-  };
-  const at::Tensor Bg = groups(B_BSGN), Cg = groups(C_BSGN);
-  const at::Tensor Ac = pad_seq(A_H.to(A_t) * dt, pad).view({Bn, nc, Q, H}).permute({0, 3, 1, 2});
-  const at::Tensor Acum = Ac.cumsum(-1);                                        // [B,H,c,Q]
-  auto per_group = [&](const at::Tensor& t_BHX) {  // [B, H, ...] -> [B, G, Hg, ...]
-    std::vector<int64_t> shape{Bn, G, Hg};
-    shape.insert(shape.end(), t_BHX.sizes().begin() + 2, t_BHX.sizes().end());
-    return t_BHX.reshape(shape);
-  };
-  // [B, G, Hg, c, R, P] <-> [B, G, c, R, Hg * P]: a group's heads side by side as one wide matrix.
-  auto wide = [&](const at::Tensor& t) {
-    return t.permute({0, 1, 3, 4, 2, 5}).reshape({Bn, G, t.size(3), t.size(4), Hg * P});
-  };
-  auto unwide = [&](const at::Tensor& t) {
-    return t.view({Bn, G, t.size(2), t.size(3), Hg, P}).permute({0, 1, 4, 2, 3, 5});
-  };
-
-  std::optional<at::Tensor> same_cls, local_cl, ends_zc, read_cl;  // as in the reference
+  Grouped g;
+  g.Bn = x_BSHP.size(0), g.S = x_BSHP.size(1), g.H = x_BSHP.size(2), g.P = x_BSHP.size(3);
+  g.G = B_BSGN.size(2), g.N = B_BSGN.size(3), g.Q = chunk, g.Hg = g.H / g.G;
+  g.pad = (g.Q - g.S % g.Q) % g.Q, g.T = g.S + g.pad, g.nc = g.T / g.Q;
+  const int64_t Bn = g.Bn, H = g.H, G = g.G, N = g.N, P = g.P, Q = g.Q, nc = g.nc;
+  g.A_t = acc(x_BSHP);
+  const c10::ScalarType A_t = g.A_t;
+  g.xf = x_BSHP.to(A_t);
+  g.dt = dt_BSH.to(A_t);
+  g.A = A_H.to(A_t);
+  g.X = g.from_seq(g.xf * g.dt.unsqueeze(-1)).contiguous();
+  g.Bg = g.groups(B_BSGN), g.Cg = g.groups(C_BSGN);
+  const at::Tensor Ac = pad_seq(g.A * g.dt, g.pad).view({Bn, nc, Q, H}).permute({0, 3, 1, 2});
+  g.Acum = Ac.cumsum(-1);  // [B,H,c,Q]
   if (doc_BS) {
     at::Tensor doc = doc_BS->to(at::kLong);
-    if (pad) doc = at::cat({doc, doc.narrow(1, S - 1, 1).expand({Bn, pad})}, 1);
+    if (g.pad) doc = at::cat({doc, doc.narrow(1, g.S - 1, 1).expand({Bn, g.pad})}, 1);
     const at::Tensor dc = doc.view({Bn, 1, 1, nc, Q});
-    same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(A_t);                     // [B,1,1,c,l,s]
-    const at::Tensor end = dc.select(4, Q - 1);                                   // [B,1,1,c]
-    local_cl = dc.eq(end.unsqueeze(-1)).to(A_t).unsqueeze(-1);                    // [B,1,1,c,s,1]
-    const at::Tensor ends = at::cat({dc.select(4, 0).narrow(3, 0, 1), end}, 3);  // [B,1,1,c+1]
-    ends_zc = ends.squeeze(2).unsqueeze(-1).eq(ends.squeeze(2).unsqueeze(-2)).to(A_t);  // [B,1,z,c]
-    read_cl = dc.eq(ends.narrow(3, 0, nc).unsqueeze(-1)).to(A_t).unsqueeze(-1);  // [B,1,1,c,l,1]
+    g.same_cls = dc.unsqueeze(-1).eq(dc.unsqueeze(-2)).to(A_t);                     // [B,1,1,c,l,s]
+    const at::Tensor end = dc.select(4, Q - 1);                                     // [B,1,1,c]
+    g.local_cl = dc.eq(end.unsqueeze(-1)).to(A_t).unsqueeze(-1);                    // [B,1,1,c,s,1]
+    const at::Tensor ends = at::cat({dc.select(4, 0).narrow(3, 0, 1), end}, 3);    // [B,1,1,c+1]
+    g.ends_zc = ends.squeeze(2).unsqueeze(-1).eq(ends.squeeze(2).unsqueeze(-2)).to(A_t);  // [B,1,z,c]
+    g.read_cl = dc.eq(ends.narrow(3, 0, nc).unsqueeze(-1)).to(A_t).unsqueeze(-1);  // [B,1,1,c,l,1]
   }
-
   // Within each chunk: (C·Bᵀ, once per group, ∘ each head's decays) · x. The decay from s to l is
   // exp(Acum_l - Acum_s) (l >= s), differences of the chunk's cumulative sum as the Mamba-2 kernels
   // take them (the reference's masked cumulative sums cost five passes and a flipped cumsum in the
   // backward over [B, H, c, Q, Q]).
-  const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(Acum.device());
+  const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(g.Acum.device());
   const at::Tensor above = at::ones({Q, Q}, bool_opts).triu(1);
-  const at::Tensor decay_ls =
-      at::exp((Acum.unsqueeze(-1) - Acum.unsqueeze(-2)).masked_fill(above, -std::numeric_limits<double>::infinity()));
-  at::Tensor M = at::matmul(Cg, Bg.transpose(-1, -2)).unsqueeze(2) * per_group(decay_ls);
-  if (same_cls) M = M * *same_cls;
-  const at::Tensor y_diag = at::matmul(M, X);                                   // [B,G,Hg,c,Q,P]
+  g.L = at::exp((g.Acum.unsqueeze(-1) - g.Acum.unsqueeze(-2)).masked_fill(above, -std::numeric_limits<double>::infinity()));
+  g.CB = at::matmul(g.Cg, g.Bg.transpose(-1, -2));
+  g.M = g.CB.unsqueeze(2) * g.per_group(g.L);
+  if (g.same_cls) g.M = g.M * *g.same_cls;
+  const at::Tensor y_diag = at::matmul(g.M, g.X);  // [B,G,Hg,c,Q,P]
   // Each chunk's own state at its end: Bᵀ · (x ∘ decay to the end), all heads of a group at once.
-  at::Tensor Xd = X * per_group(at::exp(Acum.narrow(3, Q - 1, 1) - Acum)).unsqueeze(-1);
-  if (local_cl) Xd = Xd * *local_cl;
-  const at::Tensor local = unwide(at::matmul(Bg.transpose(-1, -2), wide(Xd)));  // [B,G,Hg,c,N,P]
+  g.ew = g.per_group(at::exp(g.Acum.narrow(3, Q - 1, 1) - g.Acum)).unsqueeze(-1);
+  if (g.local_cl) g.ew = g.ew * *g.local_cl;
+  g.Xd = g.X * g.ew;
+  const at::Tensor local = g.unwide(at::matmul(g.Bg.transpose(-1, -2), g.wide(g.Xd)));  // [B,G,Hg,c,N,P]
   const at::Tensor previous = initial_BHPN
                                   ? initial_BHPN->to(A_t).transpose(-1, -2).unsqueeze(2)
-                                  : at::zeros({Bn, H, 1, N, P}, X.options());
-  const at::Tensor states = at::cat({previous, local.reshape({Bn, H, nc, N, P})}, 2);  // [B,H,c+1,N,P]
+                                  : at::zeros({Bn, H, 1, N, P}, g.X.options());
+  g.states = at::cat({previous, local.reshape({Bn, H, nc, N, P})}, 2);  // [B,H,c+1,N,P]
   // Carried across chunks: [B,H,z,c] · [B,H,c,N*P].
-  at::Tensor decay_chunk = at::exp(segment_sum(at::constant_pad_nd(Acum.select(3, Q - 1), {1, 0}, 0)));
-  if (ends_zc) decay_chunk = decay_chunk * *ends_zc;
-  const at::Tensor carried = at::matmul(decay_chunk, states.flatten(3)).view({Bn, H, nc + 1, N, P});
+  g.decay_chunk = at::exp(segment_sum(at::constant_pad_nd(g.Acum.select(3, Q - 1), {1, 0}, 0)));
+  if (g.ends_zc) g.decay_chunk = g.decay_chunk * *g.ends_zc;
+  g.carried = at::matmul(g.decay_chunk, g.states.flatten(3)).view({Bn, H, nc + 1, N, P});
   // What each position reads of its chunk's starting state: C · state, a group's heads at once.
-  at::Tensor y_off = unwide(at::matmul(Cg, wide(per_group(carried.narrow(2, 0, nc))))) *
-                     per_group(at::exp(Acum)).unsqueeze(-1);
-  if (read_cl) y_off = y_off * *read_cl;
+  g.Z = g.unwide(at::matmul(g.Cg, g.wide(g.per_group(g.carried.narrow(2, 0, nc)))));
+  g.E = g.per_group(at::exp(g.Acum)).unsqueeze(-1);
+  if (g.read_cl) g.E = g.E * *g.read_cl;
+  g.y = g.to_seq(y_diag + g.Z * g.E) + D_H.view({H, 1}) * g.xf;
+  if (final_state) g.final_state = g.carried.select(2, nc).transpose(-1, -2);
+  return g;
+}
+
+}  // namespace
+
+SsdScan ssd_scan_aten(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                      const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H, int64_t chunk,
+                      const std::optional<at::Tensor>& initial_BHPN, const std::optional<at::Tensor>& doc_BS,
+                      bool final_state) {
+  const Grouped g = grouped_forward(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, D_H, chunk, initial_BHPN, doc_BS,
+                                    final_state);
   SsdScan out;
-  out.y_BSHP = (y_diag + y_off).permute({0, 3, 4, 1, 2, 5}).reshape({Bn, T, H, P}).narrow(1, 0, S) +
-               D_H.view({H, 1}) * xf;
-  if (final_state) out.final_BHPN = carried.select(2, nc).transpose(-1, -2);
+  out.y_BSHP = g.y;
+  if (final_state) out.final_BHPN = g.final_state;
+  return out;
+}
+
+SsdGroupedGrads ssd_scan_aten_backward(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, const at::Tensor& A_H,
+                                       const at::Tensor& B_BSGN, const at::Tensor& C_BSGN, const at::Tensor& D_H,
+                                       int64_t chunk, const std::optional<at::Tensor>& initial_BHPN,
+                                       const std::optional<at::Tensor>& doc_BS, const at::Tensor& dy_BSHP,
+                                       const at::Tensor& dfinal_BHPN) {
+  const Grouped g = grouped_forward(x_BSHP, dt_BSH, A_H, B_BSGN, C_BSGN, D_H, chunk, initial_BHPN, doc_BS, false);
+  const int64_t Bn = g.Bn, H = g.H, N = g.N, P = g.P, Q = g.Q, nc = g.nc;
+  const at::Tensor dy = dy_BSHP.defined() ? dy_BSHP.to(g.A_t) : at::zeros_like(g.xf);
+  SsdGroupedGrads out;
+  // y = to_seq(M·X + Z∘E) + D·x
+  out.dD = (dy * g.xf).sum(at::IntArrayRef{0, 1, 3});
+  at::Tensor dxf = dy * D_H.to(g.A_t).view({H, 1});
+  const at::Tensor dYg = g.from_seq(dy);  // [B,G,Hg,c,Q,P]
+  // y_off = Z ∘ E: Z = unwide(C · wide(carried_c)), E = exp(Acum) (∘ read)
+  const at::Tensor dZ = dYg * g.E;
+  at::Tensor dAcum = g.Acum.new_zeros(g.Acum.sizes());  // [B,H,c,Q]
+  dAcum += ((dYg * g.Z).sum(-1) * g.E.squeeze(-1)).reshape({Bn, H, nc, Q});
+  const at::Tensor carried_c = g.wide(g.per_group(g.carried.narrow(2, 0, nc)));  // [B,G,c,N,W]
+  at::Tensor dCg = at::matmul(g.wide(dZ), carried_c.transpose(-1, -2));
+  at::Tensor dcarried = at::zeros_like(g.carried);  // [B,H,c+1,N,P]
+  dcarried.narrow(2, 0, nc).copy_(g.unwide(at::matmul(g.Cg.transpose(-1, -2), g.wide(dZ))).reshape({Bn, H, nc, N, P}));
+  if (dfinal_BHPN.defined()) dcarried.select(2, nc).copy_(dfinal_BHPN.to(g.A_t).transpose(-1, -2));
+  // carried = decay_chunk · states
+  const at::Tensor dc_flat = dcarried.flatten(3);
+  const at::Tensor dstates = at::matmul(g.decay_chunk.transpose(-1, -2), dc_flat).view(g.states.sizes());
+  // decay_chunk = exp(segsum(v)) (∘ ends), v = [0, Acum_end]: segsum(v)[z, c] = v[c+1] + .. + v[z]
+  const at::Tensor dseg = at::matmul(dc_flat, g.states.flatten(3).transpose(-1, -2)) * g.decay_chunk;
+  {
+    // dv[k] = sum over z >= k, c < k of dseg[z, c]
+    const auto bool_opts = at::TensorOptions().dtype(at::kBool).device(dseg.device());
+    const at::Tensor excl = at::constant_pad_nd(dseg.cumsum(-1), {1, 0}, 0).narrow(-1, 0, nc + 1);  // [.., z, k]
+    const at::Tensor z_ge_k = at::ones({nc + 1, nc + 1}, bool_opts).tril(0);
+    const at::Tensor dv = excl.masked_fill(z_ge_k.logical_not(), 0).sum(-2);  // [B,H,c+1]
+    dAcum.select(3, Q - 1).add_(dv.narrow(2, 1, nc));
+  }
+  at::Tensor dinit;
+  if (initial_BHPN) dinit = dstates.select(2, 0).transpose(-1, -2);
+  // local = unwide(Bᵀ · wide(Xd)), Xd = X ∘ ew
+  const at::Tensor dS = g.wide(g.per_group(dstates.narrow(2, 1, nc)));  // [B,G,c,N,W]
+  at::Tensor dBg = at::matmul(g.wide(g.Xd), dS.transpose(-1, -2));      // [B,G,c,Q,N]
+  const at::Tensor dXd = g.unwide(at::matmul(g.Bg, dS));                // [B,G,Hg,c,Q,P]
+  at::Tensor dX = dXd * g.ew;
+  const at::Tensor dew = ((dXd * g.X).sum(-1, true) * g.ew).squeeze(-1).reshape({Bn, H, nc, Q});
+  dAcum.select(3, Q - 1).add_(dew.sum(-1));
+  dAcum -= dew;
+  // y_diag = M · X, M = CB ∘ L (∘ same)
+  at::Tensor dM = at::matmul(dYg, g.X.transpose(-1, -2));  // [B,G,Hg,c,Q,Q]
+  dX += at::matmul(g.M.transpose(-1, -2), dYg);
+  if (g.same_cls) dM = dM * *g.same_cls;
+  const at::Tensor dCB = (dM * g.per_group(g.L)).sum(2);                        // [B,G,c,Q,Q]
+  const at::Tensor dLL = (dM * g.CB.unsqueeze(2)).reshape(g.L.sizes()) * g.L;   // [B,H,c,l,s]
+  dAcum += dLL.sum(-1) - dLL.sum(-2);
+  dCg += at::matmul(dCB, g.Bg);
+  dBg += at::matmul(dCB.transpose(-1, -2), g.Cg);
+  // Acum = cumsum(A · dt) within each chunk; X = x · dt
+  const at::Tensor dAc = dAcum.flip(-1).cumsum(-1).flip(-1).permute({0, 2, 3, 1}).reshape({Bn, g.T, H})
+                             .narrow(1, 0, g.S);  // [B,S,H]
+  const at::Tensor dXs = g.to_seq(dX);           // [B,S,H,P]
+  out.dA = (dAc * g.dt).sum(at::IntArrayRef{0, 1});
+  out.ddt = dAc * g.A + (dXs * g.xf).sum(-1);
+  out.dx = dxf + dXs * g.dt.unsqueeze(-1);
+  out.dB = g.ungroup(dBg);
+  out.dC = g.ungroup(dCg);
+  out.dinitial = dinit;
   return out;
 }
 
