@@ -193,7 +193,7 @@ Grouped grouped_forward(const at::Tensor& x_BSHP, const at::Tensor& dt_BSH, cons
   g.Bn = x_BSHP.size(0), g.S = x_BSHP.size(1), g.H = x_BSHP.size(2), g.P = x_BSHP.size(3);
   g.G = B_BSGN.size(2), g.N = B_BSGN.size(3), g.Q = chunk, g.Hg = g.H / g.G;
   g.pad = (g.Q - g.S % g.Q) % g.Q, g.T = g.S + g.pad, g.nc = g.T / g.Q;
-  const int64_t Bn = g.Bn, H = g.H, G = g.G, N = g.N, P = g.P, Q = g.Q, nc = g.nc;
+  const int64_t Bn = g.Bn, H = g.H, N = g.N, P = g.P, Q = g.Q, nc = g.nc;
   g.A_t = acc(x_BSHP);
   const c10::ScalarType A_t = g.A_t;
   g.xf = x_BSHP.to(A_t);
