@@ -24,11 +24,15 @@ namespace {
 
 // ---- brgemm: ATen's batch-reduce GEMM (oneDNN's ukernel; AMX tiles where the CPU has them) ----
 
-// Columns per brgemm call: a unit's whole column tile (a multiple of 16, as AMX tiles need). Each
-// call costs ATen a kernel lookup (a hash of the shape); 256-column, 128-row calls measured 1.10x
-// on the SSD scan's 128-sized products and 1.09x on Nano's experts against 64 x 32 (AMX Xeon,
-// same run; docs/ops.md).
-constexpr int64_t kBrN = kNC;
+// Rows x columns per brgemm call (columns a multiple of 16, as AMX tiles need). Each call costs
+// ATen a kernel lookup (a hash of the shape): on AMX, 128 x 256 calls (a unit's whole column tile)
+// measured 1.10x on the SSD scan's 128-sized products and 1.09x on Nano's experts against 32 x 64
+// (Xeon, same run; docs/ops.md). Below AMX (vdpbf16ps) 32 x 64 stays: the larger calls were not
+// measured there.
+struct BrBlock {
+  int64_t m, n;
+};
+BrBlock br_block() { return active_isa() >= Isa::kAmx ? BrBlock{128, kNC} : BrBlock{32, 64}; }
 
 // Element (i, j) of an operand as raw bf16 bits.
 inline uint16_t bits_at(const GemmOperand& X, int64_t i, int64_t j) {
@@ -179,8 +183,6 @@ void pack_b_vnni_simd(const GemmOperand& B, int64_t k0, int64_t kc, int64_t n0, 
 }
 #endif
 
-constexpr int64_t kBrM = 128;  // rows per brgemm call
-
 }  // namespace
 
 void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
@@ -198,6 +200,7 @@ void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
   auto* a16 = reinterpret_cast<uint16_t*>(ws.a16.get());
   auto* b16 = reinterpret_cast<uint16_t*>(ws.b16.get());
   // bf16 rows of A with an even depth are brgemm's A where they lie (row stride lda): no copy.
+  const BrBlock br = br_block();
   const bool a_in_place = P.A.dtype == c10::ScalarType::BFloat16 && P.A.col_stride == 1 && P.K % 2 == 0;
   for (int64_t k0 = 0; k0 < P.K; k0 += kKC) {
     const int64_t kc = std::min(kKC, P.K - k0), kcp = (kc + 1) / 2 * 2;
@@ -211,14 +214,14 @@ void run_unit_brgemm(const GemmProblem& P, const Unit& u, Workspace& ws) {
       ws.a16_problem = &P, ws.a16_m0 = u.m0, ws.a16_k0 = k0;
     }
     // Column block j0 of B in VNNI pairs at b16 + j0 * kcp.
-    for (int64_t j0 = 0; j0 < nc; j0 += kBrN) {
-      const int64_t nw = std::min(kBrN, nc - j0), nwp = (nw + 15) / 16 * 16;
+    for (int64_t j0 = 0; j0 < nc; j0 += br.n) {
+      const int64_t nw = std::min(br.n, nc - j0), nwp = (nw + 15) / 16 * 16;
       pack_b_vnni_simd(P.B, k0, kc, u.n0 + j0, nw, nwp, b16 + j0 * kcp);
     }
-    for (int64_t mb = 0; mb < mu; mb += kBrM) {
-      const int64_t m = std::min(kBrM, mu - mb);
-      for (int64_t j0 = 0; j0 < nc; j0 += kBrN) {
-        const int64_t nwp = (std::min(kBrN, nc - j0) + 15) / 16 * 16;
+    for (int64_t mb = 0; mb < mu; mb += br.m) {
+      const int64_t m = std::min(br.m, mu - mb);
+      for (int64_t j0 = 0; j0 < nc; j0 += br.n) {
+        const int64_t nwp = (std::min(br.n, nc - j0) + 15) / 16 * 16;
         at::native::cpublas::brgemm(m, nwp, kcp, lda, nwp, ldacc,
                                     /*add_C=*/k0 > 0 || (direct && P.accumulate),
                                     a_rows + mb * lda, ws.b16.get() + j0 * kcp,
