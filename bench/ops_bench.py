@@ -233,8 +233,7 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
         sB, sC, sD = leaf(mk(1, T, MG, MN)), leaf(mk(1, T, MG, MN)), leaf(torch.randn(MH, device=device))
         # The grouped form's products, per token: C·Bᵀ within its chunk once per B/C group (MQ x MN
         # per group, not per head), and per head the decay-weighted x (MQ x MP), the chunk state
-        # (MN x MP) and its read-out (MN x MP); fwd + bwd = 3 x the forward. (Counting C·Bᵀ per
-        # head, as this row did until 2026-12-06, overstated Nano's scan by 1.54x.)
+        # (MN x MP) and its read-out (MN x MP); fwd + bwd = 3 x the forward.
         ssd_flops = 3 * 2 * T * (MG * MQ * MN + MH * (MQ * MP + 2 * MN * MP))
         add("ssd_scan fwd+bwd (CPU: fused kernels, operands in the dtype, float32 accumulation)",
             fwd_bwd(lambda *a: OPS.ssd_scan(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]),
