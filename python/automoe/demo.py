@@ -7,7 +7,7 @@
 3. Loads the export in Transformers and in AutoMoE, and shows that both give the same loss on a
    held-out batch (examples/data/chat_valid.jsonl), and how far it fell from the start.
 
-`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe, gpt_oss, nemotron_h) does the same
+`python -m automoe.demo --model deepseek_v3` (or glm4_moe, mixtral, qwen2_moe, olmoe, gpt_oss, nemotron_h, qwen3_next) does the same
 for a tiny model of that family with examples/<model_type>.yaml.
 """
 
@@ -98,6 +98,13 @@ FAMILY_DEMOS = {
         chunk_size=64, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         moe_shared_expert_intermediate_size=64, routed_scaling_factor=2.5,
         max_position_embeddings=512), "nemotron-h-tiny-chat-v1", "nemotron_h.yaml"),
+    "qwen3_next": ("Qwen3NextConfig", dict(
+        hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, intermediate_size=128, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+        max_position_embeddings=512, router_aux_loss_coef=0.01), "qwen3-next-tiny-chat-v1",
+        "qwen3_next.yaml"),
 }
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

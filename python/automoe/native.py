@@ -168,6 +168,22 @@ class NemotronHForCausalLM(EngineCausalLM, transformers.NemotronHForCausalLM):
     _automoe_backbone_class = NemotronHModel
 
 
+class Qwen3NextModel(EngineBackbone, transformers.Qwen3NextModel):
+    pass
+
+
+class Qwen3NextForCausalLM(EngineCausalLM, transformers.Qwen3NextForCausalLM):
+    _automoe_backbone_class = Qwen3NextModel
+
+
+class Qwen3_5MoeTextModel(EngineBackbone, transformers.Qwen3_5MoeTextModel):
+    pass
+
+
+class Qwen3_5MoeForCausalLM(EngineCausalLM, transformers.Qwen3_5MoeForCausalLM):
+    _automoe_backbone_class = Qwen3_5MoeTextModel
+
+
 # model_type -> the engine-backed causal-LM class
 NATIVE_CLASSES: dict[str, type] = {
     "qwen3_moe": Qwen3MoeForCausalLM,
@@ -179,4 +195,6 @@ NATIVE_CLASSES: dict[str, type] = {
     "olmoe": OlmoeForCausalLM,
     "gpt_oss": GptOssForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
 }

@@ -73,11 +73,13 @@ def qwen3_moe_config(**overrides):
     return Qwen3MoeConfig(**{**BASE, **overrides})
 
 
-def write_checkpoint(path: Path, config, layout: str, seed: int = 0, dtype=torch.float32) -> Path:
+def write_checkpoint(path: Path, config, layout: str, seed: int = 0, dtype=torch.float32,
+                     adjust=None) -> Path:
     """Transformers builds a random model from `config` and saves it in `layout`.
 
     Weights get a larger spread than Transformers' init so that routing is decisive (no near-ties
-    between experts that float rounding could flip) and every path carries signal.
+    between experts that float rounding could flip) and every path carries signal. `adjust(name,
+    parameter)`, when given, then changes what a family needs changed (in place, under no_grad).
     """
     from transformers import AutoModelForCausalLM
 
@@ -96,6 +98,9 @@ def write_checkpoint(path: Path, config, layout: str, seed: int = 0, dtype=torch
         for name, b in model.named_buffers():  # DeepSeek-style routers: a bias that steers the choice
             if name.endswith("e_score_correction_bias"):
                 b.normal_(0.0, 0.3)
+        if adjust is not None:
+            for name, p in model.named_parameters():
+                adjust(name, p)
     model.save_pretrained(path, save_original_format=(layout == "per-expert"))
     return path
 

@@ -47,7 +47,7 @@ def test_demo_lora_fine_tunes_adapters_that_peft_loads(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "mixtral", "qwen2_moe", "olmoe",
-                                    "gpt_oss", "nemotron_h"])
+                                    "gpt_oss", "nemotron_h", "qwen3_next"])
 def test_demo_names_the_experts_of_every_family(tmp_path, family):
     """The demo's first line reads the number of routed experts from the config.json Transformers
     writes for each `--model` family, whichever key that family saves it under (Qwen3-MoE's

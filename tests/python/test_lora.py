@@ -270,3 +270,47 @@ def test_disable_adapter_after_merge_gives_the_base_model(ckpt):
         base = load_pair(ckpt)[1](input_ids=ids).logits
         with p_ours.disable_adapter():
             assert rel_err(p_ours(input_ids=ids).logits, base) <= 1e-5
+
+
+@pytest.mark.parametrize("name", ["linear_full_linear_linear_r2_kernel3", "qwen3_5_linear_full_r2"])
+def test_qwen3_next_deltanet_gated_attention_and_experts_match_peft_on_transformers(tmp_path, name):
+    """Qwen3-Next / Qwen3.5 under PEFT: the gated DeltaNet's in-projections (fused per key head, or
+    split) and out_proj, the gated attention's doubled q_proj, the shared expert and its gate;
+    target_parameters the routed experts. Logits and every adapter's gradient equal PEFT's on
+    Transformers' model."""
+    import transformers
+    from test_parity_qwen3_next import make_config, realistic_decays
+
+    path = write_checkpoint(tmp_path / "ckpt", make_config(name), "fused", seed=7, adjust=realistic_decays)
+    cfg = LoraConfig(r=4, lora_alpha=8,
+                     target_modules=["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                     "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                                     "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    models = []
+    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
+        torch.manual_seed(0)
+        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
+    ours, theirs = models
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(1)
+        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
+            assert n1 == n2
+            if "lora_" in n1:  # both factors: the two loads draw PEFT's init from different RNG states
+                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
+                b.copy_(a)
+    names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
+    # (PEFT itself picks which modules get adapters — on Qwen3-Next it leaves the shared expert's
+    # MLP out; the zip above holds the engine to the same choice.)
+    for part in ("linear_attn.out_proj", "self_attn.q_proj", "shared_expert_gate", "mlp.experts",
+                 "linear_attn.in_proj_qkv" if "qwen3_5" in name else "linear_attn.in_proj_qkvz"):
+        assert any(part in n for n in names), part
+    ids, labels = next(batches(theirs.config.vocab_size, 1))
+    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
+    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
+    for o in out:
+        o.loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for n, p in theirs.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[n], p.grad) <= 1e-4, n

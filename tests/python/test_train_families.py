@@ -1,6 +1,5 @@
-"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE, OLMoE, GPT-OSS and
-Nemotron-H end
-to end:
+"""`automoe train` fine-tunes a tiny DeepSeek-V3, GLM-4.5, Mixtral, Qwen2-MoE, OLMoE, GPT-OSS,
+Nemotron-H and Qwen3-Next end to end:
 the export loads in Transformers with AutoMoE's loss (in the original on-disk format: Mixtral's
 block_sparse_moe names included), DeepSeek-V3's auxiliary-loss-free balancing moves the routers'
 correction bias (and only it: the optimizer never touches that buffer), and the bias survives a
@@ -33,8 +32,13 @@ SIZES = {
                        mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=16,
                        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                        moe_shared_expert_intermediate_size=16, max_position_embeddings=256),
+    "qwen3_next": dict(hidden_size=32, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=16, max_position_embeddings=256),
 }
-AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe", "gpt_oss"}
+AUX_LOSS = {"mixtral", "qwen2_moe", "olmoe", "gpt_oss", "qwen3_next"}
 
 
 _BUILT: dict = {}
@@ -156,14 +160,16 @@ def test_router_jitter_draws_from_the_seed_the_same_in_every_run_and_across_a_re
         assert torch.equal(wb[k], t) and torch.equal(ws[k], t), k
 
 
-def test_nemotron_h_packed_documents_train_like_unpacked_ones(tmp_path, tmp_path_factory, tokenizer):
-    """Six chats packed into one row of 512 tokens (its Mamba-2 chunks of 16 straddle the document
-    boundaries) or one per padded row: with the conv and the SSD scan restarting at each boundary
-    (and attention split by document) the first step's loss and gradient norm agree. Without the
-    restart the state of one chat would leak into the next and they would not."""
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_hybrid_packed_documents_train_like_unpacked_ones(family, tmp_path, tmp_path_factory, tokenizer):
+    """Six chats packed into one row of 512 tokens (Nemotron-H's Mamba-2 chunks of 16 and
+    Qwen3-Next's delta-rule chunks of 64 straddle the document boundaries) or one per padded row:
+    with the conv and the recurrence restarting at each boundary (and attention split by document)
+    the first step's loss and gradient norm agree. Without the restart the state of one chat would
+    leak into the next and they would not."""
     from test_train import EXAMPLES
 
-    model_dir = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    model_dir = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
     f = tmp_path / "six.jsonl"
     f.write_text("".join(open(EXAMPLES / "chat_valid.jsonl").readlines()[:6]))
     out = {}

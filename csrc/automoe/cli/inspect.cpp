@@ -14,19 +14,21 @@ namespace {
 // "2 MoE, 4 dense" for a decoder; per kind for a hybrid stack ("2 Mamba-2, 1 attention, 2 MoE,
 // 1 MLP").
 std::string layer_kinds(const ModelSpec& s) {
-  if (s.naming != Naming::kHybridBlocks) {
+  const bool deltanet = s.has_mixer(MixerKind::kGatedDeltaNet);
+  if (s.naming != Naming::kHybridBlocks && !deltanet) {
     return std::to_string(s.num_moe_layers()) + " MoE, " +
            std::to_string(s.num_layers - s.num_moe_layers()) + " dense";
   }
-  int64_t mamba = 0, attn = 0, moe = 0, mlp = 0;
+  int64_t recurrent = 0, attn = 0, moe = 0, mlp = 0;
   for (const LayerSpec& l : s.layers) {
-    mamba += l.mixer == MixerKind::kMamba2;
+    recurrent += l.mixer == MixerKind::kMamba2 || l.mixer == MixerKind::kGatedDeltaNet;
     attn += l.mixer == MixerKind::kAttention;
     moe += l.mlp == MlpKind::kMoE;
     mlp += l.mlp == MlpKind::kDense;
   }
-  return std::to_string(mamba) + " Mamba-2, " + std::to_string(attn) + " attention, " +
-         std::to_string(moe) + " MoE, " + std::to_string(mlp) + " MLP";
+  return std::to_string(recurrent) + (deltanet ? " gated DeltaNet, " : " Mamba-2, ") +
+         std::to_string(attn) + " attention, " + std::to_string(moe) + " MoE, " +
+         std::to_string(mlp) + " MLP";
 }
 
 
@@ -90,15 +92,21 @@ int inspect(const Args& args) {
               << at.qk_nope_head_dim << "+" << at.qk_rope_head_dim << ", v " << at.v_head_dim
               << "\n";
   } else {
-    std::cout << "attention      grouped-query, " << at.num_heads << " heads (kv "
-              << at.num_kv_heads << ", head_dim " << at.head_dim << ", rotary " << s.rope.dim
-              << ")\n";
+    std::cout << "attention      grouped-query" << (at.output_gate ? " with output gate" : "") << ", "
+              << at.num_heads << " heads (kv " << at.num_kv_heads << ", head_dim " << at.head_dim
+              << ", rotary " << s.rope.dim << ")\n";
   }
   if (s.has_mixer(MixerKind::kMamba2)) {
     const Mamba2Spec& m = s.mamba;
     std::cout << "mamba-2        " << m.num_heads << " heads x " << m.head_dim << ", state "
               << m.state_size << ", " << m.n_groups << " groups, conv " << m.conv_kernel
               << ", chunk " << m.chunk_size << "\n";
+  }
+  if (s.has_mixer(MixerKind::kGatedDeltaNet)) {
+    const GatedDeltaNetSpec& g = s.deltanet;
+    std::cout << "gated deltanet " << g.num_k_heads << " key heads x " << g.head_k_dim << ", "
+              << g.num_v_heads << " value heads x " << g.head_v_dim << ", conv " << g.conv_kernel
+              << ", chunk " << g.chunk_size << "\n";
   }
   if (s.num_moe_layers() > 0) {
     std::cout << "experts        " << s.moe.num_experts << " per layer, top-" << s.moe.top_k

@@ -164,10 +164,10 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   std::vector<std::string> extra;
   std::set<int64_t> mtp_layers;
   int64_t mtp_tensors = 0;
-  int64_t mtp_module_tensors = 0;  // Nemotron-H's `mtp.*` module (Transformers ignores it on load)
+  int64_t mtp_module_tensors = 0;  // an `mtp.*` module (Transformers ignores it on load)
   for (const auto& name : ckpt.names()) {
     if (used.count(name) || ignorable_extra(name, spec)) continue;
-    if (spec.naming == Naming::kHybridBlocks && name.rfind("mtp.", 0) == 0) {
+    if (spec.mtp_module && name.rfind("mtp.", 0) == 0) {
       ++mtp_module_tensors;
       continue;
     }

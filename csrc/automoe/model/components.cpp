@@ -33,21 +33,23 @@ void linear(Declarer& d, const std::string& name, int64_t in, int64_t out, bool 
   if (bias) *b_slot = d.add(name + ".bias", {out}, Init::kZeros);
 }
 
-int64_t rms_norm(Declarer& d, const std::string& name, int64_t size) {
-  return d.add(name + ".weight", {size}, Init::kOnes);
+int64_t rms_norm(Declarer& d, const std::string& name, int64_t size, bool zero_centered = false) {
+  return d.add(name + ".weight", {size}, zero_centered ? Init::kZeros : Init::kOnes);
 }
 
 // Grouped-query attention: Transformers' Qwen3MoeAttention / Glm4MoeAttention.
-AttentionSlots gqa(Declarer& d, const AttentionSpec& a, int64_t H, const std::string& pre) {
+// Qwen3-Next's gated attention doubles q_proj (each head's query and output gate).
+AttentionSlots gqa(Declarer& d, const AttentionSpec& a, int64_t H, const std::string& pre,
+                   bool zero_centered) {
   AttentionSlots s;
   const int64_t N = a.num_heads, KV = a.num_kv_heads, D = a.head_dim;
-  linear(d, pre + "q_proj", H, N * D, a.qkv_bias, &s.q, &s.q_bias);
+  linear(d, pre + "q_proj", H, N * D * (a.output_gate ? 2 : 1), a.qkv_bias, &s.q, &s.q_bias);
   linear(d, pre + "k_proj", H, KV * D, a.qkv_bias, &s.k, &s.k_bias);
   linear(d, pre + "v_proj", H, KV * D, a.qkv_bias, &s.v, &s.v_bias);
   linear(d, pre + "o_proj", N * D, H, a.o_bias, &s.o, &s.o_bias);
   if (a.qk_norm) {
-    s.q_norm = rms_norm(d, pre + "q_norm", a.qk_norm_full_width ? N * D : D);
-    s.k_norm = rms_norm(d, pre + "k_norm", a.qk_norm_full_width ? KV * D : D);
+    s.q_norm = rms_norm(d, pre + "q_norm", a.qk_norm_full_width ? N * D : D, zero_centered);
+    s.k_norm = rms_norm(d, pre + "k_norm", a.qk_norm_full_width ? KV * D : D, zero_centered);
   }
   if (a.sinks) s.sinks = d.add(pre + "sinks", {N});
   return s;
@@ -109,6 +111,30 @@ MambaSlots mamba2(Declarer& d, const Mamba2Spec& m, int64_t H, const std::string
   linear(d, pre + "in_proj", H, m.inner() + C + heads, m.proj_bias, &s.in_proj, &s.in_proj_bias);
   s.norm = rms_norm(d, pre + "norm", m.inner());
   linear(d, pre + "out_proj", m.inner(), H, m.proj_bias, &s.out_proj, &s.out_proj_bias);
+  return s;
+}
+
+// Gated DeltaNet: its own parameters (dt_bias, A_log) first, then its submodules in the order
+// Transformers builds them: Qwen3-Next conv1d, in_proj_qkvz, in_proj_ba, norm, out_proj; Qwen3.5
+// conv1d, norm, out_proj, then its four in-projections.
+DeltaNetSlots deltanet(Declarer& d, const GatedDeltaNetSpec& g, int64_t H, const std::string& pre) {
+  DeltaNetSlots s;
+  const int64_t Nv = g.num_v_heads, K = g.key_dim(), V = g.value_dim();
+  s.dt_bias = d.add(pre + "dt_bias", {Nv}, Init::kOnes);
+  s.a_log = d.add(pre + "A_log", {Nv}, Init::kZeros);
+  s.conv = d.add(pre + "conv1d.weight", {g.conv_dim(), 1, g.conv_kernel});
+  if (!g.split_projections) {
+    linear(d, pre + "in_proj_qkvz", H, 2 * K + 2 * V, false, &s.in_proj_qkvz);
+    linear(d, pre + "in_proj_ba", H, 2 * Nv, false, &s.in_proj_ba);
+  }
+  s.norm = rms_norm(d, pre + "norm", g.head_v_dim);
+  linear(d, pre + "out_proj", V, H, false, &s.out_proj);
+  if (g.split_projections) {
+    linear(d, pre + "in_proj_qkv", H, 2 * K + V, false, &s.in_proj_qkv);
+    linear(d, pre + "in_proj_z", H, V, false, &s.in_proj_z);
+    linear(d, pre + "in_proj_b", H, Nv, false, &s.in_proj_b);
+    linear(d, pre + "in_proj_a", H, Nv, false, &s.in_proj_a);
+  }
   return s;
 }
 
@@ -188,13 +214,17 @@ ModelSlots declare_model(const ModelSpec& s, std::vector<ParamDecl>* decls) {
     if (hybrid) {
       L.input_norm = L.post_norm = rms_norm(d, pre + "norm", H);
     }
-    const std::string mixer_pre = hybrid ? pre + "mixer." : pre + "self_attn.";
+    const std::string mixer_pre = hybrid                                  ? pre + "mixer."
+                                  : spec.mixer == MixerKind::kGatedDeltaNet ? pre + "linear_attn."
+                                                                            : pre + "self_attn.";
     const std::string mlp_pre = hybrid ? pre + "mixer." : pre + "mlp.";
     if (spec.mixer == MixerKind::kAttention) {
       L.attn = s.attn.kind == AttentionKind::kMLA ? mla(d, s.attn, H, mixer_pre)
-                                                  : gqa(d, s.attn, H, mixer_pre);
+                                                  : gqa(d, s.attn, H, mixer_pre, s.zero_centered_norms);
     } else if (spec.mixer == MixerKind::kMamba2) {
       L.mamba = mamba2(d, s.mamba, H, mixer_pre);
+    } else if (spec.mixer == MixerKind::kGatedDeltaNet) {
+      L.deltanet = deltanet(d, s.deltanet, H, mixer_pre);
     }
     if (spec.mlp == MlpKind::kMoE) {
       L.experts = s.moe.gated ? moe(d, s.moe, H, mlp_pre) : plain_moe(d, s, mlp_pre);
@@ -202,13 +232,13 @@ ModelSlots declare_model(const ModelSpec& s, std::vector<ParamDecl>* decls) {
       L.mlp = any_mlp(d, s, s.intermediate_size, mlp_pre);
     }
     if (!hybrid) {
-      L.input_norm = rms_norm(d, pre + "input_layernorm", H);
-      L.post_norm = rms_norm(d, pre + "post_attention_layernorm", H);
+      L.input_norm = rms_norm(d, pre + "input_layernorm", H, s.zero_centered_norms);
+      L.post_norm = rms_norm(d, pre + "post_attention_layernorm", H, s.zero_centered_norms);
     }
     for (int64_t i = first; i < d.size(); ++i) L.all.push_back(i);
     m.layers.push_back(std::move(L));
   }
-  m.final_norm = rms_norm(d, hybrid ? "model.norm_f" : "model.norm", H);
+  m.final_norm = rms_norm(d, hybrid ? "model.norm_f" : "model.norm", H, s.zero_centered_norms);
   m.lm_head = s.tie_word_embeddings ? m.embed : d.add("lm_head.weight", {s.vocab_size, H});
   return m;
 }
@@ -235,6 +265,15 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
   const double q = static_cast<double>(std::min<int64_t>(mb.chunk_size, seq_len) + 1) / 2;
   const double ssd = 2.0 * mb.num_heads * (q * (mb.state_size + mb.head_dim) +
                                            2.0 * mb.state_size * mb.head_dim);
+  // The chunked gated delta rule per token and value head (Q = chunk, Dk, Dv): within its chunk
+  // q·kᵀ and k_β·kᵀ (Q/2 positions, Dk each), the triangular solves for v and k (Q/2 · (Dv + Dk)),
+  // the weighted new values (Q/2 · Dv), and against the carried state k·S, q·S and kᵀ·v (3 Dk·Dv).
+  const GatedDeltaNetSpec& gd = s.deltanet;
+  const double qd = static_cast<double>(std::min<int64_t>(gd.chunk_size, seq_len) + 1) / 2;
+  const double delta_rule =
+      2.0 * gd.num_v_heads *
+      (qd * (2.0 * gd.head_k_dim + gd.head_v_dim + gd.head_k_dim + gd.head_v_dim) +
+       3.0 * gd.head_k_dim * gd.head_v_dim);
   const AttentionSpec& a = s.attn;
   const double keys = (static_cast<double>(seq_len) + 1) / 2;
   const double core = 2.0 * a.num_heads * (a.head_dim + a.v_dim()) * keys;
@@ -246,6 +285,13 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
       for (int64_t w : {t.q, t.k, t.v, t.o, t.q_a, t.q_b, t.kv_a, t.kv_b}) total += matmul(w);
     } else if (L.mixer == MixerKind::kMamba2) {
       total += ssd + matmul(L.mamba.in_proj) + matmul(L.mamba.out_proj);
+    } else if (L.mixer == MixerKind::kGatedDeltaNet) {
+      const DeltaNetSlots& g = L.deltanet;
+      total += delta_rule;
+      for (int64_t w : {g.in_proj_qkvz, g.in_proj_ba, g.in_proj_qkv, g.in_proj_z, g.in_proj_b,
+                        g.in_proj_a, g.out_proj}) {
+        total += matmul(w);
+      }
     }
     if (L.mlp_kind == MlpKind::kNone) continue;
     if (L.moe) {

@@ -57,6 +57,16 @@ struct MambaSlots {
   int64_t out_proj = -1, out_proj_bias = -1; // [H, inner]
 };
 
+// Gated DeltaNet (Transformers' Qwen3NextGatedDeltaNet; Qwen3.5's split projections).
+struct DeltaNetSlots {
+  int64_t dt_bias = -1, a_log = -1;       // [num_v_heads] each
+  int64_t conv = -1;                       // conv1d.weight [conv_dim, 1, kernel] (no bias)
+  int64_t in_proj_qkvz = -1, in_proj_ba = -1;                         // Qwen3-Next
+  int64_t in_proj_qkv = -1, in_proj_z = -1, in_proj_b = -1, in_proj_a = -1;  // Qwen3.5
+  int64_t norm = -1;                       // the gated RMSNorm's weight [head_v_dim]
+  int64_t out_proj = -1;                   // [H, value_dim]
+};
+
 struct MoESlots {
   int64_t gate_up = -1, down = -1, router = -1, correction_bias = -1;
   int64_t router_bias = -1, gate_up_bias = -1, down_bias = -1;  // GPT-OSS
@@ -71,6 +81,7 @@ struct LayerSlots {
   MixerKind mixer = MixerKind::kAttention;
   AttentionSlots attn;
   MambaSlots mamba;
+  DeltaNetSlots deltanet;
   MlpKind mlp_kind = MlpKind::kMoE;
   bool moe = false;
   MlpSlots mlp;  // dense layers

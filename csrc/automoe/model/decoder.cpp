@@ -18,6 +18,7 @@
 #include "automoe/ops/cross_entropy/cross_entropy.h"
 #include "automoe/model/rope.h"
 #include "automoe/ops/ops.h"
+#include "automoe/model/deltanet_mixer.h"
 #include "automoe/model/mamba_mixer.h"
 
 namespace automoe {
@@ -357,6 +358,10 @@ AttentionMask build_mask(const ForwardArgs& a, const at::Tensor& pos_BS, int64_t
 }  // namespace
 
 at::Tensor Decoder::norm(const at::Tensor& x, int64_t weight) const {
+  if (spec_.zero_centered_norms) {  // Qwen3NextRMSNorm: x·rsqrt(mean x² + eps)·(1 + w) in float32
+    return ops_.rms_norm(x.to(at::kFloat), p(weight).to(at::kFloat) + 1.0, spec_.rms_norm_eps)
+        .to(x.scalar_type());
+  }
   return ops_.rms_norm(x, p(weight), spec_.rms_norm_eps);
 }
 
@@ -376,6 +381,12 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   const AttentionSpec& a = spec_.attn;
   const int64_t N = a.num_heads, KV = a.num_kv_heads, D = a.head_dim;
   at::Tensor q = linear(x_BSH, A.q, A.q_bias, c.training);
+  at::Tensor gate_BSX;  // Qwen3-Next's output gate: the second half of each head's q_proj rows
+  if (a.output_gate) {
+    const at::Tensor qg = q.view({B, S, N, 2 * D});
+    gate_BSX = qg.narrow(3, D, D).reshape({B, S, N * D});
+    q = qg.narrow(3, 0, D).reshape({B, S, N * D});
+  }
   at::Tensor k = linear(x_BSH, A.k, A.k_bias, c.training);
   at::Tensor v = linear(x_BSH, A.v, A.v_bias, c.training);
   if (a.qk_norm && a.qk_norm_full_width) {  // OLMoE: over the whole projection
@@ -399,7 +410,8 @@ at::Tensor Decoder::attention(const AttentionSlots& A, int64_t layer, const at::
   if (c.cache) std::tie(k_BNSD, v_BNSD) = c.cache->append(layer, k_BNSD, v_BNSD);
   const at::Tensor out_BNSD = ops_.attention(q_BNSD, k_BNSD, v_BNSD, m.mask, m.is_causal, scale_,
                                              opt_param(params_, A.sinks));
-  const at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
+  at::Tensor out_BSH = out_BNSD.transpose(1, 2).reshape({B, S, N * D});
+  if (a.output_gate) out_BSH = out_BSH * at::sigmoid(gate_BSX);
   return linear(out_BSH, A.o, A.o_bias, c.training);
 }
 
@@ -485,16 +497,16 @@ ForwardResult Decoder::forward(const ForwardArgs& a) const {
 
   ForwardResult r;
   LayerContext ctx{cos_BSh, sin_BSh, {}, {}, a.cache, autocast_dtype(dev.type()), a.training};
-  if (spec_.has_mixer(MixerKind::kMamba2)) {
+  if (spec_.has_mixer(MixerKind::kMamba2) || spec_.has_mixer(MixerKind::kGatedDeltaNet)) {
     // Transformers' create_recurrent_attention_mask: this step's part of a 2-D mask with padding,
     // for more than one token; the trainer's documents restart the recurrence, padding zeroed.
     if (a.attention_mask && S > 1) {
       const at::Tensor keep = a.attention_mask->narrow(1, past, S);
-      if (!keep.ne(0).all().item<bool>()) ctx.mamba_keep_BS = keep;
+      if (!keep.ne(0).all().item<bool>()) ctx.recurrent_keep_BS = keep;
     }
     if (a.document_ids) {
       ctx.doc_BS = *a.document_ids;
-      ctx.mamba_keep_BS = a.document_ids->ge(0).to(at::kLong);
+      ctx.recurrent_keep_BS = a.document_ids->ge(0).to(at::kLong);
     }
   }
   for (const LayerSpec& l : spec_.layers) {
@@ -600,15 +612,16 @@ Decoder::LayerOutput Decoder::layer(const LayerSlots& L, const at::Tensor& h_in,
 }
 
 at::Tensor Decoder::mixer(const LayerSlots& L, const at::Tensor& x_BSH, const LayerContext& c) const {
-  if (L.mixer == MixerKind::kMamba2) {
-    MambaInputs in;
-    in.keep_BS = c.mamba_keep_BS;
+  if (L.mixer == MixerKind::kMamba2 || L.mixer == MixerKind::kGatedDeltaNet) {
+    RecurrentInputs in;
+    in.keep_BS = c.recurrent_keep_BS;
     in.doc_BS = c.doc_BS;
     in.cache = c.cache;
     in.layer = L.index;
-    return mamba2_mixer(spec_.mamba, L.mamba, params_, x_BSH, in,
-                        [&](const at::Tensor& x, int64_t w, int64_t b) { return linear(x, w, b, c.training); },
-                        ops_);
+    const SlotLinear lin = [&](const at::Tensor& x, int64_t w, int64_t b) { return linear(x, w, b, c.training); };
+    return L.mixer == MixerKind::kMamba2
+               ? mamba2_mixer(spec_.mamba, L.mamba, params_, x_BSH, in, lin, ops_)
+               : gated_deltanet_mixer(spec_.deltanet, L.deltanet, params_, x_BSH, in, lin, ops_);
   }
   const LayerContext::Attention ac{c.mask[L.index], c.is_causal[L.index]};
   return spec_.attn.kind == AttentionKind::kMLA ? latent_attention(L.attn, L.index, x_BSH, c, ac)

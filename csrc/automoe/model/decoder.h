@@ -16,7 +16,6 @@
 #include "automoe/model/components.h"
 #include "automoe/model/kv_cache.h"
 #include "automoe/model/lora.h"
-#include "automoe/model/mamba_mixer.h"
 #include "automoe/model/spec.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
@@ -138,9 +137,9 @@ class Decoder {
     // the backward, where autocast is off, restores it), else nullopt.
     std::optional<c10::ScalarType> autocast;
     bool training = false;  // ForwardArgs::training
-    // Mamba-2 layers: the [B, S] padding mask Transformers' create_recurrent_attention_mask gives
+    // Recurrent mixers (Mamba-2, gated DeltaNet): the [B, S] padding mask Transformers' create_recurrent_attention_mask gives
     // (none without padding or for one token) and the trainer's document ids (restarts).
-    std::optional<at::Tensor> mamba_keep_BS, doc_BS;
+    std::optional<at::Tensor> recurrent_keep_BS, doc_BS;
     struct Attention {  // one layer's mask
       const std::optional<at::Tensor>& mask;
       bool is_causal;

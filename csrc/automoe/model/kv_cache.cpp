@@ -154,7 +154,7 @@ void KVCache::remove_last(int64_t n) {
   if (n == 0) return;
   for (const Layer& L : layers_) {
     AUTOMOE_CHECK(!L.state.ssm.defined(),
-                  "KVCache: cannot remove positions from a Mamba-2 layer's recurrent state (a "
+                  "KVCache: cannot remove positions from a recurrent layer's state (Mamba-2, gated DeltaNet: a "
                   "hybrid model's cache cannot be cropped, as in Transformers)");
   }
   for (Layer& L : layers_) L.length = std::max<int64_t>(L.length - n, 0);

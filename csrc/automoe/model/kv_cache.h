@@ -1,7 +1,7 @@
 // The engine's key/value cache for incremental decoding (what `generate` keeps between steps).
 // Per attention layer: keys and values after RoPE, [B, N_kv, capacity, D] buffers in the model's
-// dtype, the first `length` positions filled. Per Mamba-2 layer: its recurrent state instead (the
-// conv's last inputs and the SSM state), and the count of positions it has consumed. Appending grows the buffers geometrically, so a decoding step
+// dtype, the first `length` positions filled. Per recurrent layer (Mamba-2, gated DeltaNet): its
+// state instead (the conv's last inputs and the SSM / delta-rule state), and the count of positions it has consumed. Appending grows the buffers geometrically, so a decoding step
 // copies only its new positions (no re-concatenation of the prefix).
 #pragma once
 
@@ -30,14 +30,14 @@ class KVCache {
   std::pair<at::Tensor, at::Tensor> append(int64_t layer, const at::Tensor& k_BNSD,
                                            const at::Tensor& v_BNSD);
 
-  // A Mamba-2 layer's state: `conv` [B, conv_dim, kernel] (the last inputs of the causal conv, in
-  // the model's dtype) and `ssm` [B, heads, head_dim, state] float32; undefined before the layer's
-  // first forward. The mixer reads and replaces them, then calls `advance`.
+  // A recurrent layer's state: `conv` [B, conv_dim, kernel] (the last inputs of the causal conv, in
+  // the model's dtype) and `ssm` float32 (Mamba-2: [B, heads, head_dim, state]; gated DeltaNet:
+  // [B, value heads, head_k_dim, head_v_dim]); undefined before the layer's first forward. The mixer reads and replaces them, then calls `advance`.
   struct Recurrent {
     at::Tensor conv, ssm;
   };
   Recurrent& recurrent(int64_t layer);
-  // Records that a layer without keys (Mamba-2) consumed `n` more positions.
+  // Records that a layer without keys (a recurrent one) consumed `n` more positions.
   void advance(int64_t layer, int64_t n);
 
   // Views [B, N_kv, length, D] of what `layer` holds; undefined tensors when it is empty.
@@ -48,7 +48,7 @@ class KVCache {
   void index_batch(const at::Tensor& batch_idx);  // rows := rows[batch_idx]
   void repeat_interleave_batch(int64_t repeats);
   // Drops the last `n` positions of every layer (assisted decoding's rollback; Transformers' crop);
-  // refused once a Mamba-2 layer holds a state (a recurrence cannot be rolled back).
+  // refused once a recurrent layer holds a state (a recurrence cannot be rolled back).
   void remove_last(int64_t n);
   void reset();
   // An independent copy (what copy.deepcopy of Transformers' caches gives: prefix reuse).

@@ -70,6 +70,12 @@ std::vector<Candidate> candidates(const ModelSpec& spec, const std::vector<Param
     for (int64_t i : {A.q, A.q_a, A.q_b, A.kv_a, A.kv_b, A.k, A.v, A.o}) add(i, Kind::kLinear);
     // Mamba-2's in_proj; not its out_proj (nor conv1d), which PEFT refuses on Mamba models.
     add(L.mamba.in_proj, Kind::kLinear);
+    // Gated DeltaNet's projections (not conv1d, which PEFT wraps as a Conv1d we do not run).
+    const DeltaNetSlots& G = L.deltanet;
+    for (int64_t i : {G.in_proj_qkvz, G.in_proj_ba, G.in_proj_qkv, G.in_proj_z, G.in_proj_b,
+                      G.in_proj_a, G.out_proj}) {
+      add(i, Kind::kLinear);
+    }
     if (L.moe) {
       const MoESlots& M = L.experts;
       add(M.router, Kind::kRouter);

@@ -7,22 +7,13 @@
 #include "automoe/ops/mamba/mamba.h"
 
 namespace automoe {
-namespace {
-
-at::Tensor zero_padding(const at::Tensor& x_BSX, const std::optional<at::Tensor>& keep_BS) {
-  if (!keep_BS) return x_BSX;
-  return (x_BSX * keep_BS->unsqueeze(-1)).to(x_BSX.scalar_type());
-}
-
-}  // namespace
 
 at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTensors& params,
-                        const at::Tensor& x_in, const MambaInputs& in, const SlotLinear& linear,
+                        const at::Tensor& x_in, const RecurrentInputs& in, const SlotLinear& linear,
                         const ComponentOps& ops) {
   auto p = [&](int64_t slot) -> const at::Tensor& { return params[slot].second; };
   const int64_t B = x_in.size(0), S = x_in.size(1);
   const int64_t I = m.inner(), C = m.conv_dim(), H = m.num_heads, G = m.n_groups, N = m.state_size;
-  const int64_t K = m.conv_kernel;
   const at::Tensor x_BSH = zero_padding(x_in, in.keep_BS);
   const at::Tensor proj = linear(x_BSH, P.in_proj, P.in_proj_bias);
   const at::Tensor gate = proj.narrow(2, 0, I);
@@ -35,26 +26,7 @@ at::Tensor mamba2_mixer(const Mamba2Spec& m, const MambaSlots& P, const NamedTen
 
   KVCache::Recurrent* state = in.cache ? &in.cache->recurrent(in.layer) : nullptr;
   const bool continues = state && state->ssm.defined();
-  if (continues) {
-    AUTOMOE_CHECK(state->conv.size(0) == B, "KVCache layer ", in.layer, ": holds a batch of ",
-                  state->conv.size(0), " rows; the inputs have ", B);
-  }
-  at::Tensor conv_BSC;  // conv1d + SiLU, channels last
-  if (state) {
-    // The conv sees the cached last inputs ([B, C, K], Transformers' conv_states layout) before
-    // this step's; the cache keeps the last K.
-    const at::Tensor full =
-        continues ? at::cat({state->conv.to(xBC_BSC.scalar_type()).transpose(1, 2), xBC_BSC}, 1) : xBC_BSC;
-    const int64_t len = full.size(1);
-    conv_BSC = ops.causal_conv1d(full, w_CK, conv_bias, std::nullopt, true).narrow(1, len - S, S);
-    at::NoGradGuard no_grad;
-    const at::Tensor last = len >= K ? full.narrow(1, len - K, K) : at::constant_pad_nd(full, {0, 0, K - len, 0}, 0);
-    state->conv = last.detach().transpose(1, 2).contiguous();
-  } else {
-    const std::optional<at::Tensor> doc =
-        in.doc_BS ? std::optional<at::Tensor>(in.doc_BS->to(at::kLong)) : std::nullopt;
-    conv_BSC = ops.causal_conv1d(xBC_BSC, w_CK, conv_bias, doc, true);
-  }
+  const at::Tensor conv_BSC = causal_conv_cached(xBC_BSC, w_CK, conv_bias, state, in, ops);
   const at::Tensor xBC = zero_padding(conv_BSC, in.keep_BS);
   const at::Tensor xs = xBC.narrow(2, 0, I);
   const at::Tensor Bm = xBC.narrow(2, I, G * N);

@@ -62,6 +62,9 @@ struct AttentionSpec {
   // The per-head size of the attention values (what the attention core weighs; MLA caches its
   // compressed latent instead, see Decoder::latent_attention).
   int64_t v_dim() const { return kind == AttentionKind::kMLA ? v_head_dim : head_dim; }
+  // Qwen3-Next / Qwen3.5: q_proj is doubled, each head's [query | gate] halves side by side, and the
+  // attention output is multiplied by sigmoid(gate) before o_proj.
+  bool output_gate = false;
   // Size of each head's rotary part before partial rotary (RopeSpec::dim may be smaller).
   int64_t rope_head_dim() const { return kind == AttentionKind::kMLA ? qk_rope_head_dim : head_dim; }
 };
@@ -130,9 +133,29 @@ struct Mamba2Spec {
   int64_t conv_dim() const { return inner() + 2 * n_groups * state_size; }
 };
 
-// The sequence mixer of a layer: attention (the model's AttentionSpec), Mamba-2 (its Mamba2Spec), or
-// none (a layer that is only an MLP or MoE block, as Nemotron-H's).
-enum class MixerKind { kAttention, kMamba2, kNone };
+// Gated DeltaNet linear attention (Transformers' Qwen3NextGatedDeltaNet / Qwen3_5MoeGatedDeltaNet):
+// in-projections -> q, k (num_k_heads x head_k_dim), v, z (num_v_heads x head_v_dim), b, a (one per
+// value head); depthwise causal conv1d + SiLU over [q | k | v]; L2-normalised q and k, each key head
+// read by num_v_heads / num_k_heads value heads; beta = sigmoid(b), g = -exp(A_log) softplus(a +
+// dt_bias); the chunked gated delta rule; per-head RMSNorm gated by silu(z); out_proj.
+struct GatedDeltaNetSpec {
+  int64_t num_k_heads = 0, num_v_heads = 0, head_k_dim = 0, head_v_dim = 0;
+  int64_t conv_kernel = 4;
+  int64_t chunk_size = 64;  // the chunk of Transformers' torch_chunk_gated_delta_rule
+  // Qwen3-Next: in_proj_qkvz [2K + 2V, H] and in_proj_ba [2 Nv, H], interleaved per key head (each
+  // key head's q, k, then its value heads' v and z). Qwen3.5: separate in_proj_qkv (q | k | v),
+  // in_proj_z, in_proj_b, in_proj_a.
+  bool split_projections = false;
+  double norm_eps = 1e-6;
+  int64_t key_dim() const { return num_k_heads * head_k_dim; }
+  int64_t value_dim() const { return num_v_heads * head_v_dim; }
+  int64_t conv_dim() const { return 2 * key_dim() + value_dim(); }
+};
+
+// The sequence mixer of a layer: attention (the model's AttentionSpec), Mamba-2 (its Mamba2Spec),
+// gated DeltaNet (its GatedDeltaNetSpec), or none (a layer that is only an MLP or MoE block, as
+// Nemotron-H's).
+enum class MixerKind { kAttention, kMamba2, kGatedDeltaNet, kNone };
 enum class MlpKind { kDense, kMoE, kNone };
 
 // What one layer is built from: a sequence mixer then an MLP, each behind its own pre-norm and
@@ -162,6 +185,10 @@ struct ModelSpec {
   int64_t intermediate_size = 0;  // dense MLP layers
   bool mlp_bias = false;           // biases on the plain (kRelu2) MLPs and the latent projections
   Mamba2Spec mamba;
+  GatedDeltaNetSpec deltanet;
+  // Zero-centred RMSNorm weights (Qwen3-Next, Qwen3.5): the decoder's norms (layer, final, q/k)
+  // scale by 1 + weight in float32, their weights initialised to zeros.
+  bool zero_centered_norms = false;
   Naming naming = Naming::kDecoder;
   MoESpec moe;
   std::vector<LayerSpec> layers;  // size num_layers
@@ -174,6 +201,9 @@ struct ModelSpec {
   // Multi-token-prediction layers a checkpoint may hold after the last layer (DeepSeek-V3's
   // num_nextn_predict_layers): skipped on load, as Transformers ignores them.
   int64_t num_mtp_layers = 0;
+  // A separate `mtp.*` module a checkpoint may hold (Nemotron 3 Super / Ultra, Qwen3-Next):
+  // skipped on load with one message, as Transformers ignores it.
+  bool mtp_module = false;
   // GPT-OSS's released checkpoints: experts stored as MXFP4 blocks + scales (quantization_config
   // quant_method "mxfp4"), dequantised to the compute dtype on load; saves write them dequantised.
   bool mxfp4_experts = false;

@@ -9,6 +9,7 @@
 #include "automoe/core/error.h"
 #include "automoe/ops/cpu/isa.h"
 #include "automoe/ops/cuda_status.h"
+#include "automoe/ops/delta_rule/delta_rule.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/mamba/mamba.h"
 #include "automoe/ops/ops.h"
@@ -119,6 +120,24 @@ std::tuple<Tensor, Tensor> ssd_scan_op(const Tensor& x, const Tensor& dt, const 
   return {r.y_BSHP, r.final_BHPN};
 }
 
+// With packed documents no final state is formed (an empty tensor comes back).
+std::tuple<Tensor, Tensor> delta_rule_reference_op(const Tensor& q, const Tensor& k, const Tensor& v,
+                                                   const Tensor& g, const Tensor& beta, int64_t chunk,
+                                                   const std::optional<Tensor>& initial_state,
+                                                   const std::optional<Tensor>& document_ids) {
+  const DeltaRule r = chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk, initial_state,
+                                                       document_ids, !document_ids);
+  return {r.o_BSNV, r.final_BNKV.defined() ? r.final_BNKV : at::empty({0}, q.options())};
+}
+
+std::tuple<Tensor, Tensor> delta_rule_step_reference_op(const Tensor& state, const Tensor& q,
+                                                        const Tensor& k, const Tensor& v,
+                                                        const Tensor& g, const Tensor& beta) {
+  Tensor s = state;
+  Tensor o = gated_delta_rule_step_reference(s, q, k, v, g, beta);
+  return {o, s};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(automoe, m) {
@@ -173,6 +192,14 @@ TORCH_LIBRARY(automoe, m) {
       "Tensor? document_ids=None) -> (Tensor y, Tensor final_state)";
   m.def((std::string("ssd_scan") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan>));
   m.def((std::string("ssd_scan_reference") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan_reference>));
+  // Gated DeltaNet (ops/delta_rule/delta_rule.h): the chunked gated delta rule and its one-token
+  // step (references).
+  m.def("chunk_gated_delta_rule_reference(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, "
+        "Tensor? initial_state=None, Tensor? document_ids=None) -> (Tensor o, Tensor final_state)",
+        TORCH_FN(delta_rule_reference_op));
+  m.def("gated_delta_rule_step_reference(Tensor state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) "
+        "-> (Tensor o, Tensor new_state)",
+        TORCH_FN(delta_rule_step_reference_op));
   const char* conv_args =
       "(Tensor x, Tensor w, Tensor? bias=None, Tensor? document_ids=None, bool silu=False) -> Tensor";
   m.def((std::string("causal_conv1d") + conv_args).c_str(), TORCH_FN(causal_conv1d));

@@ -159,6 +159,7 @@ ModelSpec parse_nemotron_h(const ConfigReader& cfg) {
   e.aux_loss = false;  // NemotronHForCausalLM computes no load-balancing loss
   e.router_aux_loss_coef = 0.0;
   e.output_router_logits = false;
+  s.mtp_module = true;
   s.num_mtp_layers = c.get_int("num_nextn_predict_layers", 0);
   if (s.num_mtp_layers < 0) c.fail_key("num_nextn_predict_layers", "a non-negative integer");
   return s;

@@ -15,7 +15,8 @@ const std::vector<Architecture>& all() {
     return std::vector<Architecture>{qwen3_moe_architecture(), deepseek_v3_architecture(),
                                      glm4_moe_architecture(), kimi_k2, mixtral_architecture(),
                                      qwen2_moe_architecture(), olmoe_architecture(),
-                                     gpt_oss_architecture(), nemotron_h_architecture()};
+                                     gpt_oss_architecture(), nemotron_h_architecture(),
+                                     qwen3_next_architecture(), qwen3_5_moe_text_architecture()};
   }();
   return archs;
 }

@@ -40,5 +40,7 @@ Architecture olmoe_architecture();
 Architecture qwen2_moe_architecture();
 Architecture gpt_oss_architecture();
 Architecture nemotron_h_architecture();
+Architecture qwen3_next_architecture();
+Architecture qwen3_5_moe_text_architecture();
 
 }  // namespace automoe

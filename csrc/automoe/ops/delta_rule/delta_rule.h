@@ -1,0 +1,44 @@
+// The gated delta rule: the recurrence of gated DeltaNet linear attention (Qwen3-Next, Qwen3.5),
+// chunked over a sequence and as the one-token step of decoding. The references are ATen
+// compositions that follow Transformers' torch path (modeling_qwen3_next.py:
+// torch_chunk_gated_delta_rule, torch_recurrent_gated_delta_rule) operation by operation,
+// differentiated by ATen's autograd; float32 compute (float64 kept, for the tests).
+//
+// Per value head, with q and k L2-normalised (eps 1e-6 inside the square root) and q scaled by
+// head_k_dim^-1/2, the state S [Dk, Dv] evolves as
+//   S ← exp(g_t) S;   S ← S + k_t (beta_t (v_t − Sᵀ k_t))ᵀ;   o_t = Sᵀ q_t.
+// The chunked form solves each chunk's (I + strictly-lower(k_β kᵀ ∘ decay)) system (the UT
+// transform) and carries S between chunks.
+//
+// Packed documents: `doc_BS` (integer document of each position, documents contiguous in a row)
+// restarts the recurrence at each document boundary, as if each document ran alone (Transformers'
+// torch path has no such input).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace automoe::ops {
+
+struct DeltaRule {
+  at::Tensor o_BSNV;      // in q's dtype
+  at::Tensor final_BNKV;  // float32 state after the last position (when asked)
+};
+
+// q, k [B, S, N, Dk] (N value heads: shared key heads already repeated), v [B, S, N, Dv], g [B, S, N]
+// (log decay, <= 0), beta [B, S, N]; `initial` [B, N, Dk, Dv] (zeros when absent; not with doc_BS).
+DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
+                                           const at::Tensor& v_BSNV, const at::Tensor& g_BSN,
+                                           const at::Tensor& beta_BSN, int64_t chunk,
+                                           const std::optional<at::Tensor>& initial_BNKV,
+                                           const std::optional<at::Tensor>& doc_BS, bool final_state);
+
+// One decoding step on `state` [B, N, Dk, Dv] float32 (replaced): q, k [B, N, Dk], v [B, N, Dv],
+// g and beta [B, N]; o [B, N, Dv] in q's dtype.
+at::Tensor gated_delta_rule_step_reference(at::Tensor& state_BNKV, const at::Tensor& q_BNK,
+                                           const at::Tensor& k_BNK, const at::Tensor& v_BNV,
+                                           const at::Tensor& g_BN, const at::Tensor& beta_BN);
+
+}  // namespace automoe::ops
