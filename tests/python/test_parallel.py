@@ -445,15 +445,17 @@ def test_deepseek_bias_balancing_counts_every_rank(tmp_path, tokenizer):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
 @pytest.mark.parametrize("nproc,ep,dispatcher", [(2, 2, "alltoall"), (4, 4, "allgather")],
                          ids=["ep2-alltoall", "ep4-allgather"])
-def test_a_hybrid_mamba_attention_moe_model_under_ep_equals_one_process(tmp_path, tmp_path_factory, tokenizer,
-                                                                       nproc, ep, dispatcher):
-    """Nemotron-H (Mamba-2 + attention + relu2 MoE): experts sharded over the EP group, the Mamba-2
-    and attention blocks replicated; losses, gradient norms and the export match one process."""
+def test_a_hybrid_recurrent_attention_moe_model_under_ep_equals_one_process(tmp_path, tmp_path_factory, tokenizer,
+                                                                           nproc, ep, dispatcher, family):
+    """Nemotron-H (Mamba-2 + attention + relu2 MoE) and Qwen3-Next (gated DeltaNet + gated
+    attention + MoE with a gated shared expert): experts sharded over the EP group, the recurrent
+    and attention mixers replicated; losses, gradient norms and the export match one process."""
     from test_train_families import tiny_family_checkpoint
 
-    ckpt = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    ckpt = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
     run_train(ep_recipe(ckpt, tmp_path, "one"), tmp_path)
     run_ranks(ep_recipe(ckpt, tmp_path, "ep", ep=ep, dispatcher=dispatcher), tmp_path, nproc)
     ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
@@ -480,13 +482,14 @@ def test_the_drop_in_under_expert_parallelism_matches_one_process(model_dir, tmp
     assert proc.stdout.count(": ok") == nproc
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
 def test_the_drop_in_of_a_hybrid_model_under_expert_parallelism_matches_one_process(tmp_path, tmp_path_factory,
-                                                                                    tokenizer):
-    """The same checks on Nemotron-H (experts sharded, Mamba-2 and attention replicated; generate
-    carries each rank's conv and SSM state)."""
+                                                                                    tokenizer, family):
+    """The same checks on Nemotron-H and Qwen3-Next (experts sharded, the recurrent mixers and
+    attention replicated; generate carries each rank's conv and recurrent state)."""
     from test_train_families import tiny_family_checkpoint
 
-    ckpt = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
+    ckpt = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
     proc = torchrun(2, str(HERE / "dropin_ep_worker.py"), str(ckpt), str(tmp_path), "2", check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
     assert proc.stdout.count(": ok") == 2
