@@ -197,4 +197,7 @@ NATIVE_CLASSES: dict[str, type] = {
     "nemotron_h": NemotronHForCausalLM,
     "qwen3_next": Qwen3NextForCausalLM,
     "qwen3_5_moe_text": Qwen3_5MoeForCausalLM,
+    # Qwen3.5's released vision-language checkpoints: their language model, as Transformers'
+    # AutoModelForCausalLM loads it (text_config; the vision tower skipped)
+    "qwen3_5_moe": Qwen3_5MoeForCausalLM,
 }

@@ -29,7 +29,7 @@ def edit_config(path, **changes):
 def test_unknown_architecture_names_the_native_ones(checkpoint_factory, tmp_path):
     path = copy_ckpt(checkpoint_factory("e5_top2_gqa2_untied"), tmp_path / "m")
     edit_config(path, model_type="no_such_moe")
-    with pytest.raises(AutoMoEError, match=r"neither AutoMoE's engine \(native: \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'kimi_k2', 'mixtral', 'nemotron_h', 'olmoe', 'qwen2_moe', 'qwen3_5_moe_text', 'qwen3_moe', 'qwen3_next'\]\) nor Transformers"):
+    with pytest.raises(AutoMoEError, match=r"neither AutoMoE's engine \(native: \['deepseek_v3', 'glm4_moe', 'gpt_oss', 'kimi_k2', 'mixtral', 'nemotron_h', 'olmoe', 'qwen2_moe', 'qwen3_5_moe', 'qwen3_5_moe_text', 'qwen3_moe', 'qwen3_next'\]\) nor Transformers"):
         AutoModelForCausalLM.from_pretrained(path)
 
 

@@ -301,3 +301,34 @@ def test_gradient_checkpointing_recomputes_the_hybrid_layers_exactly(qwen3_next_
         grads.append({n: p.grad for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         assert torch.equal(grads[1][name], g), name
+
+
+def test_a_vision_language_checkpoint_loads_its_language_model(tmp_path, capfd):
+    """Qwen3.5's released checkpoints are vision-language (model_type qwen3_5_moe: text_config,
+    tensors under model.language_model., a vision tower under model.visual.): AutoModelForCausalLM
+    runs the language model natively with Transformers' logits, says what it skipped, and saves the
+    language model alone, which Transformers loads back with the same logits."""
+    from transformers import AutoModelForCausalLM as HFModel
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    text = {**BASE_35, **CONFIGS_35["qwen3_5_linear_full_r2"]}
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=BASE["hidden_size"],
+                  patch_size=4, temporal_patch_size=2, spatial_merge_size=1)
+    torch.manual_seed(7)
+    vl = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text, vision_config=vision))
+    with torch.no_grad():
+        for name, p in vl.named_parameters():
+            p.normal_(0.0, 0.2) if not name.endswith("norm.weight") else p.uniform_(0.5, 1.5)
+            realistic_decays(name, p)
+    vl.save_pretrained(tmp_path / "vl")
+    ids, mask, labels = padded_batch(BASE["vocab_size"])
+    with torch.no_grad():
+        want = HFModel.from_pretrained(tmp_path / "vl")(input_ids=ids, attention_mask=mask).logits
+        capfd.readouterr()
+        ours = automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "vl")
+        assert ours.automoe_path == "native" and type(ours).__name__ == "Qwen3_5MoeForCausalLM"
+        assert "tensor(s) the causal LM does not use (model.visual.*" in capfd.readouterr().err
+        assert rel_err(ours(input_ids=ids, attention_mask=mask).logits, want) <= 1e-5
+        ours.save_pretrained(tmp_path / "text")
+        again = HFModel.from_pretrained(tmp_path / "text")(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(again, want)

@@ -18,6 +18,26 @@
 namespace automoe {
 namespace fs = std::filesystem;
 
+namespace {
+
+// Whether the checkpoint keeps the language model under the architecture's container prefix
+// (a vision-language checkpoint's model.language_model.).
+bool is_contained(const SafetensorsCheckpoint& ckpt, const Architecture& arch) {
+  if (arch.container_prefix.empty()) return false;
+  for (const std::string& name : ckpt.names()) {
+    if (name.rfind(arch.container_prefix, 0) == 0) return true;
+  }
+  return false;
+}
+
+// `name` (on-disk after the layout's renames) as the checkpoint stores it.
+std::string in_container(const std::string& name, bool contained, const Architecture& arch) {
+  if (!contained || name.rfind("model.", 0) != 0) return name;
+  return arch.container_prefix + name.substr(6);
+}
+
+}  // namespace
+
 ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
                             const Architecture& arch) {
   // config.json's layer count against the layers the tensors hold, before it sizes anything.
@@ -35,13 +55,15 @@ ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& 
                 held, " layer(s)", held > 0 ? " (layers.0 .. layers." + std::to_string(held - 1) + ")" : "",
                 "; the config does not belong to these weights");
   if (arch.per_expert_rules.empty()) return ExpertsLayout::kFused;
+  const bool contained = is_contained(ckpt, arch);
   for (const auto& decl : parameter_layout(spec)) {
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
     if (!rule) continue;
     // Renames belong to the original (per-expert) format; the fused one uses in-memory names.
-    const std::string fused = decl.name;
-    const std::string first = to_disk_name(arch.renames, disk_name(prefix, rule->parts.front(), 0));
+    const std::string fused = in_container(decl.name, contained, arch);
+    const std::string first =
+        in_container(to_disk_name(arch.renames, disk_name(prefix, rule->parts.front(), 0)), contained, arch);
     if (ckpt.contains(fused)) return ExpertsLayout::kFused;
     if (ckpt.contains(first)) return ExpertsLayout::kPerExpert;
     fail(ckpt.dir(), ": missing tensor ", fused, " (fused layout) or ", first,
@@ -86,8 +108,12 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   const std::vector<RenameRule> no_renames;
   const std::vector<RenameRule>& renames =
       layout == ExpertsLayout::kPerExpert ? arch.renames : no_renames;
+  const bool contained = is_contained(ckpt, arch);
+  auto on_disk = [&](const std::string& memory_name) {
+    return in_container(to_disk_name(renames, memory_name), contained, arch);
+  };
   auto get = [&](const std::string& memory_name) {
-    const std::string name = to_disk_name(renames, memory_name);
+    const std::string name = on_disk(memory_name);
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
@@ -97,7 +123,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   const MoESpec& moe = spec.moe;
   const bool sharded = moe.sharded();
   auto get_experts = [&](const std::string& memory_name) {
-    const std::string name = to_disk_name(renames, memory_name);
+    const std::string name = on_disk(memory_name);
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
@@ -132,7 +158,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
         t = gather_experts(*rule, prefix, moe.local_experts(), get, sharded ? moe.expert_begin : 0);
         for (int64_t e = 0; sharded && e < moe.num_experts; ++e) {  // other ranks' experts
           if (e >= moe.expert_begin && e < moe.expert_begin + moe.expert_count) continue;
-          for (const auto& part : rule->parts) used.insert(to_disk_name(renames, disk_name(prefix, part, e)));
+          for (const auto& part : rule->parts) used.insert(on_disk(disk_name(prefix, part, e)));
         }
       } else {
         t = sharded && decl.routed_expert ? get_experts(decl.name) : get(decl.name);
@@ -165,8 +191,15 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   std::set<int64_t> mtp_layers;
   int64_t mtp_tensors = 0;
   int64_t mtp_module_tensors = 0;  // an `mtp.*` module (Transformers ignores it on load)
+  int64_t skipped_tensors = 0;     // the architecture's skipped prefixes (a vision tower)
   for (const auto& name : ckpt.names()) {
     if (used.count(name) || ignorable_extra(name, spec)) continue;
+    bool skip = false;
+    for (const std::string& pre : arch.skipped_prefixes) skip = skip || name.rfind(pre, 0) == 0;
+    if (skip) {
+      ++skipped_tensors;
+      continue;
+    }
     if (spec.mtp_module && name.rfind("mtp.", 0) == 0) {
       ++mtp_module_tensors;
       continue;
@@ -185,6 +218,13 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     log_info(ckpt.dir(), ": skipping ", mtp_tensors, " tensor(s) of multi-token-prediction layer(s) ",
              list, " (num_nextn_predict_layers after the ", spec.num_layers,
              " decoder layers; not used for training, as in Transformers, and not written on save)");
+  }
+  if (skipped_tensors > 0) {
+    std::string list;
+    for (const std::string& pre : arch.skipped_prefixes) list += (list.empty() ? "" : ", ") + pre + "*";
+    log_info(ckpt.dir(), ": skipping ", skipped_tensors, " tensor(s) the causal LM does not use (", list,
+             ": the vision tower; AutoMoE runs the language model, as Transformers' ", arch.hf_class,
+             " does, and saves it alone)");
   }
   if (mtp_module_tensors > 0) {
     log_info(ckpt.dir(), ": skipping ", mtp_module_tensors,
@@ -224,7 +264,11 @@ NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spe
                                const Architecture& arch) {
   // Names as in memory (on-disk renames undone), in the given order.
   NamedTensors renamed;
-  for (const auto& [name, t] : tensors) renamed.emplace_back(to_memory_name(arch.renames, name), t);
+  for (const auto& [name, t] : tensors) {
+    const bool contained = !arch.container_prefix.empty() && name.rfind(arch.container_prefix, 0) == 0;
+    const std::string uncontained = contained ? "model." + name.substr(arch.container_prefix.size()) : name;
+    renamed.emplace_back(to_memory_name(arch.renames, uncontained), t);
+  }
   std::map<std::string, at::Tensor> by_name;
   for (const auto& [name, t] : renamed) by_name[name] = t;
   std::set<std::string> consumed;

@@ -7,7 +7,10 @@
 // the oracle for every default; multi-token-prediction weights (`mtp.*`) are skipped on load, as
 // Transformers ignores them. Qwen3.5-MoE's language model ("qwen3_5_moe_text") is the same stack
 // with DeltaNet's in-projections split (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), every layer
-// a MoE and its multimodal RoPE, which for text (three equal position streams) is plain RoPE.
+// a MoE and its multimodal RoPE, which for text (three equal position streams) is plain RoPE; its
+// released vision-language checkpoints ("qwen3_5_moe") load their language model (text_config,
+// tensors under model.language_model.) and skip the vision tower, as Transformers'
+// AutoModelForCausalLM does.
 #include <nlohmann/json.hpp>
 
 #include "automoe/model/arch/common.h"
@@ -95,6 +98,23 @@ ModelSpec parse_gated_deltanet_moe(const ConfigReader& cfg, bool qwen35) {
 ModelSpec parse_qwen3_next(const ConfigReader& cfg) { return parse_gated_deltanet_moe(cfg, false); }
 ModelSpec parse_qwen3_5_moe_text(const ConfigReader& cfg) { return parse_gated_deltanet_moe(cfg, true); }
 
+// Qwen3.5-MoE's released (vision-language) config: the language model is its text_config, as
+// Transformers' AutoModelForCausalLM reads it (Qwen3_5MoeConfig.get_text_config()).
+ModelSpec parse_qwen3_5_moe(const ConfigReader& cfg) {
+  const nlohmann::json& raw = cfg.raw();
+  if (!raw.contains("text_config") || !raw.at("text_config").is_object()) {
+    cfg.fail_key("text_config", "the language model's config (an object), as Qwen3_5MoeConfig writes it");
+  }
+  nlohmann::json text = raw.at("text_config");
+  for (const char* key : {"tie_word_embeddings", "dtype", "torch_dtype"}) {  // top-level keys it inherits
+    if (!text.contains(key) && raw.contains(key)) text[key] = raw.at(key);
+  }
+  const ConfigReader c(std::make_shared<nlohmann::json>(std::move(text)), cfg.path() + " (text_config)");
+  ModelSpec s = parse_gated_deltanet_moe(c, true);
+  s.model_type = "qwen3_5_moe";
+  return s;
+}
+
 }  // namespace
 
 Architecture qwen3_next_architecture() {
@@ -104,7 +124,15 @@ Architecture qwen3_next_architecture() {
 
 Architecture qwen3_5_moe_text_architecture() {
   return Architecture{"qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", &parse_qwen3_5_moe_text,
-                      qwen2_moe_expert_rules(), /*renames=*/{}};
+                      qwen2_moe_expert_rules(), /*renames=*/{}, "model.language_model.",
+                      {"model.visual."}};
+}
+
+Architecture qwen3_5_moe_architecture() {
+  Architecture a = qwen3_5_moe_text_architecture();
+  a.model_type = "qwen3_5_moe";
+  a.parse = &parse_qwen3_5_moe;
+  return a;
 }
 
 }  // namespace automoe

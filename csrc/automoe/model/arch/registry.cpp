@@ -16,7 +16,8 @@ const std::vector<Architecture>& all() {
                                      glm4_moe_architecture(), kimi_k2, mixtral_architecture(),
                                      qwen2_moe_architecture(), olmoe_architecture(),
                                      gpt_oss_architecture(), nemotron_h_architecture(),
-                                     qwen3_next_architecture(), qwen3_5_moe_text_architecture()};
+                                     qwen3_next_architecture(), qwen3_5_moe_text_architecture(),
+                                     qwen3_5_moe_architecture()};
   }();
   return archs;
 }

@@ -21,6 +21,14 @@ struct Architecture {
   // Tensors stored under another name than Transformers' in-memory one, in the original
   // (per-expert) format only: the fused one keeps the in-memory names, as Transformers v5.
   std::vector<RenameRule> renames;
+  // A vision-language checkpoint keeps the language model under another prefix (Qwen3.5's
+  // "model.language_model." for the in-memory "model."): used, in either layout, when the
+  // checkpoint's tensors are stored that way (as Transformers' PrefixChange reads them); saves
+  // write the in-memory names (the language model alone).
+  std::string container_prefix;
+  // Tensors of such a checkpoint that the causal LM does not use (the vision tower), skipped on
+  // load with one message, as Transformers' causal-LM class skips them.
+  std::vector<std::string> skipped_prefixes;
 };
 
 // Qwen2-MoE's per-expert layout (`mlp.experts.{E}.gate_proj.weight`, ...), which Transformers
@@ -42,5 +50,6 @@ Architecture gpt_oss_architecture();
 Architecture nemotron_h_architecture();
 Architecture qwen3_next_architecture();
 Architecture qwen3_5_moe_text_architecture();
+Architecture qwen3_5_moe_architecture();
 
 }  // namespace automoe
