@@ -372,10 +372,31 @@ def ssd_cases():
                    float_outputs=(0, 1))
 
 
+def delta_rule_cases():
+    # The chunked gated delta rule (Qwen3-Next's gated DeltaNet; the fused op's hand-derived
+    # backward): one position, a chunk not dividing the sequence, several chunks, value heads ≠ key
+    # dims, packed documents, an initial state (its gradient too), the final state as an output.
+    for B, S, N, Dk, Dv, Q, docs, init in [(1, 1, 2, 4, 3, 4, False, False), (2, 13, 3, 8, 5, 4, False, True),
+                                           (1, 70, 2, 16, 8, 64, False, True), (2, 33, 2, 8, 8, 8, True, False),
+                                           (1, 150, 4, 32, 16, 64, False, False)]:
+        def make(g, B=B, S=S, N=N, Dk=Dk, Dv=Dv, docs=docs, init=init):
+            return [randn(g, B, S, N, Dk), randn(g, B, S, N, Dk), randn(g, B, S, N, Dv),
+                    -torch.rand(B, S, N, generator=g, dtype=torch.float64) * 0.5,
+                    torch.rand(B, S, N, generator=g, dtype=torch.float64),
+                    randn(g, B, N, Dk, Dv).float() if init else None, documents(g, B, S) if docs else None]
+        outputs = (0,) if docs else (0, 1)
+        yield Case(f"chunk_gated_delta_rule-B{B}-S{S}-N{N}-Dk{Dk}-Dv{Dv}-Q{Q}{'-docs' if docs else ''}"
+                   f"{'-initial' if init else ''}", make,
+                   lambda q, k, v, a, b, h, d, Q=Q, o=outputs: tuple(OPS.chunk_gated_delta_rule(q, k, v, a, b, Q, h, d)[i] for i in o),
+                   lambda q, k, v, a, b, h, d, Q=Q, o=outputs: tuple(OPS.chunk_gated_delta_rule_reference(q, k, v, a, b, Q, h, d)[i] for i in o),
+                   grad=(0, 1, 2, 3, 4, 5) if init else (0, 1, 2, 3, 4), cast=(0, 1, 2, 3, 4),
+                   float_outputs=outputs)
+
+
 CASES = [*rmsnorm_cases(), *rope_cases(), *swiglu_cases(), *router_cases(), *permute_cases(),
          *grouped_gemm_cases(), *linear_cases(), *grouped_gemm_lora_cases(),
          *cross_entropy_cases(), *mamba_cases(),
-         *ssd_cases()]
+         *ssd_cases(), *delta_rule_cases()]
 
 
 def run_case(case: Case, dtype, device):

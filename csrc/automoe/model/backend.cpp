@@ -171,6 +171,7 @@ ComponentOps resolve(const BackendConfig& b) {
     o.causal_conv1d = &ops::causal_conv1d_reference;
   }
   o.gated_rms_norm = b.fused_mamba ? &ops::gated_rms_norm : &ops::gated_rms_norm_reference;
+  o.delta_rule = b.fused_mamba ? &ops::chunk_gated_delta_rule : &ops::chunk_gated_delta_rule_reference;
   using Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
   const Linear linear = b.engine_linear
                             ? static_cast<Linear>(&ops::linear)

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "automoe/moe/experts.h"
+#include "automoe/ops/delta_rule/delta_rule.h"
 #include "automoe/ops/ops.h"
 
 namespace automoe {
@@ -101,6 +102,13 @@ struct ComponentOps {
   std::function<at::Tensor(const at::Tensor& y, const at::Tensor& z, const at::Tensor& weight,
                            int64_t group_size, double eps)>
       gated_rms_norm;
+  // Gated DeltaNet's chunked gated delta rule (ops/delta_rule/delta_rule.h): the fused op (hand-
+  // derived backward) or the reference, with the mamba choice.
+  std::function<ops::DeltaRule(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& g, const at::Tensor& beta, int64_t chunk,
+                               const std::optional<at::Tensor>& initial,
+                               const std::optional<at::Tensor>& doc, bool final_state)>
+      delta_rule;
   // true: the LM head and the loss run fused (ops::linear_cross_entropy) and no logits are formed.
   bool fused_loss = false;
 };

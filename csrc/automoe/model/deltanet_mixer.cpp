@@ -55,7 +55,7 @@ at::Tensor gated_deltanet_mixer(const GatedDeltaNetSpec& g, const DeltaNetSlots&
                                                   v.select(1, 0), decay.select(1, 0), beta.select(1, 0))
                  .unsqueeze(1);
   } else {
-    const ops::DeltaRule d = ops::chunk_gated_delta_rule_reference(
+    const ops::DeltaRule d = ops.delta_rule(
         q, k, v, decay, beta, g.chunk_size,
         continues ? std::optional<at::Tensor>(state->ssm) : std::nullopt, state ? std::nullopt : in.doc_BS,
         state != nullptr);

@@ -121,12 +121,13 @@ std::tuple<Tensor, Tensor> ssd_scan_op(const Tensor& x, const Tensor& dt, const 
 }
 
 // With packed documents no final state is formed (an empty tensor comes back).
-std::tuple<Tensor, Tensor> delta_rule_reference_op(const Tensor& q, const Tensor& k, const Tensor& v,
+template <DeltaRule (*Fn)(const Tensor&, const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                          const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>
+std::tuple<Tensor, Tensor> delta_rule_op(const Tensor& q, const Tensor& k, const Tensor& v,
                                                    const Tensor& g, const Tensor& beta, int64_t chunk,
                                                    const std::optional<Tensor>& initial_state,
                                                    const std::optional<Tensor>& document_ids) {
-  const DeltaRule r = chunk_gated_delta_rule_reference(q, k, v, g, beta, chunk, initial_state,
-                                                       document_ids, !document_ids);
+  const DeltaRule r = Fn(q, k, v, g, beta, chunk, initial_state, document_ids, !document_ids);
   return {r.o_BSNV, r.final_BNKV.defined() ? r.final_BNKV : at::empty({0}, q.options())};
 }
 
@@ -192,11 +193,15 @@ TORCH_LIBRARY(automoe, m) {
       "Tensor? document_ids=None) -> (Tensor y, Tensor final_state)";
   m.def((std::string("ssd_scan") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan>));
   m.def((std::string("ssd_scan_reference") + ssd_args).c_str(), TORCH_FN(ssd_scan_op<ssd_scan_reference>));
-  // Gated DeltaNet (ops/delta_rule/delta_rule.h): the chunked gated delta rule and its one-token
-  // step (references).
-  m.def("chunk_gated_delta_rule_reference(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, "
-        "Tensor? initial_state=None, Tensor? document_ids=None) -> (Tensor o, Tensor final_state)",
-        TORCH_FN(delta_rule_reference_op));
+  // Gated DeltaNet (ops/delta_rule/delta_rule.h): the chunked gated delta rule, its reference,
+  // and the one-token step.
+  const char* delta_args =
+      "(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, int chunk, Tensor? initial_state=None, "
+      "Tensor? document_ids=None) -> (Tensor o, Tensor final_state)";
+  m.def((std::string("chunk_gated_delta_rule") + delta_args).c_str(),
+        TORCH_FN(delta_rule_op<chunk_gated_delta_rule>));
+  m.def((std::string("chunk_gated_delta_rule_reference") + delta_args).c_str(),
+        TORCH_FN(delta_rule_op<chunk_gated_delta_rule_reference>));
   m.def("gated_delta_rule_step_reference(Tensor state, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta) "
         "-> (Tensor o, Tensor new_state)",
         TORCH_FN(delta_rule_step_reference_op));

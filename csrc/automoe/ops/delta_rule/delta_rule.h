@@ -35,6 +35,24 @@ DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::T
                                            const std::optional<at::Tensor>& initial_BNKV,
                                            const std::optional<at::Tensor>& doc_BS, bool final_state);
 
+// The same rule as a fused op: the chunked form in ATen ops with no autograd graph and a hand-
+// derived backward that recomputes each chunk from the inputs (delta_rule.cpp; only the inputs
+// are saved), float32 compute for float32 / bf16 inputs; float64 runs the reference. What the
+// model runs (backend "mamba": "fused"); tested against the reference.
+DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
+                                 const at::Tensor& v_BSNV, const at::Tensor& g_BSN,
+                                 const at::Tensor& beta_BSN, int64_t chunk,
+                                 const std::optional<at::Tensor>& initial_BNKV,
+                                 const std::optional<at::Tensor>& doc_BS, bool final_state);
+
+namespace detail {
+// The shapes both implementations take (an automoe::Error naming what differs).
+void check_delta_rule_args(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK, const at::Tensor& v_BSNV,
+                           const at::Tensor& g_BSN, const at::Tensor& beta_BSN, int64_t chunk,
+                           const std::optional<at::Tensor>& initial_BNKV,
+                           const std::optional<at::Tensor>& doc_BS);
+}  // namespace detail
+
 // One decoding step on `state` [B, N, Dk, Dv] float32 (replaced): q, k [B, N, Dk], v [B, N, Dv],
 // g and beta [B, N]; o [B, N, Dv] in q's dtype.
 at::Tensor gated_delta_rule_step_reference(at::Tensor& state_BNKV, const at::Tensor& q_BNK,

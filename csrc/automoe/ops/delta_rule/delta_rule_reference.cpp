@@ -65,11 +65,11 @@ DeltaRule chunk_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at:
 
 }  // namespace
 
-DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
-                                           const at::Tensor& v_BSNV, const at::Tensor& g_BSN,
-                                           const at::Tensor& beta_BSN, int64_t chunk,
-                                           const std::optional<at::Tensor>& initial_BNKV,
-                                           const std::optional<at::Tensor>& doc_BS, bool final_state) {
+namespace detail {
+void check_delta_rule_args(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK, const at::Tensor& v_BSNV,
+                           const at::Tensor& g_BSN, const at::Tensor& beta_BSN, int64_t chunk,
+                           const std::optional<at::Tensor>& initial_BNKV,
+                           const std::optional<at::Tensor>& doc_BS) {
   AUTOMOE_CHECK(q_BSNK.dim() == 4 && k_BSNK.sizes() == q_BSNK.sizes() && v_BSNV.dim() == 4 &&
                     v_BSNV.sizes().slice(0, 3) == q_BSNK.sizes().slice(0, 3) &&
                     g_BSN.sizes() == q_BSNK.sizes().slice(0, 3) && beta_BSN.sizes() == g_BSN.sizes(),
@@ -79,6 +79,28 @@ DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::T
   AUTOMOE_CHECK(chunk > 0, "gated delta rule: chunk must be positive, got ", chunk);
   AUTOMOE_CHECK(!(doc_BS && initial_BNKV), "gated delta rule: packed documents start from zero "
                 "states; an initial state cannot be combined with doc_BS");
+  if (initial_BNKV) {
+    AUTOMOE_CHECK(initial_BNKV->dim() == 4 && initial_BNKV->size(0) == q_BSNK.size(0) &&
+                      initial_BNKV->size(1) == q_BSNK.size(2) && initial_BNKV->size(2) == q_BSNK.size(3) &&
+                      initial_BNKV->size(3) == v_BSNV.size(3),
+                  "gated delta rule: initial_state must be [B, N, Dk, Dv] = [", q_BSNK.size(0), ", ",
+                  q_BSNK.size(2), ", ", q_BSNK.size(3), ", ", v_BSNV.size(3), "], got ", initial_BNKV->sizes());
+  }
+  if (doc_BS) {
+    AUTOMOE_CHECK(doc_BS->dim() == 2 && doc_BS->size(0) == q_BSNK.size(0) && doc_BS->size(1) == q_BSNK.size(1) &&
+                      !doc_BS->is_floating_point(),
+                  "gated delta rule: document_ids must be integer [B, S] = [", q_BSNK.size(0), ", ",
+                  q_BSNK.size(1), "], got ", doc_BS->scalar_type(), " ", doc_BS->sizes());
+  }
+}
+}  // namespace detail
+
+DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
+                                           const at::Tensor& v_BSNV, const at::Tensor& g_BSN,
+                                           const at::Tensor& beta_BSN, int64_t chunk,
+                                           const std::optional<at::Tensor>& initial_BNKV,
+                                           const std::optional<at::Tensor>& doc_BS, bool final_state) {
+  detail::check_delta_rule_args(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, chunk, initial_BNKV, doc_BS);
   const c10::ScalarType t = acc(q_BSNK);
   auto heads_first = [&](const at::Tensor& x) { return x.transpose(1, 2).to(t).contiguous(); };
   const at::Tensor q = heads_first(q_BSNK), k = heads_first(k_BSNK), v = heads_first(v_BSNV);
@@ -89,8 +111,6 @@ DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::T
   } else {
     // Each (row, document) run alone from a zero state.
     const int64_t B = q.size(0), S = q.size(2);
-    AUTOMOE_CHECK(doc_BS->dim() == 2 && doc_BS->size(0) == B && doc_BS->size(1) == S,
-                  "gated delta rule: doc_BS must be [B, S] = [", B, ", ", S, "], got ", doc_BS->sizes());
     const at::Tensor doc = doc_BS->to(at::kCPU, at::kLong).contiguous();
     const auto d = doc.accessor<int64_t, 2>();
     std::vector<at::Tensor> rows;

@@ -1,0 +1,231 @@
+// The chunked gated delta rule with a hand-derived backward: the forward runs the chunked (UT
+// transform) form in ATen ops with no autograd graph; the backward recomputes each chunk's
+// quantities from the inputs (nothing of the forward is saved but them) and walks the state
+// recurrence in reverse. The references are delta_rule_reference.cpp.
+//
+// Per (row, head) and chunk, with Γ_ij = exp(cum_i − cum_j) below the diagonal (cum the within-
+// chunk cumulative log-decay), kb = β∘k, vb = β∘v, M = I + strictly_lower((kb kᵀ)∘Γ):
+//   U = M⁻¹ vb,  W = M⁻¹ (e^cum ∘ kb),  P = (q kᵀ)∘Γ (diagonal included),
+//   q̃ = e^cum ∘ q,  k̃ = e^(cum_Q − cum) ∘ k,  λ = e^cum_Q;
+//   V' = U − W S,  O = q̃ S + P V',  S ← λ S + k̃ᵀ V'.
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include <limits>
+#include <vector>
+
+#include "automoe/core/error.h"
+#include "automoe/ops/common.h"
+#include "automoe/ops/delta_rule/delta_rule.h"
+
+namespace automoe::ops {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Each chunk's quantities, batched over [B, N, c]: q, k, v, beta, g heads-first [B, N, S, ·], the
+// sequence padded to c·Q with zeros.
+struct Chunks {
+  at::Tensor q, k, v, beta, cum;     // [B, N, c, Q, ·], cum [B, N, c, Q]
+  at::Tensor gamma;                  // [B, N, c, Q, Q] lower incl. diagonal, 0 above
+  at::Tensor kb, vb, x, ut, U, W, P; // x = e^cum ∘ kb; ut: M's strictly lower part (unit diagonal implied)
+  at::Tensor q_dec, k_dec, lam;      // q̃, k̃, λ [B, N, c]
+  int64_t c = 0, Q = 0;
+};
+
+at::Tensor pad_to(const at::Tensor& x, int64_t pad) {
+  if (pad == 0) return x;
+  return x.dim() == 4 ? at::constant_pad_nd(x, {0, 0, 0, pad}, 0) : at::constant_pad_nd(x, {0, pad}, 0);
+}
+
+Chunks prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+               const at::Tensor& beta, int64_t Q) {
+  const int64_t B = q.size(0), N = q.size(1), S = q.size(2), Dk = q.size(3), Dv = v.size(3);
+  const int64_t pad = (Q - S % Q) % Q, c = (S + pad) / Q;
+  Chunks h;
+  h.c = c;
+  h.Q = Q;
+  h.q = pad_to(q, pad).reshape({B, N, c, Q, Dk});
+  h.k = pad_to(k, pad).reshape({B, N, c, Q, Dk});
+  h.v = pad_to(v, pad).reshape({B, N, c, Q, Dv});
+  h.beta = pad_to(beta, pad).reshape({B, N, c, Q});
+  h.cum = pad_to(g, pad).reshape({B, N, c, Q}).cumsum(3);
+  const at::Tensor upper = at::ones({Q, Q}, at::TensorOptions().dtype(at::kBool).device(q.device())).triu(1);
+  h.gamma = (h.cum.unsqueeze(4) - h.cum.unsqueeze(3))
+                .masked_fill(upper, -std::numeric_limits<double>::infinity())
+                .exp();
+  h.kb = h.k * h.beta.unsqueeze(-1);
+  h.vb = h.v * h.beta.unsqueeze(-1);
+  const at::Tensor e = h.cum.exp().unsqueeze(-1);
+  h.x = h.kb * e;
+  h.ut = at::matmul(h.kb, h.k.transpose(-1, -2)) * h.gamma;
+  h.U = at::linalg_solve_triangular(h.ut, h.vb, false, true, true);
+  h.W = at::linalg_solve_triangular(h.ut, h.x, false, true, true);
+  h.P = at::matmul(h.q, h.k.transpose(-1, -2)) * h.gamma;
+  h.q_dec = h.q * e;
+  h.k_dec = h.k * (h.cum.narrow(3, Q - 1, 1) - h.cum).exp().unsqueeze(-1);
+  h.lam = h.cum.select(3, Q - 1).exp();
+  return h;
+}
+
+// The forward's state recurrence: the state entering each chunk [B, N, c, Dk, Dv], each chunk's
+// V' [B, N, c, Q, Dv], the outputs [B, N, c, Q, Dv] when asked, and the final state.
+struct Walk {
+  at::Tensor states, vprime, out, final;
+};
+Walk walk(const Chunks& h, const at::Tensor& initial, bool outputs) {
+  std::vector<at::Tensor> states, vprime, outs;
+  at::Tensor s = initial;
+  for (int64_t i = 0; i < h.c; ++i) {
+    states.push_back(s);
+    const at::Tensor vp = h.U.select(2, i) - at::matmul(h.W.select(2, i), s);
+    vprime.push_back(vp);
+    if (outputs) outs.push_back(at::matmul(h.q_dec.select(2, i), s) + at::matmul(h.P.select(2, i), vp));
+    s = s * h.lam.select(2, i).unsqueeze(-1).unsqueeze(-1) + at::matmul(h.k_dec.select(2, i).transpose(-1, -2), vp);
+  }
+  Walk w;
+  w.states = at::stack(states, 2);
+  w.vprime = at::stack(vprime, 2);
+  if (outputs) w.out = at::stack(outs, 2);
+  w.final = s;
+  return w;
+}
+
+struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
+  // q (L2-normalised and scaled), k (L2-normalised) [B, N, S, Dk], v [B, N, S, Dv], g and beta
+  // [B, N, S], initial [B, N, Dk, Dv]: all in the compute dtype, heads first.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                               const at::Tensor& initial, int64_t chunk) {
+    const int64_t B = q.size(0), N = q.size(1), S = q.size(2), Dv = v.size(3);
+    const Chunks h = prepare(q, k, v, g, beta, chunk);
+    const Walk w = walk(h, initial, true);
+    ctx->save_for_backward({q, k, v, g, beta, initial});
+    ctx->saved_data["chunk"] = chunk;
+    return {w.out.reshape({B, N, h.c * h.Q, Dv}).narrow(2, 0, S), w.final};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("chunk_gated_delta_rule");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2], &g = saved[3], &beta = saved[4];
+    const at::Tensor& initial = saved[5];
+    const int64_t B = q.size(0), N = q.size(1), S = q.size(2), Dk = q.size(3), Dv = v.size(3);
+    const Chunks h = prepare(q, k, v, g, beta, ctx->saved_data["chunk"].toInt());
+    const int64_t c = h.c, Q = h.Q, pad = c * Q - S;
+    const Walk w = walk(h, initial, false);
+    const at::Tensor dO = grads[0].defined() ? pad_to(grads[0], pad).reshape({B, N, c, Q, Dv})
+                                             : at::zeros({B, N, c, Q, Dv}, v.options());
+    // The state recurrence in reverse: dS' (the gradient of the state leaving each chunk) and dV'.
+    at::Tensor ds = grads[1].defined() ? grads[1] : at::zeros({B, N, Dk, Dv}, v.options());
+    std::vector<at::Tensor> dvp(c), ds_next(c);
+    for (int64_t i = c - 1; i >= 0; --i) {
+      ds_next[i] = ds;
+      const at::Tensor dvi = at::matmul(h.P.select(2, i).transpose(-1, -2), dO.select(2, i)) +
+                             at::matmul(h.k_dec.select(2, i), ds);
+      dvp[i] = dvi;
+      ds = at::matmul(h.q_dec.select(2, i).transpose(-1, -2), dO.select(2, i)) -
+           at::matmul(h.W.select(2, i).transpose(-1, -2), dvi) +
+           h.lam.select(2, i).unsqueeze(-1).unsqueeze(-1) * ds;
+    }
+    const at::Tensor dV = at::stack(dvp, 2), dSn = at::stack(ds_next, 2);
+    const at::Tensor& St = w.states;  // [B, N, c, Dk, Dv]
+    // O = q̃ S + P V'; S' = λ S + k̃ᵀ V'; V' = U − W S.
+    const at::Tensor dq_dec = at::matmul(dO, St.transpose(-1, -2));
+    const at::Tensor dk_dec = at::matmul(w.vprime, dSn.transpose(-1, -2));
+    const at::Tensor dlam = (St * dSn).sum({-1, -2});
+    const at::Tensor dP = at::matmul(dO, w.vprime.transpose(-1, -2));
+    const at::Tensor dW = -at::matmul(dV, St.transpose(-1, -2));
+    // U = M⁻¹ vb, W = M⁻¹ x: through the unit-lower solves (only M's strictly lower part is free).
+    const at::Tensor Mt = h.ut.transpose(-1, -2);
+    const at::Tensor dvb = at::linalg_solve_triangular(Mt, dV, true, true, true);
+    const at::Tensor dx = at::linalg_solve_triangular(Mt, dW, true, true, true);
+    const at::Tensor dA = -(at::matmul(dvb, h.U.transpose(-1, -2)) + at::matmul(dx, h.W.transpose(-1, -2)))
+                              .tril(-1);
+    // A = (kb kᵀ)∘Γ, P = (q kᵀ)∘Γ.
+    const at::Tensor dAG = dA * h.gamma, dPG = dP * h.gamma;
+    at::Tensor dkb = at::matmul(dAG, h.k);
+    at::Tensor dk = at::matmul(dAG.transpose(-1, -2), h.kb) + at::matmul(dPG.transpose(-1, -2), h.q);
+    at::Tensor dq = at::matmul(dPG, h.k);
+    const at::Tensor dGG = (dA * at::matmul(h.kb, h.k.transpose(-1, -2)) +
+                            dP * at::matmul(h.q, h.k.transpose(-1, -2))) * h.gamma;  // dΓ ∘ Γ
+    at::Tensor dcum = dGG.sum(-1) - dGG.sum(-2);
+    // x = e^cum ∘ kb, q̃ = e^cum ∘ q, k̃ = e^(cum_Q − cum) ∘ k, λ = e^cum_Q.
+    const at::Tensor e = h.cum.exp().unsqueeze(-1);
+    const at::Tensor ek = (h.cum.narrow(3, Q - 1, 1) - h.cum).exp().unsqueeze(-1);
+    dkb = dkb + dx * e;
+    dq = dq + dq_dec * e;
+    dk = dk + dk_dec * ek;
+    const at::Tensor rk = (dk_dec * h.k_dec).sum(-1);
+    dcum = dcum + (dx * h.x).sum(-1) + (dq_dec * h.q_dec).sum(-1) - rk;
+    const at::Tensor dlast = rk.sum(-1) + dlam * h.lam;
+    dcum.select(3, Q - 1).add_(dlast);
+    // kb = β∘k, vb = β∘v.
+    dk = dk + dkb * h.beta.unsqueeze(-1);
+    const at::Tensor dv = dvb * h.beta.unsqueeze(-1);
+    const at::Tensor dbeta = (dkb * h.k).sum(-1) + (dvb * h.v).sum(-1);
+    // cum = cumsum(g) within the chunk.
+    const at::Tensor dg = dcum.flip(3).cumsum(3).flip(3);
+    auto unchunk = [&](const at::Tensor& t) {
+      return t.dim() == 5 ? t.reshape({B, N, c * Q, t.size(4)}).narrow(2, 0, S)
+                          : t.reshape({B, N, c * Q}).narrow(2, 0, S);
+    };
+    return {unchunk(dq), unchunk(dk), unchunk(dv), unchunk(dg), unchunk(dbeta), ds, at::Tensor()};
+  }
+};
+
+at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
+
+}  // namespace
+
+DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
+                                 const at::Tensor& v_BSNV, const at::Tensor& g_BSN,
+                                 const at::Tensor& beta_BSN, int64_t chunk,
+                                 const std::optional<at::Tensor>& initial_BNKV,
+                                 const std::optional<at::Tensor>& doc_BS, bool final_state) {
+  RECORD_FUNCTION("automoe::chunk_gated_delta_rule", c10::ArrayRef<const c10::IValue>{});
+  if (q_BSNK.scalar_type() == at::kDouble) {  // float64 (the tests): the reference
+    return chunk_gated_delta_rule_reference(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, chunk, initial_BNKV,
+                                            doc_BS, final_state);
+  }
+  detail::check_delta_rule_args(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, chunk, initial_BNKV, doc_BS);
+  const int64_t B = q_BSNK.size(0), S = q_BSNK.size(1), N = q_BSNK.size(2);
+  const int64_t Dk = q_BSNK.size(3), Dv = v_BSNV.size(3);
+  auto heads_first = [](const at::Tensor& x) { return x.transpose(1, 2).to(at::kFloat).contiguous(); };
+  // The normalisation and the scale under ATen's autograd; the rule under its own.
+  const at::Tensor q = l2norm(heads_first(q_BSNK)) * std::pow(static_cast<double>(Dk), -0.5);
+  const at::Tensor k = l2norm(heads_first(k_BSNK));
+  const at::Tensor v = heads_first(v_BSNV), g = heads_first(g_BSN), beta = heads_first(beta_BSN);
+  DeltaRule r;
+  if (!doc_BS) {
+    const at::Tensor h0 = initial_BNKV ? initial_BNKV->to(at::kFloat)
+                                       : at::zeros({B, N, Dk, Dv}, q.options());
+    const variable_list out = DeltaRuleFn::apply(q, k, v, g, beta, h0, chunk);
+    r.o_BSNV = out[0];
+    if (final_state) r.final_BNKV = out[1];
+  } else {
+    // Each (row, document) run alone from a zero state.
+    const at::Tensor doc = doc_BS->to(at::kCPU, at::kLong).contiguous();
+    const auto d = doc.accessor<int64_t, 2>();
+    std::vector<at::Tensor> rows;
+    for (int64_t b = 0; b < B; ++b) {
+      std::vector<at::Tensor> parts;
+      for (int64_t s0 = 0; s0 < S;) {
+        int64_t s1 = s0 + 1;
+        while (s1 < S && d[b][s1] == d[b][s0]) ++s1;
+        auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, s1 - s0); };
+        parts.push_back(DeltaRuleFn::apply(seg(q), seg(k), seg(v), seg(g), seg(beta),
+                                           at::zeros({1, N, Dk, Dv}, q.options()), chunk)[0]);
+        s0 = s1;
+      }
+      rows.push_back(at::cat(parts, 2));
+    }
+    r.o_BSNV = at::cat(rows, 0);
+  }
+  r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(q_BSNK.scalar_type());
+  return r;
+}
+
+}  // namespace automoe::ops
