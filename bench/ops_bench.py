@@ -45,6 +45,10 @@ PRESETS = {
     # Mamba-2 mixer: MH heads of MP, MG groups of state MN, chunk MQ)
     "nemotron-3-nano": dict(T=1024, H=2688, E=128, K=6, I=1856, V=131072, N=32, KV=2, D=128,
                             MH=64, MP=64, MG=8, MN=128, MQ=128),
+    # Qwen3-Next-80B-A3B's layer geometry (hidden 2048, 512 experts top-10, vocabulary 151936); its
+    # gated DeltaNet: GN value heads (GK key heads) of GDk x GDv, chunk GQ
+    "qwen3-next": dict(T=1024, H=2048, E=512, K=10, I=512, V=151936, N=16, KV=2, D=256,
+                       GN=32, GK=16, GDk=128, GDv=128, GQ=64),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -239,6 +243,20 @@ def op_rows(p, dtype, device, reps, peaks, include_layer_refs, quick_refs=False,
             fwd_bwd(lambda *a: OPS.ssd_scan(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]),
             fwd_bwd(lambda *a: OPS.ssd_scan_reference(*a, MQ)[0], [sx, sdt, sA, sB, sC, sD]),
             flops=ssd_flops)
+    if "GN" in p:  # the gated delta rule: [1, T] tokens, key heads repeated to the value heads
+        GN, GDk, GDv, GQ = (p[k] for k in ("GN", "GDk", "GDv", "GQ"))
+        dq, dk, dv = leaf(mk(1, T, GN, GDk)), leaf(mk(1, T, GN, GDk)), leaf(mk(1, T, GN, GDv))
+        dg = leaf(-torch.rand(1, T, GN, device=device) * 0.3)
+        db = leaf(torch.rand(1, T, GN, device=device).to(dtype))
+        # The chunked form's products as executed, per token and head: k_β·kᵀ and q·kᵀ within its
+        # chunk (GQ x GDk each), the two triangular solves (GQ/2 x (GDk + GDv)), the new values
+        # against the state, its read-out and update (3 x GDk x GDv) and the intra-chunk P·V' (GQ x
+        # GDv); fwd + bwd = 3 x the forward.
+        dr_flops = 3 * 2 * T * GN * (2 * GQ * GDk + GQ * (GDk + GDv) / 2 + 3 * GDk * GDv + GQ * GDv)
+        add("chunk_gated_delta_rule fwd+bwd (hand-derived backward; float32 compute)",
+            fwd_bwd(lambda *a: OPS.chunk_gated_delta_rule(*a, GQ)[0], [dq, dk, dv, dg, db]),
+            fwd_bwd(lambda *a: OPS.chunk_gated_delta_rule_reference(*a, GQ)[0], [dq, dk, dv, dg, db]),
+            flops=dr_flops)
     xp = leaf(mk(T * K, H))
     w_gu = leaf(mk(E, 2 * I, H, scale=0.02))
     gg_flops = 3 * 2 * T * K * H * 2 * I

@@ -378,7 +378,8 @@ def delta_rule_cases():
     # dims, packed documents, an initial state (its gradient too), the final state as an output.
     for B, S, N, Dk, Dv, Q, docs, init in [(1, 1, 2, 4, 3, 4, False, False), (2, 13, 3, 8, 5, 4, False, True),
                                            (1, 70, 2, 16, 8, 64, False, True), (2, 33, 2, 8, 8, 8, True, False),
-                                           (1, 150, 4, 32, 16, 64, False, False)]:
+                                           (1, 150, 4, 32, 16, 64, False, False), (2, 20, 2, 8, 4, 6, True, False),
+                                           (1, 23, 3, 8, 4, 5, False, True)]:
         def make(g, B=B, S=S, N=N, Dk=Dk, Dv=Dv, docs=docs, init=init):
             return [randn(g, B, S, N, Dk), randn(g, B, S, N, Dk), randn(g, B, S, N, Dv),
                     -torch.rand(B, S, N, generator=g, dtype=torch.float64) * 0.5,

