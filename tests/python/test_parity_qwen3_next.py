@@ -54,6 +54,20 @@ CONFIGS_35 = {
     "qwen3_5_linear_full_r2": dict(output_router_logits=True),
     "qwen3_5_interval_default_r3_kernel4": dict(layer_types=None, num_hidden_layers=4, linear_num_key_heads=1,
                                                 linear_num_value_heads=3, linear_conv_kernel_dim=4),
+    "qwen3_5_attention_first_gqa1_kernel2": dict(layer_types=[FULL, LIN, LIN], num_hidden_layers=3,
+                                                 num_key_value_heads=1, linear_conv_kernel_dim=2),
+    # (not top-1: Qwen3.5 always renormalises, so a top-1 weight is exactly 1 and its router gradient 0)
+    "qwen3_5_r1_wide_heads": dict(linear_num_value_heads=2, linear_key_head_dim=19, linear_value_head_dim=11,
+                                  output_router_logits=True),
+    "qwen3_5_full_rotary_bias_tied": dict(
+        attention_bias=True, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 1.0,
+                         "mrope_section": [2, 1, 1], "mrope_interleaved": True}),
+    "qwen3_5_two_attention_layers_mha": dict(layer_types=[LIN, FULL, FULL, LIN], num_key_value_heads=4),
+    "qwen3_5_five_layers_top3": dict(layer_types=[LIN, LIN, FULL, LIN, LIN], num_hidden_layers=5,
+                                     num_experts_per_tok=3, output_router_logits=True),
+    "qwen3_5_head_dim12_experts8": dict(head_dim=12, num_experts=8, moe_intermediate_size=8,
+                                        shared_expert_intermediate_size=9),
 }
 MODELS = {**{n: ("qwen3_next", BASE, c) for n, c in CONFIGS.items()},
           **{n: ("qwen3_5_moe_text", BASE_35, c) for n, c in CONFIGS_35.items()}}

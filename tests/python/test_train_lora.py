@@ -221,19 +221,29 @@ def test_an_adapter_for_another_model_is_refused_with_its_shapes(model_dir, tmp_
     assert not (tmp_path / "out").exists()
 
 
-def test_nemotron_h_lora_recipe_round_trips_through_peft_and_transformers(tmp_path, tmp_path_factory, tokenizer):
+HYBRID_LORA = {
+    "nemotron_h": (["in_proj", "q_proj", "o_proj"], ["mixer.experts.up_proj", "mixer.experts.down_proj"]),
+    "qwen3_next": (["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj"],
+                   ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+}
+
+
+@pytest.mark.parametrize("family", sorted(HYBRID_LORA))
+def test_hybrid_lora_recipe_round_trips_through_peft_and_transformers(tmp_path, tmp_path_factory, tokenizer,
+                                                                      family):
     """LoRA through the recipe on Nemotron-H (Mamba-2 in_proj, attention, the relu2 experts without
-    a gate): PEFT loads the exported adapter onto Transformers' model and Transformers the merged
-    model, both with the engine's logits."""
+    a gate) and Qwen3-Next (gated DeltaNet's projections, the gated attention, the routed experts):
+    PEFT loads the exported adapter onto Transformers' model and Transformers the merged model,
+    both with the engine's logits."""
     import transformers
     from peft import PeftModel
     from test_train_families import tiny_family_checkpoint
 
     import automoe
 
-    model_dir = tiny_family_checkpoint("nemotron_h", tmp_path_factory, tokenizer)
-    experts = ["mixer.experts.up_proj", "mixer.experts.down_proj"]
-    run_train(lora_recipe(model_dir, tmp_path, "run", target_modules=["in_proj", "q_proj", "o_proj"],
+    model_dir = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
+    modules, experts = HYBRID_LORA[family]
+    run_train(lora_recipe(model_dir, tmp_path, "run", target_modules=modules,
                           target_parameters=experts, export_merged=True), tmp_path)
     adapter, merged_dir = tmp_path / "run" / "export", tmp_path / "run" / "export-merged"
     assert json.loads((adapter / "adapter_config.json").read_text())["target_parameters"] == experts
