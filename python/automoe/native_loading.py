@@ -79,6 +79,25 @@ def _native_config(cls, path: str, config, kwargs: dict):
     return config
 
 
+def _initialize_as_transformers(model) -> None:
+    """What Transformers' from_pretrained does after loading: every loaded tensor is marked
+    initialised and the model's `_init_weights` still runs over the module tree. It skips the
+    marked tensors, but it evaluates its arguments — Qwen3-Next's `A_log` draws from the global
+    generator, for one — so that seeded code after from_pretrained (PEFT's adapter init, a
+    dropout mask) sees the generator state Transformers leaves. The engine's tensors are never
+    written (Transformers' init functions honour the mark, as its own loading relies on). Our
+    subclasses live outside `transformers.`, which Transformers would take for custom code and skip
+    whole modules for: they run Transformers' own `_init_weights`, as its class does."""
+    with torch.no_grad():
+        for tensor in model.state_dict(keep_vars=True).values():
+            tensor._is_hf_initialized = True
+        model.is_custom_code = lambda: False
+        try:
+            model.initialize_weights()
+        finally:
+            del model.is_custom_code
+
+
 def _expert_parallel(ep_size, device: torch.device | None):
     """from_pretrained(ep_size=N): this rank's place in the mesh world = dp x ep over the
     torch.distributed world the user initialised, as the engine's arguments (None: one process
@@ -213,6 +232,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
     model.name_or_path = os.fspath(pretrained_model_name_or_path)
     if device is not None and device.type != "cpu":
         model.to(device)
+    _initialize_as_transformers(model)
     logger.info("automoe: %s (%s) runs natively in the AutoMoE engine: %s", path, config.model_type,
                 ", ".join(f"{k}={v}" for k, v in engine.backend().items()))
     if output_loading_info:

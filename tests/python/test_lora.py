@@ -279,9 +279,12 @@ def test_qwen3_next_deltanet_gated_attention_and_experts_match_peft_on_transform
     target_parameters the routed experts. Logits and every adapter's gradient equal PEFT's on
     Transformers' model."""
     import transformers
-    from test_parity_qwen3_next import make_config, realistic_decays
+    from test_parity_qwen3_next import make_config
 
-    path = write_checkpoint(tmp_path / "ckpt", make_config(name), "fused", seed=7, adjust=realistic_decays)
+    # Transformers' own initialisation (std 0.02): the adapters' effect is what the test measures.
+    torch.manual_seed(7)
+    path = tmp_path / "ckpt"
+    transformers.AutoModelForCausalLM.from_config(make_config(name)).save_pretrained(path)
     cfg = LoraConfig(r=4, lora_alpha=8,
                      target_modules=["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
                                      "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -296,7 +299,7 @@ def test_qwen3_next_deltanet_gated_attention_and_experts_match_peft_on_transform
         g = torch.Generator().manual_seed(1)
         for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
             assert n1 == n2
-            if "lora_" in n1:  # both factors: the two loads draw PEFT's init from different RNG states
+            if "lora_B" in n1:  # lora_A: PEFT's init, drawn from the generator both loads leave alike
                 a.copy_(torch.randn(a.shape, generator=g) * 0.05)
                 b.copy_(a)
     names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}

@@ -348,3 +348,20 @@ def test_a_vision_language_checkpoint_loads_its_language_model(tmp_path, capfd):
         ours.save_pretrained(tmp_path / "text")
         again = HFModel.from_pretrained(tmp_path / "text")(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(again, want)
+
+
+@pytest.mark.parametrize("name", ["linear_full_linear_linear_r2_kernel3", "qwen3_5_linear_full_r2"])
+def test_from_pretrained_leaves_the_global_generator_where_transformers_leaves_it(qwen3_next_checkpoint, name):
+    """Transformers' from_pretrained draws from the global generator (its _init_weights evaluates
+    A_log's uniform draw even for loaded weights): seeded code after loading (PEFT's adapter init,
+    a dropout mask) must see the same generator state with the drop-in."""
+    from transformers import AutoModelForCausalLM as HFModel
+
+    path = qwen3_next_checkpoint(name)
+    after = []
+    for load in (HFModel.from_pretrained, automoe.AutoModelForCausalLM.from_pretrained):
+        torch.manual_seed(0)
+        load(path)
+        after.append(torch.rand(4))
+    torch.manual_seed(0)
+    assert torch.equal(after[1], after[0]) and not torch.equal(after[0], torch.rand(4))
