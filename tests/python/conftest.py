@@ -120,6 +120,16 @@ def checkpoint_factory(tmp_path_factory):
     return make
 
 
+def left_padded_prompts(vocab_size: int, seed: int = 3):
+    """Three prompts of 7, 5 and 3 tokens, left-padded with token 0 (what generate expects)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab_size, (3, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
 def padded_batch(vocab_size: int, seed: int = 1):
     """Three rows of length 9: one full, one right-padded, one left-padded."""
     g = torch.Generator().manual_seed(seed)

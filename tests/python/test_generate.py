@@ -5,20 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import left_padded_prompts, rel_err
 
 import automoe
 from automoe import EngineCache
 
 
 def prompts(vocab: int):
-    """Three prompts of 7, 5 and 3 tokens, left-padded with token 0 (what generate expects)."""
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(1, vocab, (3, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :4] = 0
-    return ids.masked_fill(mask == 0, 0), mask
+    return left_padded_prompts(vocab, seed=7)
 
 
 @pytest.fixture(scope="module")

@@ -65,6 +65,19 @@ def peft_pair(ckpt, targets: dict, **extra):
     return p_ours, p_theirs
 
 
+def assert_logits_and_adapter_grads_match(ours, theirs):
+    """One batch through both PEFT models: logits to 1e-5, every adapter's gradient to 1e-4."""
+    ids, labels = next(batches(theirs.config.vocab_size, 1))
+    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
+    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
+    for o in out:
+        o.loss.backward()
+    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    for n, p in theirs.named_parameters():
+        if p.requires_grad:
+            assert rel_err(grads[n], p.grad) <= 1e-4, n
+
+
 @pytest.mark.parametrize("targets", [ATTN, EXPERTS, BOTH], ids=["attention", "experts", "both"])
 def test_peft_trains_automoe_as_it_trains_transformers(ckpt, targets):
     p_ours, p_theirs = peft_pair(ckpt, targets)
@@ -187,35 +200,15 @@ def test_all_linear_and_experts_on_other_families_match_peft_on_transformers(fam
     """MLA's low-rank projections, shared experts, Qwen2-MoE's shared_expert_gate [1, H] (PEFT's
     all-linear includes it, whatever the rank), dense MLP layers and Mixtral's experts: the logits
     and every adapter's gradient equal PEFT's on Transformers' model."""
-    import transformers
     from test_parity_families import make_config
 
     path = write_checkpoint(tmp_path / "ckpt", make_config(family, name), "fused", seed=7)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    models = []
-    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
-        torch.manual_seed(0)
-        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
-    ours, theirs = models
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert n1 == n2
-            if "lora_B" in n1:
-                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
-                b.copy_(a)
+    targets = dict(target_modules="all-linear",
+                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ours, theirs = peft_pair(path, targets)
     names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
     assert any("experts" in n for n in names) and any("proj" in n for n in names)
-    ids, labels = next(batches(theirs.config.vocab_size, 1))
-    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
-    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
-    for m, o in zip((ours, theirs), out):
-        o.loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    for n, p in theirs.named_parameters():
-        if p.requires_grad:
-            assert rel_err(grads[n], p.grad) <= 1e-4, n
+    assert_logits_and_adapter_grads_match(ours, theirs)
 
 
 def test_nemotron_h_mamba_latent_and_relu2_experts_match_peft_on_transformers(tmp_path):
@@ -223,39 +216,18 @@ def test_nemotron_h_mamba_latent_and_relu2_experts_match_peft_on_transformers(tm
     models), attention, the shared expert, the dense MLP and the latent projections;
     target_parameters the routed experts without a gate (up_proj / down_proj). Logits and every
     adapter's gradient equal PEFT's on Transformers' model."""
-    import transformers
     from test_parity_nemotron import make_config
 
     path = write_checkpoint(tmp_path / "ckpt", make_config("latent_moe_biases"), "fused", seed=7)
-    cfg = LoraConfig(r=4, lora_alpha=8,
-                     target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
-                                     "down_proj", "fc1_latent_proj", "fc2_latent_proj"],
-                     target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"])
-    models = []
-    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
-        torch.manual_seed(0)
-        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
-    ours, theirs = models
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert n1 == n2
-            if "lora_B" in n1:
-                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
-                b.copy_(a)
+    targets = dict(target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj",
+                                   "down_proj", "fc1_latent_proj", "fc2_latent_proj"],
+                   target_parameters=["mixer.experts.up_proj", "mixer.experts.down_proj"])
+    ours, theirs = peft_pair(path, targets)
     names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
     for part in ("in_proj", "q_proj", "fc1_latent_proj", "shared_experts.up_proj", "3.mixer.up_proj",
                  "experts.up_proj", "experts.down_proj"):
         assert any(part in n for n in names), part
-    ids, labels = next(batches(theirs.config.vocab_size, 1))
-    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
-    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
-    for o in out:
-        o.loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    for n, p in theirs.named_parameters():
-        if p.requires_grad:
-            assert rel_err(grads[n], p.grad) <= 1e-4, n
+    assert_logits_and_adapter_grads_match(ours, theirs)
 
 
 def test_disable_adapter_after_merge_gives_the_base_model(ckpt):
@@ -285,35 +257,15 @@ def test_qwen3_next_deltanet_gated_attention_and_experts_match_peft_on_transform
     torch.manual_seed(7)
     path = tmp_path / "ckpt"
     transformers.AutoModelForCausalLM.from_config(make_config(name)).save_pretrained(path)
-    cfg = LoraConfig(r=4, lora_alpha=8,
-                     target_modules=["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
-                                     "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
-                                     "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    models = []
-    for load in (AutoModelForCausalLM.from_pretrained, transformers.AutoModelForCausalLM.from_pretrained):
-        torch.manual_seed(0)
-        models.append(get_peft_model(load(path, dtype=torch.float32), copy.deepcopy(cfg)))
-    ours, theirs = models
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(1)
-        for (n1, a), (n2, b) in zip(ours.named_parameters(), theirs.named_parameters()):
-            assert n1 == n2
-            if "lora_B" in n1:  # lora_A: PEFT's init, drawn from the generator both loads leave alike
-                a.copy_(torch.randn(a.shape, generator=g) * 0.05)
-                b.copy_(a)
+    targets = dict(target_modules=["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                                   "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
+                                   "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],
+                   target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    ours, theirs = peft_pair(path, targets)
     names = {n.split(".lora_")[0] for n, p in ours.named_parameters() if p.requires_grad}
     # (PEFT itself picks which modules get adapters — on Qwen3-Next it leaves the shared expert's
-    # MLP out; the zip above holds the engine to the same choice.)
+    # MLP out; peft_pair holds the engine to the same names.)
     for part in ("linear_attn.out_proj", "self_attn.q_proj", "shared_expert_gate", "mlp.experts",
                  "linear_attn.in_proj_qkv" if "qwen3_5" in name else "linear_attn.in_proj_qkvz"):
         assert any(part in n for n in names), part
-    ids, labels = next(batches(theirs.config.vocab_size, 1))
-    out = [m(input_ids=ids, labels=labels) for m in (ours, theirs)]
-    assert rel_err(out[0].logits.detach(), out[1].logits.detach()) <= 1e-5
-    for o in out:
-        o.loss.backward()
-    grads = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
-    for n, p in theirs.named_parameters():
-        if p.requires_grad:
-            assert rel_err(grads[n], p.grad) <= 1e-4, n
+    assert_logits_and_adapter_grads_match(ours, theirs)

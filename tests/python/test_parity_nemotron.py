@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import padded_batch, rel_err, write_checkpoint
+from conftest import left_padded_prompts, padded_batch, rel_err, write_checkpoint
 
 import automoe
 
@@ -120,15 +120,6 @@ def test_saved_checkpoint_loads_back_into_transformers_bit_identically(nemotron_
         assert names(tmp_path / layout) == names(path)  # `backbone.` and per-expert names as written
         if layout == "per-expert":
             assert any(n.startswith("backbone.layers.1.mixer.experts.0.") for n in names(path))
-
-
-def left_padded_prompts(vocab_size: int):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, vocab_size, (3, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :4] = 0
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("name", ["mamba_moe_attn_mlp_groups2_chunk4", "attention_first_groups3_heads6"])

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import padded_batch, rel_err, write_checkpoint
+from conftest import left_padded_prompts, padded_batch, rel_err, write_checkpoint
 
 import automoe
 
@@ -184,15 +184,6 @@ def test_saved_checkpoint_loads_back_into_transformers_bit_identically(qwen3_nex
                 return set(f.keys())
 
         assert names(out) == names(path)
-
-
-def left_padded_prompts(vocab_size: int):
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(1, vocab_size, (3, 7), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, :2] = 0
-    mask[2, :4] = 0
-    return ids.masked_fill(mask == 0, 0), mask
 
 
 @pytest.mark.parametrize("name", ["linear_full_linear_linear_r2_kernel3", "attention_first_r3_gqa1_kernel2",

@@ -209,8 +209,6 @@ struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
   }
 };
 
-at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
-
 }  // namespace
 
 DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
@@ -224,12 +222,12 @@ DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_B
                                             doc_BS, final_state);
   }
   detail::check_delta_rule_args(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, chunk, initial_BNKV, doc_BS);
-  const int64_t B = q_BSNK.size(0), S = q_BSNK.size(1), N = q_BSNK.size(2);
+  const int64_t B = q_BSNK.size(0), N = q_BSNK.size(2);
   const int64_t Dk = q_BSNK.size(3), Dv = v_BSNV.size(3);
   auto heads_first = [](const at::Tensor& x) { return x.transpose(1, 2).to(at::kFloat).contiguous(); };
   // The normalisation and the scale under ATen's autograd; the rule under its own.
-  const at::Tensor q = l2norm(heads_first(q_BSNK)) * std::pow(static_cast<double>(Dk), -0.5);
-  const at::Tensor k = l2norm(heads_first(k_BSNK));
+  const at::Tensor q = detail::l2norm(heads_first(q_BSNK)) * std::pow(static_cast<double>(Dk), -0.5);
+  const at::Tensor k = detail::l2norm(heads_first(k_BSNK));
   const at::Tensor v = heads_first(v_BSNV), g = heads_first(g_BSN), beta = heads_first(beta_BSN);
   DeltaRule r;
   if (!doc_BS) {
@@ -240,22 +238,11 @@ DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_B
     if (final_state) r.final_BNKV = out[1];
   } else {
     // Each (row, document) run alone from a zero state.
-    const at::Tensor doc = doc_BS->to(at::kCPU, at::kLong).contiguous();
-    const auto d = doc.accessor<int64_t, 2>();
-    std::vector<at::Tensor> rows;
-    for (int64_t b = 0; b < B; ++b) {
-      std::vector<at::Tensor> parts;
-      for (int64_t s0 = 0; s0 < S;) {
-        int64_t s1 = s0 + 1;
-        while (s1 < S && d[b][s1] == d[b][s0]) ++s1;
-        auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, s1 - s0); };
-        parts.push_back(DeltaRuleFn::apply(seg(q), seg(k), seg(v), seg(g), seg(beta),
-                                           at::zeros({1, N, Dk, Dv}, q.options()), chunk)[0]);
-        s0 = s1;
-      }
-      rows.push_back(at::cat(parts, 2));
-    }
-    r.o_BSNV = at::cat(rows, 0);
+    r.o_BSNV = detail::over_documents(*doc_BS, [&](int64_t b, int64_t s0, int64_t len) {
+      auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, len); };
+      return DeltaRuleFn::apply(seg(q), seg(k), seg(v), seg(g), seg(beta),
+                                at::zeros({1, N, Dk, Dv}, q.options()), chunk)[0];
+    });
   }
   r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(q_BSNK.scalar_type());
   return r;

@@ -18,6 +18,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 
 namespace automoe::ops {
@@ -51,6 +52,12 @@ void check_delta_rule_args(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK, c
                            const at::Tensor& g_BSN, const at::Tensor& beta_BSN, int64_t chunk,
                            const std::optional<at::Tensor>& initial_BNKV,
                            const std::optional<at::Tensor>& doc_BS);
+// x · rsqrt(Σx² + 1e-6) over the last dim (the FLA l2norm Transformers' rule applies to q and k).
+at::Tensor l2norm(const at::Tensor& x);
+// Packed documents: `segment(b, s0, len)` (heads first, [1, N, len, Dv]) on each (row, document)
+// run of doc_BS [B, S], concatenated to [B, N, S, Dv].
+at::Tensor over_documents(const at::Tensor& doc_BS,
+                          const std::function<at::Tensor(int64_t b, int64_t s0, int64_t len)>& segment);
 }  // namespace detail
 
 // One decoding step on `state` [B, N, Dk, Dv] float32 (replaced): q, k [B, N, Dk], v [B, N, Dv],

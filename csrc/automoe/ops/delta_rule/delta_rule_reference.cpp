@@ -13,14 +13,12 @@ c10::ScalarType acc(const at::Tensor& t) {
   return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
-
 // Transformers' torch_chunk_gated_delta_rule on [B, N, S, ·] tensors in the compute dtype.
 DeltaRule chunk_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at::Tensor beta,
                      int64_t Q, const std::optional<at::Tensor>& initial, bool final_state) {
   const int64_t B = q.size(0), N = q.size(1), S = q.size(2), Dk = q.size(3), Dv = v.size(3);
-  q = l2norm(q);
-  k = l2norm(k);
+  q = detail::l2norm(q);
+  k = detail::l2norm(k);
   q = q * std::pow(static_cast<double>(Dk), -0.5);
   const int64_t pad = (Q - S % Q) % Q;
   if (pad > 0) {
@@ -66,6 +64,27 @@ DeltaRule chunk_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at:
 }  // namespace
 
 namespace detail {
+at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
+
+at::Tensor over_documents(const at::Tensor& doc_BS,
+                          const std::function<at::Tensor(int64_t b, int64_t s0, int64_t len)>& segment) {
+  const at::Tensor doc = doc_BS.to(at::kCPU, at::kLong).contiguous();
+  const auto d = doc.accessor<int64_t, 2>();
+  const int64_t B = doc.size(0), S = doc.size(1);
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<at::Tensor> parts;
+    for (int64_t s0 = 0; s0 < S;) {
+      int64_t s1 = s0 + 1;
+      while (s1 < S && d[b][s1] == d[b][s0]) ++s1;
+      parts.push_back(segment(b, s0, s1 - s0));
+      s0 = s1;
+    }
+    rows.push_back(at::cat(parts, 2));
+  }
+  return at::cat(rows, 0);
+}
+
 void check_delta_rule_args(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK, const at::Tensor& v_BSNV,
                            const at::Tensor& g_BSN, const at::Tensor& beta_BSN, int64_t chunk,
                            const std::optional<at::Tensor>& initial_BNKV,
@@ -110,23 +129,10 @@ DeltaRule chunk_gated_delta_rule_reference(const at::Tensor& q_BSNK, const at::T
     r = chunk_rule(q, k, v, g, beta, chunk, initial_BNKV, final_state);
   } else {
     // Each (row, document) run alone from a zero state.
-    const int64_t B = q.size(0), S = q.size(2);
-    const at::Tensor doc = doc_BS->to(at::kCPU, at::kLong).contiguous();
-    const auto d = doc.accessor<int64_t, 2>();
-    std::vector<at::Tensor> rows;
-    for (int64_t b = 0; b < B; ++b) {
-      std::vector<at::Tensor> parts;
-      for (int64_t s0 = 0; s0 < S;) {
-        int64_t s1 = s0 + 1;
-        while (s1 < S && d[b][s1] == d[b][s0]) ++s1;
-        auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, s1 - s0); };
-        parts.push_back(chunk_rule(seg(q), seg(k), seg(v), seg(g), seg(beta), chunk, std::nullopt,
-                                   false).o_BSNV);
-        s0 = s1;
-      }
-      rows.push_back(at::cat(parts, 2));
-    }
-    r.o_BSNV = at::cat(rows, 0);
+    r.o_BSNV = detail::over_documents(*doc_BS, [&](int64_t b, int64_t s0, int64_t len) {
+      auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, len); };
+      return chunk_rule(seg(q), seg(k), seg(v), seg(g), seg(beta), chunk, std::nullopt, false).o_BSNV;
+    });
   }
   r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(q_BSNK.scalar_type());
   return r;
@@ -136,8 +142,8 @@ at::Tensor gated_delta_rule_step_reference(at::Tensor& state_BNKV, const at::Ten
                                            const at::Tensor& k_BNK, const at::Tensor& v_BNV,
                                            const at::Tensor& g_BN, const at::Tensor& beta_BN) {
   const c10::ScalarType t = acc(q_BNK);
-  const at::Tensor q = l2norm(q_BNK.to(t)) * std::pow(static_cast<double>(q_BNK.size(-1)), -0.5);
-  const at::Tensor k = l2norm(k_BNK.to(t));
+  const at::Tensor q = detail::l2norm(q_BNK.to(t)) * std::pow(static_cast<double>(q_BNK.size(-1)), -0.5);
+  const at::Tensor k = detail::l2norm(k_BNK.to(t));
   at::Tensor s = state_BNKV.to(t) * g_BN.to(t).exp().unsqueeze(-1).unsqueeze(-1);
   const at::Tensor kv_mem = (s * k.unsqueeze(-1)).sum(-2);
   const at::Tensor delta = (v_BNV.to(t) - kv_mem) * beta_BN.to(t).unsqueeze(-1);
