@@ -356,3 +356,22 @@ def test_from_pretrained_leaves_the_global_generator_where_transformers_leaves_i
         after.append(torch.rand(4))
     torch.manual_seed(0)
     assert torch.equal(after[1], after[0]) and not torch.equal(after[0], torch.rand(4))
+
+
+@pytest.mark.parametrize("changes, key", [
+    (dict(layer_types=[LIN, "sliding_attention", LIN, LIN]), "layer_types"),
+    (dict(linear_num_key_heads=3, linear_num_value_heads=4), "linear_num_value_heads"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+])
+def test_configs_the_engine_cannot_run_are_refused_by_key(qwen3_next_checkpoint, tmp_path, changes, key):
+    """A config value the engine does not implement is an error naming the key, never a crash or a
+    silently different model."""
+    import json
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(qwen3_next_checkpoint("linear_full_linear_linear_r2_kernel3"), path)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    with pytest.raises(automoe.AutoMoEError, match=key):
+        automoe.AutoModelForCausalLM.from_pretrained(path)
