@@ -26,7 +26,8 @@ throughput measured in the same run (large at::mm), and on GPU against the datas
 routed experts (PEFT's target_parameters mlp.experts.gate_up_proj / down_proj), float32 adapters,
 the base frozen, AdamW over the adapters only. Transformers runs PEFT's own get_peft_model; AutoMoE
 runs its engine (`automoe bench --lora R`, and with --dropin PEFT's get_peft_model on the drop-in);
-AutoMoE's full fine-tune runs beside them for the memory comparison.
+AutoMoE's full fine-tune runs beside them for the memory comparison (--no-full-finetune leaves it out
+where it does not fit).
 
 Writes OUT/results.json, OUT/results.md and OUT/chart.png; prints the Markdown table.
 """
@@ -490,7 +491,7 @@ def orchestrate(args) -> dict:
                  [exe, "bench", "--config", str(config_path), "--experts", b, *common_flags(args),
                   *optimizer_flags(opt)])
                 for b in args.automoe_experts.split(",") for opt in args.automoe_optimizer.split(",")]
-        if args.lora:  # AutoMoE's own full fine-tune beside its LoRA: what LoRA saves
+        if args.lora and not args.no_full_finetune:  # AutoMoE's own full fine-tune: what LoRA saves
             runs.append(("automoe", "automoe (full fine-tune)",
                          [exe, "bench", "--config", str(config_path), *common_flags(args, lora=False)]))
         if args.dropin:
@@ -581,6 +582,9 @@ def main(argv=None) -> int:
                         "e.g. none/8bit/in_backward")
     p.add_argument("--lora", type=int, default=0, help="LoRA rank: both sides fine-tune rank-R adapters "
                    "(Transformers with PEFT), AutoMoE's full fine-tune runs beside them")
+    p.add_argument("--no-full-finetune", action="store_true",
+                   help="with --lora: leave out AutoMoE's full fine-tune beside it (a geometry whose "
+                        "full fine-tune does not fit the machine)")
     p.add_argument("--dropin", action="store_true",
                    help="Qwen3-MoE: also time the Python drop-in (automoe.AutoModelForCausalLM) on the engine")
     p.add_argument("--hf-allocator", default="system", choices=["system", "jemalloc"],

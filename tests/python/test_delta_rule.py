@@ -75,3 +75,22 @@ def test_gradients_pass_gradcheck():
     h0 = torch.randn(1, 2, 3, 2, generator=g, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(
         lambda q, k, v, a, b, h: OPS.chunk_gated_delta_rule_reference(q, k, v, a, b, 4, h), (*ins, h0))
+
+
+def test_the_aten_form_cuda_runs_matches_the_reference():
+    """On the CPU float32 and bf16 run the CPU kernels; float16 runs the ATen form (what CUDA runs):
+    outputs and gradients against the float64 reference on the same float16-rounded inputs."""
+    g = torch.Generator().manual_seed(11)
+    base = [x.half() for x in inputs(g, 2, 70, 3, 8, 4)]
+    h0 = torch.randn(2, 3, 8, 4, generator=g, dtype=torch.float64)
+    ours = [x.clone().requires_grad_() for x in base]
+    ref = [x.double().requires_grad_() for x in base]
+    o, final = OPS.chunk_gated_delta_rule(*ours, 16, h0.float())
+    o_ref, final_ref = OPS.chunk_gated_delta_rule_reference(*ref, 16, h0)
+    assert o.dtype == torch.float16
+    assert rel_err(o.double(), o_ref) <= 2e-3 and rel_err(final.double(), final_ref) <= 1e-5
+    u = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    (o.float() * u.float()).sum().backward()
+    (o_ref * u).sum().backward()
+    for a, b in zip(ours, ref):
+        assert rel_err(a.grad.double(), b.grad) <= 2e-3

@@ -251,12 +251,20 @@ def test_qwen3_next_deltanet_gated_attention_and_experts_match_peft_on_transform
     target_parameters the routed experts. Logits and every adapter's gradient equal PEFT's on
     Transformers' model."""
     import transformers
-    from test_parity_qwen3_next import make_config
+    from test_parity_qwen3_next import make_config, realistic_decays
 
-    # Transformers' own initialisation (std 0.02): the adapters' effect is what the test measures.
+    # Transformers' own initialisation (std 0.02): the adapters' effect is what the test measures;
+    # with the parity tests' decays: its A_log draw reaches -20 per position, where the float32
+    # decay gradient moves ~3e-5 between implementations (measured against float64 on identical
+    # inputs: the ATen form 3.0e-5, the CPU kernel 2.4e-6; Transformers' own float32 adapter
+    # gradient 1.9e-5 from its float64 one), so the 1e-4 check compared rounding, not the model.
     torch.manual_seed(7)
     path = tmp_path / "ckpt"
-    transformers.AutoModelForCausalLM.from_config(make_config(name)).save_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(make_config(name))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            realistic_decays(n, p)
+    model.save_pretrained(path)
     targets = dict(target_modules=["in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b",
                                    "in_proj_a", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj",
                                    "gate_proj", "up_proj", "down_proj", "shared_expert_gate"],

@@ -147,4 +147,9 @@ AUTOMOE_BODY void scale_body(const float* x, float a, float* y, int64_t n) {
 }
 AUTOMOE_ROW_FN(void, scale, (const float* x, float a, float* y, int64_t n), (x, a, y, n))
 
+AUTOMOE_BODY void exp_from_body(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = exp_approx(a - x[i]);
+}
+AUTOMOE_ROW_FN(void, exp_from, (float a, const float* x, float* y, int64_t n), (a, x, y, n))
+
 }  // namespace automoe::ops::cpu::vec

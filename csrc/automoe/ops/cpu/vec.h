@@ -28,6 +28,8 @@ void axpy_bf16(float* acc, float a, const uint16_t* x, int64_t n);
 float dot_bf16(const float* a, const uint16_t* b, int64_t n);
 // y = a * x
 void scale(const float* x, float a, float* y, int64_t n);
+// y = exp(a - x), exp as the rows below (exact to ~2e-7; below -87 it gives ~1e-38, not less)
+void exp_from(float a, const float* x, float* y, int64_t n);
 
 // One pass over rows held in their own dtype (float32 or bf16), no float32 buffers: each element
 // is read once, computed in float32 and, for bf16, rounded once to nearest even.

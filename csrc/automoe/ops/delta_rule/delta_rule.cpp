@@ -1,7 +1,8 @@
-// The chunked gated delta rule with a hand-derived backward: the forward runs the chunked (UT
-// transform) form in ATen ops with no autograd graph; the backward recomputes each chunk's
-// quantities from the inputs (nothing of the forward is saved but them) and walks the state
-// recurrence in reverse. The references are delta_rule_reference.cpp.
+// The chunked gated delta rule with a hand-derived backward: on the CPU (float32 and bf16 models)
+// the kernels of delta_rule_cpu.h; elsewhere (CUDA, float16) the ATen form below, whose forward
+// runs the chunked (UT transform) form in ATen ops with no autograd graph and whose backward
+// recomputes each chunk's quantities from the inputs (nothing of the forward is saved but them)
+// and walks the state recurrence in reverse. The references are delta_rule_reference.cpp.
 //
 // Per (row, head) and chunk, with Γ_ij = exp(cum_i − cum_j) below the diagonal (cum the within-
 // chunk cumulative log-decay), kb = β∘k, vb = β∘v, M = I + strictly_lower((kb kᵀ)∘Γ) (inverted
@@ -19,6 +20,7 @@
 #include "automoe/core/error.h"
 #include "automoe/ops/common.h"
 #include "automoe/ops/delta_rule/delta_rule.h"
+#include "automoe/ops/delta_rule/delta_rule_cpu.h"
 
 namespace automoe::ops {
 namespace {
@@ -209,6 +211,33 @@ struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
   }
 };
 
+// The same on the CPU kernels (delta_rule_cpu.h): the chunk-entry states saved beside the inputs.
+struct DeltaRuleCpuFn : torch::autograd::Function<DeltaRuleCpuFn> {
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
+                               const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+                               const at::Tensor& initial, int64_t chunk) {
+    cpu::DeltaRuleFwd r = cpu::delta_rule_fwd(q, k, v, g, beta, initial, chunk);
+    ctx->save_for_backward({q, k, v, g, beta, r.states});
+    ctx->saved_data["chunk"] = chunk;
+    return {r.out, r.final};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    detail::no_double_backward("chunk_gated_delta_rule");
+    const auto s = ctx->get_saved_variables();
+    cpu::DeltaRuleGrads d = cpu::delta_rule_bwd(s[0], s[1], s[2], s[3], s[4], s[5], grads[0], grads[1],
+                                                ctx->saved_data["chunk"].toInt());
+    return {d.dq, d.dk, d.dv, d.dg, d.dbeta, d.dinitial, at::Tensor()};
+  }
+};
+
+// The rule on [B, N, S, ·] float32 inputs: the CPU kernels, or the ATen form.
+variable_list apply_rule(bool kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial, int64_t chunk) {
+  if (kernel) return DeltaRuleCpuFn::apply(q, k, v, g, beta, initial, chunk);
+  return DeltaRuleFn::apply(q, k, v, g, beta, initial, chunk);
+}
+
 }  // namespace
 
 DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK,
@@ -229,18 +258,21 @@ DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_B
   const at::Tensor q = detail::l2norm(heads_first(q_BSNK)) * std::pow(static_cast<double>(Dk), -0.5);
   const at::Tensor k = detail::l2norm(heads_first(k_BSNK));
   const at::Tensor v = heads_first(v_BSNV), g = heads_first(g_BSN), beta = heads_first(beta_BSN);
+  // The CPU kernels for float32 and bf16 models; the ATen form on other devices and for float16.
+  const auto t = q_BSNK.scalar_type();
+  const bool kernel = q_BSNK.is_cpu() && (t == at::kFloat || t == at::kBFloat16);
   DeltaRule r;
   if (!doc_BS) {
     const at::Tensor h0 = initial_BNKV ? initial_BNKV->to(at::kFloat)
                                        : at::zeros({B, N, Dk, Dv}, q.options());
-    const variable_list out = DeltaRuleFn::apply(q, k, v, g, beta, h0, chunk);
+    const variable_list out = apply_rule(kernel, q, k, v, g, beta, h0, chunk);
     r.o_BSNV = out[0];
     if (final_state) r.final_BNKV = out[1];
   } else {
     // Each (row, document) run alone from a zero state.
     r.o_BSNV = detail::over_documents(*doc_BS, [&](int64_t b, int64_t s0, int64_t len) {
       auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, len); };
-      return DeltaRuleFn::apply(seg(q), seg(k), seg(v), seg(g), seg(beta),
+      return apply_rule(kernel, seg(q), seg(k), seg(v), seg(g), seg(beta),
                                 at::zeros({1, N, Dk, Dv}, q.options()), chunk)[0];
     });
   }
