@@ -94,3 +94,26 @@ def test_the_aten_form_cuda_runs_matches_the_reference():
     (o_ref * u).sum().backward()
     for a, b in zip(ours, ref):
         assert rel_err(a.grad.double(), b.grad) <= 2e-3
+
+
+def test_strong_decays_keep_float32_accuracy_and_the_callers_denormals():
+    """Decays of up to -20 per position (Transformers' A_log initialisation reaches them): the
+    chunk's decay products fall below float32's normal range, which the CPU kernel flushes to zero
+    while it runs; outputs and gradients stay at float32 accuracy against float64, and the calling
+    thread computes denormals as before afterwards."""
+    g = torch.Generator().manual_seed(13)
+    q, k, v, _, beta = inputs(g, 2, 150, 3, 16, 8)
+    decay = -torch.rand(2, 150, 3, generator=g, dtype=torch.float64) * 20
+    base = [q, k, v, decay, beta]
+    ours = [x.float().requires_grad_() for x in base]
+    ref = [x.clone().requires_grad_() for x in base]
+    o, final = OPS.chunk_gated_delta_rule(*ours, 64)
+    o_ref, final_ref = OPS.chunk_gated_delta_rule_reference(*ref, 64)
+    assert rel_err(o.double(), o_ref) <= 1e-5 and rel_err(final.double(), final_ref) <= 1e-5
+    u = torch.randn(o.shape, generator=g, dtype=torch.float64)
+    (o * u.float()).sum().backward()
+    (o_ref * u).sum().backward()
+    for name, a, b in zip("q k v g beta".split(), ours, ref):
+        assert rel_err(a.grad.double(), b.grad) <= 1e-5, name
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 0.5).item() > 0  # this thread still has denormals

@@ -15,6 +15,7 @@
 #include <cmath>
 #include <vector>
 
+#include "automoe/ops/cpu/denormals.h"
 #include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/kernels.h"
@@ -269,6 +270,7 @@ DeltaRuleFwd delta_rule_fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
   }
   const int64_t DD = G.Dk * G.Dv;
   at::parallel_for(0, G.B * G.N, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     for (int64_t i = begin; i < end; ++i) {
       forward_unit(G, unit(G, q, k, v, g, beta, i), init.const_data_ptr<float>() + i * DD,
                    r.out.data_ptr<float>() + i * G.S * G.Dv, r.states.data_ptr<float>() + i * G.nc * DD,
@@ -300,6 +302,7 @@ DeltaRuleGrads delta_rule_bwd(const at::Tensor& q_in, const at::Tensor& k_in, co
   }
   const int64_t DD = G.Dk * G.Dv;
   at::parallel_for(0, G.B * G.N, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     for (int64_t i = begin; i < end; ++i) {
       const UnitGrads gr{r.dq.data_ptr<float>() + i * G.S * G.Dk, r.dk.data_ptr<float>() + i * G.S * G.Dk,
                          r.dv.data_ptr<float>() + i * G.S * G.Dv, r.dg.data_ptr<float>() + i * G.S,

@@ -17,6 +17,7 @@
 #include <cstring>
 #include <vector>
 
+#include "automoe/ops/cpu/denormals.h"
 #include "automoe/ops/cpu/vec.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/kernels.h"
@@ -192,6 +193,7 @@ void chunk_decays(const Geo& g, const Row& r, int64_t c, int64_t grp, float* f) 
 void states(const SsdArgs& a, const Geo& g, const Row& r, int64_t b, std::vector<float>& hc) {
   hc.resize((g.nc + 1) * g.G * g.N * g.W);
   at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     thread_local std::vector<float> xw, ew, w;  // (thread-local scratch: no page faults per call)
     for (int64_t i = begin; i < end; ++i) {
       const Unit u{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)};
@@ -203,6 +205,7 @@ void states(const SsdArgs& a, const Geo& g, const Row& r, int64_t b, std::vector
   constexpr int64_t kRows = 16;
   const int64_t blocks = (g.N + kRows - 1) / kRows;
   at::parallel_for(0, g.G * blocks, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     const float* init = a.initial ? a.initial->const_data_ptr<float>() + b * g.H * g.P * g.N : nullptr;
     std::vector<float> f(g.Hg);
     for (int64_t i = begin; i < end; ++i) {
@@ -244,6 +247,7 @@ std::pair<at::Tensor, at::Tensor> ssd_scan_fwd(const SsdArgs& a, bool final_stat
     states(a, g, r, b, hc);
     float* yb = y.data_ptr<float>() + b * g.S * g.H * g.P;
     at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
+      const FlushDenormals ftz;
       thread_local std::vector<float> cb, m, z, e;
       thread_local std::vector<uint16_t> bf_h;
       for (int64_t i = begin; i < end; ++i) {
@@ -403,6 +407,7 @@ void backward_state(const Unit& u, RowGrads& gr) {
 void reverse_recurrence(const Geo& g, const Row& r, const float* dfinal, const std::vector<float>& hc,
                         RowGrads& gr) {
   at::parallel_for(0, g.G, 1, [&](int64_t begin, int64_t end) {
+    const FlushDenormals ftz;
     for (int64_t grp = begin; grp < end; ++grp) {
       float* last = gr.dH.data() + (g.nc * g.G + grp) * g.N * g.W;
       for (int64_t n = 0; n < g.N; ++n) {
@@ -454,6 +459,7 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
     gr.dH.resize((g.nc + 1) * g.G * g.N * g.W);  // (every slot is written before it is read)
     const float* dy = dy_all.const_data_ptr<float>() + b * g.S * g.H * g.P;
     at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
+      const FlushDenormals ftz;
       for (int64_t i = begin; i < end; ++i) {
         backward_chunk(Unit{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)}, dy,
                        Df.const_data_ptr<float>(), hc, gr);
@@ -462,6 +468,7 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
     reverse_recurrence(g, r, dfinal.defined() ? dfinal.const_data_ptr<float>() + b * g.H * g.P * g.N : nullptr,
                        hc, gr);
     at::parallel_for(0, g.G * g.nc, 1, [&](int64_t begin, int64_t end) {
+      const FlushDenormals ftz;
       for (int64_t i = begin; i < end; ++i) {
         backward_state(Unit{g, r, i % g.G, i / g.G, g.c0(i / g.G), g.q(i / g.G)}, gr);
       }
