@@ -211,12 +211,14 @@ struct DeltaRuleFn : torch::autograd::Function<DeltaRuleFn> {
   }
 };
 
-// The same on the CPU kernels (delta_rule_cpu.h): the chunk-entry states saved beside the inputs.
+// The rule on the CPU kernels (delta_rule_cpu.h), on the model's layout [B, S, N, ·] with q and k
+// as projected (the kernels normalise them): the raw inputs and the chunk-entry states saved.
 struct DeltaRuleCpuFn : torch::autograd::Function<DeltaRuleCpuFn> {
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
                                const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
                                const at::Tensor& initial, int64_t chunk) {
-    cpu::DeltaRuleFwd r = cpu::delta_rule_fwd(q, k, v, g, beta, initial, chunk);
+    const double scale = std::pow(static_cast<double>(q.size(3)), -0.5);
+    cpu::DeltaRuleFwd r = cpu::delta_rule_fwd(q, k, v, g, beta, initial, chunk, scale);
     ctx->save_for_backward({q, k, v, g, beta, r.states});
     ctx->saved_data["chunk"] = chunk;
     return {r.out, r.final};
@@ -225,18 +227,12 @@ struct DeltaRuleCpuFn : torch::autograd::Function<DeltaRuleCpuFn> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     detail::no_double_backward("chunk_gated_delta_rule");
     const auto s = ctx->get_saved_variables();
+    const double scale = std::pow(static_cast<double>(s[0].size(3)), -0.5);
     cpu::DeltaRuleGrads d = cpu::delta_rule_bwd(s[0], s[1], s[2], s[3], s[4], s[5], grads[0], grads[1],
-                                                ctx->saved_data["chunk"].toInt());
+                                                ctx->saved_data["chunk"].toInt(), scale);
     return {d.dq, d.dk, d.dv, d.dg, d.dbeta, d.dinitial, at::Tensor()};
   }
 };
-
-// The rule on [B, N, S, ·] float32 inputs: the CPU kernels, or the ATen form.
-variable_list apply_rule(bool kernel, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                         const at::Tensor& g, const at::Tensor& beta, const at::Tensor& initial, int64_t chunk) {
-  if (kernel) return DeltaRuleCpuFn::apply(q, k, v, g, beta, initial, chunk);
-  return DeltaRuleFn::apply(q, k, v, g, beta, initial, chunk);
-}
 
 }  // namespace
 
@@ -253,30 +249,46 @@ DeltaRule chunk_gated_delta_rule(const at::Tensor& q_BSNK, const at::Tensor& k_B
   detail::check_delta_rule_args(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, chunk, initial_BNKV, doc_BS);
   const int64_t B = q_BSNK.size(0), N = q_BSNK.size(2);
   const int64_t Dk = q_BSNK.size(3), Dv = v_BSNV.size(3);
+  const auto t = q_BSNK.scalar_type();
+  const auto f32 = q_BSNK.options().dtype(at::kFloat);
+  DeltaRule r;
+  // The CPU kernels for float32 and bf16 models, on the model's layout; elsewhere the ATen form.
+  if (q_BSNK.is_cpu() && (t == at::kFloat || t == at::kBFloat16)) {
+    if (!doc_BS) {
+      const at::Tensor h0 = initial_BNKV ? initial_BNKV->to(at::kFloat) : at::zeros({B, N, Dk, Dv}, f32);
+      const variable_list out = DeltaRuleCpuFn::apply(q_BSNK, k_BSNK, v_BSNV, g_BSN, beta_BSN, h0, chunk);
+      r.o_BSNV = out[0].to(t);
+      if (final_state) r.final_BNKV = out[1];
+    } else {  // each (row, document) alone from a zero state (stitched heads-first, then back)
+      r.o_BSNV = detail::over_documents(*doc_BS, [&](int64_t b, int64_t s0, int64_t len) {
+        auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(1, s0, len); };
+        return DeltaRuleCpuFn::apply(seg(q_BSNK), seg(k_BSNK), seg(v_BSNV), seg(g_BSN), seg(beta_BSN),
+                                     at::zeros({1, N, Dk, Dv}, f32), chunk)[0]
+            .transpose(1, 2);
+      });
+      r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(t);
+    }
+    return r;
+  }
   auto heads_first = [](const at::Tensor& x) { return x.transpose(1, 2).to(at::kFloat).contiguous(); };
   // The normalisation and the scale under ATen's autograd; the rule under its own.
   const at::Tensor q = detail::l2norm(heads_first(q_BSNK)) * std::pow(static_cast<double>(Dk), -0.5);
   const at::Tensor k = detail::l2norm(heads_first(k_BSNK));
   const at::Tensor v = heads_first(v_BSNV), g = heads_first(g_BSN), beta = heads_first(beta_BSN);
-  // The CPU kernels for float32 and bf16 models; the ATen form on other devices and for float16.
-  const auto t = q_BSNK.scalar_type();
-  const bool kernel = q_BSNK.is_cpu() && (t == at::kFloat || t == at::kBFloat16);
-  DeltaRule r;
   if (!doc_BS) {
-    const at::Tensor h0 = initial_BNKV ? initial_BNKV->to(at::kFloat)
-                                       : at::zeros({B, N, Dk, Dv}, q.options());
-    const variable_list out = apply_rule(kernel, q, k, v, g, beta, h0, chunk);
+    const at::Tensor h0 = initial_BNKV ? initial_BNKV->to(at::kFloat) : at::zeros({B, N, Dk, Dv}, f32);
+    const variable_list out = DeltaRuleFn::apply(q, k, v, g, beta, h0, chunk);
     r.o_BSNV = out[0];
     if (final_state) r.final_BNKV = out[1];
   } else {
     // Each (row, document) run alone from a zero state.
     r.o_BSNV = detail::over_documents(*doc_BS, [&](int64_t b, int64_t s0, int64_t len) {
       auto seg = [&](const at::Tensor& x) { return x.narrow(0, b, 1).narrow(2, s0, len); };
-      return apply_rule(kernel, seg(q), seg(k), seg(v), seg(g), seg(beta),
-                                at::zeros({1, N, Dk, Dv}, q.options()), chunk)[0];
+      return DeltaRuleFn::apply(seg(q), seg(k), seg(v), seg(g), seg(beta), at::zeros({1, N, Dk, Dv}, f32),
+                                chunk)[0];
     });
   }
-  r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(q_BSNK.scalar_type());
+  r.o_BSNV = r.o_BSNV.transpose(1, 2).contiguous().to(t);
   return r;
 }
 

@@ -30,9 +30,9 @@ struct Geo {
   int64_t rows(int64_t c) const { return std::min(Q, S - c * Q); }
 };
 
-Geo geometry(const at::Tensor& q, const at::Tensor& v, int64_t chunk) {
+Geo geometry(const at::Tensor& q, const at::Tensor& v, int64_t chunk) {  // q [B, S, N, Dk]
   Geo g{};
-  g.B = q.size(0), g.N = q.size(1), g.S = q.size(2), g.Dk = q.size(3), g.Dv = v.size(3), g.Q = chunk;
+  g.B = q.size(0), g.S = q.size(1), g.N = q.size(2), g.Dk = q.size(3), g.Dv = v.size(3), g.Q = chunk;
   g.nc = (g.S + chunk - 1) / chunk;
   g.Wd = g.Dv + g.Dk;
   return g;
@@ -49,16 +49,46 @@ GemmProblem mm(int64_t M, int64_t N, int64_t K, const float* a, int64_t ars, int
   return p;
 }
 
-// One unit's inputs: rows of [S, D] (and [S] for g, beta).
+// One unit's inputs in float32: rows of [S, D] (and [S] for g, beta), q and k normalised.
 struct Unit {
   const float *q, *k, *v, *g, *beta;
 };
 
-Unit unit(const Geo& G, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
-          const at::Tensor& beta, int64_t u) {
-  return {q.const_data_ptr<float>() + u * G.S * G.Dk, k.const_data_ptr<float>() + u * G.S * G.Dk,
-          v.const_data_ptr<float>() + u * G.S * G.Dv, g.const_data_ptr<float>() + u * G.S,
-          beta.const_data_ptr<float>() + u * G.S};
+// The model-layout tensors [B, S, N, ·] a unit reads its rows from.
+struct Inputs {
+  at::Tensor q, k, v, g, beta;
+  double scale = 1.0;
+};
+
+const char* row_ptr(const at::Tensor& t, int64_t row, int64_t width) {
+  return static_cast<const char*>(t.const_data_ptr()) + row * width * t.element_size();
+}
+
+// Unit (b, h)'s rows gathered into float32 (buf: q, k [S, Dk], v [S, Dv], g, beta, and q's and k's
+// inverse norms [S]), q and k L2-normalised as Transformers' l2norm (x·rsqrt(|x|² + 1e-6)), q scaled.
+struct UnitRows {
+  std::vector<float> q, k, v, g, beta, rq, rk;
+};
+
+Unit gather(const Geo& G, const Inputs& in, int64_t b, int64_t h, UnitRows& u) {
+  u.q.resize(G.S * G.Dk), u.k.resize(G.S * G.Dk), u.v.resize(G.S * G.Dv);
+  u.g.resize(G.S), u.beta.resize(G.S), u.rq.resize(G.S), u.rk.resize(G.S);
+  const float scale = static_cast<float>(in.scale);
+  for (int64_t s = 0; s < G.S; ++s) {
+    const int64_t row = (b * G.S + s) * G.N + h;
+    float* q = u.q.data() + s * G.Dk;
+    float* k = u.k.data() + s * G.Dk;
+    vec::load(row_ptr(in.q, row, G.Dk), in.q.scalar_type(), q, G.Dk);
+    vec::load(row_ptr(in.k, row, G.Dk), in.k.scalar_type(), k, G.Dk);
+    vec::load(row_ptr(in.v, row, G.Dv), in.v.scalar_type(), u.v.data() + s * G.Dv, G.Dv);
+    vec::load(row_ptr(in.g, row, 1), in.g.scalar_type(), &u.g[s], 1);
+    vec::load(row_ptr(in.beta, row, 1), in.beta.scalar_type(), &u.beta[s], 1);
+    u.rq[s] = 1.f / std::sqrt(vec::sum_sq(q, G.Dk) + 1e-6f);
+    u.rk[s] = 1.f / std::sqrt(vec::sum_sq(k, G.Dk) + 1e-6f);
+    vec::scale(q, u.rq[s] * scale, q, G.Dk);
+    vec::scale(k, u.rk[s], k, G.Dk);
+  }
+  return {u.q.data(), u.k.data(), u.v.data(), u.g.data(), u.beta.data()};
 }
 
 constexpr int64_t kBlock = 16;  // the triangular solves' diagonal blocks
@@ -142,7 +172,9 @@ void vprime(const Geo& G, const Chunk& h, const float* S, float* vp) {
   gemm_batch({mm(h.n, G.Dv, G.Dk, h.X.data() + G.Dv, G.Wd, 1, S, G.Dv, 1, vp, G.Dv, true)});
 }
 
-void forward_unit(const Geo& G, const Unit& u, const float* init, float* out, float* states, float* fin) {
+// O into out (rows of stride ldo), the chunk-entry states and the final state.
+void forward_unit(const Geo& G, const Unit& u, const float* init, float* out, int64_t ldo, float* states,
+                  float* fin) {
   thread_local Chunk h;
   thread_local std::vector<float> S, vp;
   const int64_t DD = G.Dk * G.Dv;
@@ -152,10 +184,10 @@ void forward_unit(const Geo& G, const Unit& u, const float* init, float* out, fl
     std::copy(S.begin(), S.end(), states + c * DD);
     prepare(G, u, c, h);
     const int64_t n = h.n;
-    float* o = out + c * G.Q * G.Dv;
+    float* o = out + c * G.Q * ldo;
     vprime(G, h, S.data(), vp.data());
-    gemm_batch({mm(n, G.Dv, G.Dk, h.qd.data(), G.Dk, 1, S.data(), G.Dv, 1, o, G.Dv, false)});
-    gemm_batch({mm(n, G.Dv, n, h.P.data(), n, 1, vp.data(), G.Dv, 1, o, G.Dv, true)});
+    gemm_batch({mm(n, G.Dv, G.Dk, h.qd.data(), G.Dk, 1, S.data(), G.Dv, 1, o, ldo, false)});
+    gemm_batch({mm(n, G.Dv, n, h.P.data(), n, 1, vp.data(), G.Dv, 1, o, ldo, true)});
     vec::scale(S.data(), h.lam, S.data(), DD);
     gemm_batch({mm(G.Dk, G.Dv, n, h.kd.data(), 1, G.Dk, vp.data(), G.Dv, 1, S.data(), G.Dv, true)});
   }
@@ -251,17 +283,27 @@ void backward_unit(const Geo& G, const Unit& u, const float* states, const float
 
 at::Tensor f32(const at::Tensor& t) { return t.to(at::kFloat).contiguous(); }
 
+// The gradient of q̂ = s·x·r, r = (|x|² + eps)^-½, back to x: s·r·dq̂ − s·r³·(x·dq̂)·x, written in
+// the input's dtype. x is the raw row (reloaded), dq̂ is overwritten.
+void normalised_grad(const at::Tensor& raw, int64_t row, int64_t D, float r, float s, float* dn, float* x,
+                     void* out) {
+  vec::load(row_ptr(raw, row, D), raw.scalar_type(), x, D);
+  const float xd = vec::dot(x, dn, D);
+  vec::scale(dn, s * r, dn, D);
+  vec::axpy(dn, -s * r * r * r * xd, x, D);
+  vec::store(dn, out, raw.scalar_type(), D);
+}
+
 }  // namespace
 
-DeltaRuleFwd delta_rule_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                            const at::Tensor& g_in, const at::Tensor& beta_in, const at::Tensor& init_in,
-                            int64_t chunk) {
-  const at::Tensor q = f32(q_in), k = f32(k_in), v = f32(v_in), g = f32(g_in), beta = f32(beta_in);
+DeltaRuleFwd delta_rule_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                            const at::Tensor& beta, const at::Tensor& init_in, int64_t chunk, double scale) {
+  const Inputs in{q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale};
   const at::Tensor init = f32(init_in);
   const Geo G = geometry(q, v, chunk);
-  const auto opt = q.options();
+  const auto opt = q.options().dtype(at::kFloat);
   DeltaRuleFwd r;
-  r.out = new_output({G.B, G.N, G.S, G.Dv}, opt);
+  r.out = new_output({G.B, G.S, G.N, G.Dv}, opt);
   r.final = new_output({G.B, G.N, G.Dk, G.Dv}, opt);
   r.states = new_output({G.B, G.N, G.nc, G.Dk, G.Dv}, opt);
   if (G.S == 0) {
@@ -271,31 +313,33 @@ DeltaRuleFwd delta_rule_fwd(const at::Tensor& q_in, const at::Tensor& k_in, cons
   const int64_t DD = G.Dk * G.Dv;
   at::parallel_for(0, G.B * G.N, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
+    thread_local UnitRows rows;
     for (int64_t i = begin; i < end; ++i) {
-      forward_unit(G, unit(G, q, k, v, g, beta, i), init.const_data_ptr<float>() + i * DD,
-                   r.out.data_ptr<float>() + i * G.S * G.Dv, r.states.data_ptr<float>() + i * G.nc * DD,
-                   r.final.data_ptr<float>() + i * DD);
+      const int64_t b = i / G.N, h = i % G.N;
+      const Unit u = gather(G, in, b, h, rows);
+      forward_unit(G, u, init.const_data_ptr<float>() + i * DD,
+                   r.out.data_ptr<float>() + (b * G.S * G.N + h) * G.Dv, G.N * G.Dv,
+                   r.states.data_ptr<float>() + i * G.nc * DD, r.final.data_ptr<float>() + i * DD);
     }
   });
   return r;
 }
 
-DeltaRuleGrads delta_rule_bwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                              const at::Tensor& g_in, const at::Tensor& beta_in, const at::Tensor& states_in,
-                              const at::Tensor& dout_in, const at::Tensor& dfinal_in, int64_t chunk) {
-  const at::Tensor q = f32(q_in), k = f32(k_in), v = f32(v_in), g = f32(g_in), beta = f32(beta_in);
+DeltaRuleGrads delta_rule_bwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                              const at::Tensor& beta, const at::Tensor& states_in, const at::Tensor& dout_in,
+                              const at::Tensor& dfinal_in, int64_t chunk, double scale) {
+  const Inputs in{q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(), beta.contiguous(), scale};
   const at::Tensor states = f32(states_in);
   const at::Tensor dout = dout_in.defined() ? f32(dout_in) : at::Tensor();
   const at::Tensor dfinal = dfinal_in.defined() ? f32(dfinal_in) : at::Tensor();
   const Geo G = geometry(q, v, chunk);
-  const auto opt = q.options();
   DeltaRuleGrads r;
-  r.dq = new_output(q.sizes(), opt);
-  r.dk = new_output(k.sizes(), opt);
-  r.dv = new_output(v.sizes(), opt);
-  r.dg = new_output(g.sizes(), opt);
-  r.dbeta = new_output(beta.sizes(), opt);
-  r.dinitial = new_output({G.B, G.N, G.Dk, G.Dv}, opt);
+  r.dq = new_output(q.sizes(), q.options());
+  r.dk = new_output(k.sizes(), k.options());
+  r.dv = new_output(v.sizes(), v.options());
+  r.dg = new_output(g.sizes(), g.options());
+  r.dbeta = new_output(beta.sizes(), beta.options());
+  r.dinitial = new_output({G.B, G.N, G.Dk, G.Dv}, q.options().dtype(at::kFloat));
   if (G.S == 0) {
     dfinal.defined() ? r.dinitial.copy_(dfinal) : r.dinitial.zero_();
     return r;
@@ -303,13 +347,35 @@ DeltaRuleGrads delta_rule_bwd(const at::Tensor& q_in, const at::Tensor& k_in, co
   const int64_t DD = G.Dk * G.Dv;
   at::parallel_for(0, G.B * G.N, 1, [&](int64_t begin, int64_t end) {
     const FlushDenormals ftz;
+    thread_local UnitRows rows;
+    thread_local std::vector<float> dO, dq, dk, dv, dg, dbeta, x;
+    dq.resize(G.S * G.Dk), dk.resize(G.S * G.Dk), dv.resize(G.S * G.Dv), dg.resize(G.S), dbeta.resize(G.S);
+    x.resize(std::max(G.Dk, G.Dv));
     for (int64_t i = begin; i < end; ++i) {
-      const UnitGrads gr{r.dq.data_ptr<float>() + i * G.S * G.Dk, r.dk.data_ptr<float>() + i * G.S * G.Dk,
-                         r.dv.data_ptr<float>() + i * G.S * G.Dv, r.dg.data_ptr<float>() + i * G.S,
-                         r.dbeta.data_ptr<float>() + i * G.S,  r.dinitial.data_ptr<float>() + i * DD};
-      backward_unit(G, unit(G, q, k, v, g, beta, i), states.const_data_ptr<float>() + i * G.nc * DD,
-                    dout.defined() ? dout.const_data_ptr<float>() + i * G.S * G.Dv : nullptr,
+      const int64_t b = i / G.N, h = i % G.N;
+      const Unit u = gather(G, in, b, h, rows);
+      if (dout.defined()) {
+        dO.resize(G.S * G.Dv);
+        for (int64_t s = 0; s < G.S; ++s) {
+          std::copy_n(dout.const_data_ptr<float>() + ((b * G.S + s) * G.N + h) * G.Dv, G.Dv, dO.data() + s * G.Dv);
+        }
+      }
+      const UnitGrads gr{dq.data(), dk.data(), dv.data(), dg.data(), dbeta.data(), r.dinitial.data_ptr<float>() + i * DD};
+      backward_unit(G, u, states.const_data_ptr<float>() + i * G.nc * DD, dout.defined() ? dO.data() : nullptr,
                     dfinal.defined() ? dfinal.const_data_ptr<float>() + i * DD : nullptr, gr);
+      // Back to the model's layout and dtypes, through the normalisation for q and k.
+      auto at_row = [](at::Tensor& t, int64_t row, int64_t width) {
+        return static_cast<char*>(t.data_ptr()) + row * width * t.element_size();
+      };
+      for (int64_t s = 0; s < G.S; ++s) {
+        const int64_t row = (b * G.S + s) * G.N + h;
+        normalised_grad(in.q, row, G.Dk, rows.rq[s], static_cast<float>(scale), dq.data() + s * G.Dk, x.data(),
+                        at_row(r.dq, row, G.Dk));
+        normalised_grad(in.k, row, G.Dk, rows.rk[s], 1.f, dk.data() + s * G.Dk, x.data(), at_row(r.dk, row, G.Dk));
+        vec::store(dv.data() + s * G.Dv, at_row(r.dv, row, G.Dv), v.scalar_type(), G.Dv);
+        vec::store(&dg[s], at_row(r.dg, row, 1), g.scalar_type(), 1);
+        vec::store(&dbeta[s], at_row(r.dbeta, row, 1), beta.scalar_type(), 1);
+      }
     }
   });
   return r;
