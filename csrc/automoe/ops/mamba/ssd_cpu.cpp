@@ -295,7 +295,8 @@ struct RowGrads {
   float* dx = nullptr;                 // [S, H, P]  (this row of the float32 outputs)
   float *dB = nullptr, *dC = nullptr;  // [S, G, N]
   float* ddt = nullptr;                // [H][S]
-  std::vector<float> dacum;            // [H][S]
+  std::vector<float> dacum;            // [H][S]: reaches A·dt of every position up to s
+  std::vector<float> dgap;             // [H][S]: reaches A·dt_s alone (decay terms straddling s)
   std::vector<float> dD;               // [nc][H] (per chunk, summed in order afterwards)
   std::vector<float> dH;               // [nc + 1][G][N][W]: the carried states' gradients
   std::vector<float> dx_row, dB_row, dC_row;  // the row's float32 dx, dB, dC (dx etc. point here)
@@ -357,14 +358,21 @@ void backward_chunk(const Unit& u, const float* dy, const float* D, const std::v
                          gr.dx + (u.c0 * g.H + u.head(j)) * g.P, g.H * g.P, true));
   }
   gemm_batch(ps);
+  // Row l's decays exp(Acum_l − Acum_s), s ≤ l, reach A·dt_t for s < t ≤ l: summed per t (a prefix
+  // over s), not as +r at l and −r at s, whose cancellation in the cumulative sum left float32
+  // errors above dA's size under strong decays.
+  thread_local std::vector<float> neg_r;
+  neg_r.resize(u.q);
   for (int64_t j = 0; j < g.Hg; ++j) {
     const int64_t h = u.head(j);
     for (int64_t l = 0; l < u.q; ++l) {
-      const int64_t s0 = r.s0[u.c0 + l] - u.c0, at = j * u.q * u.q + l * u.q + s0;
+      const int64_t s0 = r.s0[u.c0 + l] - u.c0, at = j * u.q * u.q + l * u.q + s0, n = l - s0 + 1;
       const int64_t o = h * g.S + u.c0 + s0;
-      gr.dacum[h * g.S + u.c0 + l] +=
-          vec::ssd_decay_row_bwd(dm.data() + at, ldec.data() + at, cb.data() + l * u.q + s0, &r.dt[o],
-                                 dcb.data() + l * u.q + s0, gr.ddt + o, &gr.dacum[o], l - s0 + 1);
+      std::fill_n(neg_r.begin(), n, 0.f);
+      vec::ssd_decay_row_bwd(dm.data() + at, ldec.data() + at, cb.data() + l * u.q + s0, &r.dt[o],
+                             dcb.data() + l * u.q + s0, gr.ddt + o, neg_r.data(), n);
+      float straddle = 0.f;
+      for (int64_t i = 0; i + 1 < n; ++i) gr.dgap[o + i + 1] += straddle -= neg_r[i];
     }
   }
   const GemmOperand dCB = as_operand(g, dcb.data(), u.q * u.q, bf_cb, u.q, 1);
@@ -389,15 +397,16 @@ void backward_state(const Unit& u, RowGrads& gr) {
               problem(u.q, g.W, g.N, u.Bc(), dS, dxw.data(), g.W, false)});
   vec::ssd_scale_block_bwd(dxw.data(), u.x_at(u.c0, u.head(0)), g.H * g.P, g.dt, w.data(),
                            gr.dx + (u.c0 * g.H + u.head(0)) * g.P, g.H * g.P, uu.data(), u.q, g.Hg, g.P);
-  const int64_t end = u.c0 + u.q - 1;
+  // w_s = exp(Acum_end − Acum_s)·dt_s reaches A·dt_t for s < t ≤ end (a prefix over s).
   for (int64_t j = 0; j < g.Hg; ++j) {
     const int64_t h = u.head(j);
+    float before = 0.f;
     for (int64_t l = 0; l < u.q; ++l) {
       const int64_t s = u.c0 + l;
       const float v = uu[j * u.q + l] * ew[j * u.q + l];
       gr.ddt[h * g.S + s] += v;
-      gr.dacum[h * g.S + end] += v * r.dt[h * g.S + s];
-      gr.dacum[h * g.S + s] -= v * r.dt[h * g.S + s];
+      gr.dgap[h * g.S + s] += before;
+      before += v * r.dt[h * g.S + s];
     }
   }
 }
@@ -455,6 +464,7 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
     gr.dx = gr.dx_row.data(), gr.dB = gr.dB_row.data(), gr.dC = gr.dC_row.data();
     gr.ddt = ddt.data_ptr<float>() + b * g.H * g.S;
     gr.dacum.assign(g.H * g.S, 0.f);
+    gr.dgap.assign(g.H * g.S, 0.f);
     gr.dD.assign(g.nc * g.H, 0.f);
     gr.dH.resize((g.nc + 1) * g.G * g.N * g.W);  // (every slot is written before it is read)
     const float* dy = dy_all.const_data_ptr<float>() + b * g.S * g.H * g.P;
@@ -480,15 +490,17 @@ SsdGrads ssd_scan_bwd(const SsdArgs& a, const at::Tensor& dy_in, const at::Tenso
       });
     };
     round_into(gr.dx_row, dx), round_into(gr.dB_row, dB), round_into(gr.dC_row, dC);
-    // Acum is a cumulative sum of A · dt within each chunk: its gradient summed from the chunk's end.
+    // Acum is a cumulative sum of A · dt within each chunk: its gradient summed from the chunk's end,
+    // plus the terms that reach one position alone.
     float* dAp = dA.data_ptr<float>();
     for (int64_t h = 0; h < g.H; ++h) {
       for (int64_t c = 0; c < g.nc; ++c) {
         float run = 0.f;
         for (int64_t s = g.c0(c) + g.q(c) - 1; s >= g.c0(c); --s) {
           run += gr.dacum[h * g.S + s];
-          dAp[h] += run * r.dt[h * g.S + s];
-          gr.ddt[h * g.S + s] += run * A[h];
+          const float d = run + gr.dgap[h * g.S + s];
+          dAp[h] += d * r.dt[h * g.S + s];
+          gr.ddt[h * g.S + s] += d * A[h];
         }
       }
       for (int64_t c = 0; c < g.nc; ++c) dD.data_ptr<float>()[h] += gr.dD[c * g.H + h];
