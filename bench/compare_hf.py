@@ -604,6 +604,8 @@ def main(argv=None) -> int:
         os.environ.setdefault("AUTOMOE_VERBOSITY", "warning")
         print(json.dumps(run_python_side(args), indent=2))
         return 0
+    if args.no_full_finetune and not args.lora:
+        p.error("--no-full-finetune leaves out the full fine-tune beside a LoRA run: it needs --lora R")
     if not Path(args.automoe).exists():
         p.error(f"{args.automoe} not found: build AutoMoE first (make)")
     result = orchestrate(args)

@@ -381,3 +381,9 @@ def test_train_vs_hf_ops_bench_and_parallel_record_into_their_slots(tmp_path):
     for title in record.BENCHMARKS.values():
         assert text.count(f"### {title}") == (0 if title in (record.BENCHMARKS["compare_hf"],
                                                              record.BENCHMARKS["lora"]) else 1)
+
+
+def test_compare_hf_refuses_no_full_finetune_without_lora():
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "compare_hf.py"), "--preset", "cpu-small",
+                        "--no-full-finetune"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "--no-full-finetune" in r.stderr and "--lora" in r.stderr

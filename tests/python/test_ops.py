@@ -356,8 +356,8 @@ def ssd_cases():
     # a chunk not dividing the sequence, several groups, packed documents, an initial state
     # (its gradient too), the final state compared as an output; and strong decays (A·dt to -19
     # per position, as Transformers' A_log initialisation draws: products below float32's normal
-    # range, which the kernel flushes to zero; dA was 4-7e-5 off here while the decay terms were
-    # summed as row-minus-column terms before the cumulative sum).
+    # range, which the kernel flushes to zero; summing the decay terms as row-minus-column terms
+    # before the cumulative sum would leave dA 4-7e-5 off here).
     for Bn, S, H, P, G, N, Q, docs, init, strong in [(1, 1, 2, 3, 1, 4, 4, False, False, False),
                                                      (2, 13, 4, 5, 2, 6, 4, False, False, False),
                                                      (1, 40, 6, 8, 3, 16, 16, True, False, False),

@@ -52,7 +52,9 @@ void check_delta_rule_args(const at::Tensor& q_BSNK, const at::Tensor& k_BSNK, c
                            const at::Tensor& g_BSN, const at::Tensor& beta_BSN, int64_t chunk,
                            const std::optional<at::Tensor>& initial_BNKV,
                            const std::optional<at::Tensor>& doc_BS);
-// x · rsqrt(Σx² + 1e-6) over the last dim (the FLA l2norm Transformers' rule applies to q and k).
+// x · rsqrt(Σx² + kL2normEps) over the last dim (the FLA l2norm Transformers' rule applies to q
+// and k; the CPU kernels normalise each row the same way).
+constexpr double kL2normEps = 1e-6;
 at::Tensor l2norm(const at::Tensor& x);
 // Packed documents: `segment(b, s0, len)` (heads first, [1, N, len, Dv]) on each (row, document)
 // run of doc_BS [B, S], concatenated to [B, N, S, Dv].

@@ -17,6 +17,7 @@
 
 #include "automoe/ops/cpu/denormals.h"
 #include "automoe/ops/cpu/vec.h"
+#include "automoe/ops/delta_rule/delta_rule.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/kernels.h"
 
@@ -64,8 +65,8 @@ const char* row_ptr(const at::Tensor& t, int64_t row, int64_t width) {
   return static_cast<const char*>(t.const_data_ptr()) + row * width * t.element_size();
 }
 
-// Unit (b, h)'s rows gathered into float32 (buf: q, k [S, Dk], v [S, Dv], g, beta, and q's and k's
-// inverse norms [S]), q and k L2-normalised as Transformers' l2norm (x·rsqrt(|x|² + 1e-6)), q scaled.
+// Unit (b, h)'s rows gathered into float32 (q, k [S, Dk], v [S, Dv], g, beta, and q's and k's
+// inverse norms [S]), q and k L2-normalised as detail::l2norm, q scaled.
 struct UnitRows {
   std::vector<float> q, k, v, g, beta, rq, rk;
 };
@@ -73,7 +74,7 @@ struct UnitRows {
 Unit gather(const Geo& G, const Inputs& in, int64_t b, int64_t h, UnitRows& u) {
   u.q.resize(G.S * G.Dk), u.k.resize(G.S * G.Dk), u.v.resize(G.S * G.Dv);
   u.g.resize(G.S), u.beta.resize(G.S), u.rq.resize(G.S), u.rk.resize(G.S);
-  const float scale = static_cast<float>(in.scale);
+  const float scale = static_cast<float>(in.scale), eps = static_cast<float>(detail::kL2normEps);
   for (int64_t s = 0; s < G.S; ++s) {
     const int64_t row = (b * G.S + s) * G.N + h;
     float* q = u.q.data() + s * G.Dk;
@@ -83,8 +84,8 @@ Unit gather(const Geo& G, const Inputs& in, int64_t b, int64_t h, UnitRows& u) {
     vec::load(row_ptr(in.v, row, G.Dv), in.v.scalar_type(), u.v.data() + s * G.Dv, G.Dv);
     vec::load(row_ptr(in.g, row, 1), in.g.scalar_type(), &u.g[s], 1);
     vec::load(row_ptr(in.beta, row, 1), in.beta.scalar_type(), &u.beta[s], 1);
-    u.rq[s] = 1.f / std::sqrt(vec::sum_sq(q, G.Dk) + 1e-6f);
-    u.rk[s] = 1.f / std::sqrt(vec::sum_sq(k, G.Dk) + 1e-6f);
+    u.rq[s] = 1.f / std::sqrt(vec::sum_sq(q, G.Dk) + eps);
+    u.rk[s] = 1.f / std::sqrt(vec::sum_sq(k, G.Dk) + eps);
     vec::scale(q, u.rq[s] * scale, q, G.Dk);
     vec::scale(k, u.rk[s], k, G.Dk);
   }

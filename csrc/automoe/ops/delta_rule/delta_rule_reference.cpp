@@ -64,7 +64,7 @@ DeltaRule chunk_rule(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor g, at:
 }  // namespace
 
 namespace detail {
-at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + 1e-6); }
+at::Tensor l2norm(const at::Tensor& x) { return x * at::rsqrt((x * x).sum(-1, true) + kL2normEps); }
 
 at::Tensor over_documents(const at::Tensor& doc_BS,
                           const std::function<at::Tensor(int64_t b, int64_t s0, int64_t len)>& segment) {
