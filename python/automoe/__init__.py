@@ -15,6 +15,9 @@ from automoe.backend import BackendConfig
 # (docs/ops.md). Transformers (1.5-2 s to import) is imported with the first name that needs it,
 # so that the `automoe` command (automoe/cli.py, imported through this package) starts quickly.
 AutoMoEError = _engine.load().AutoMoEError
+# Under torchrun, torch.distributed's env:// rendezvous (init_process_group, accelerate, the
+# Trainer) gets a namespace of its own per restart attempt (automoe/elastic.py).
+_importlib.import_module("automoe.elastic").install()
 _LAZY = {"AutoModelForCausalLM": "automoe.modeling", "EngineCache": "automoe.cache"}
 
 __all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache"]

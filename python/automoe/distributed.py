@@ -13,29 +13,39 @@ import os
 import sys
 from datetime import timedelta
 
+from automoe import elastic
 
-def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
-    """Takes `--nproc-per-node N` (or `=N`) out of argv."""
-    rest, nproc, i = [], None, 0
+
+def split_count(argv: list[str], option: str, least: int) -> tuple[int | None, list[str]]:
+    """Takes `--OPTION N` (or `=N`; dashes or underscores) out of argv: (N or None, the rest)."""
+    names = {option, "--" + option[2:].replace("-", "_")}
+    rest, value, i = [], None, 0
     while i < len(argv):
         a = argv[i]
-        if a == "--nproc-per-node" or a == "--nproc_per_node":
-            if i + 1 >= len(argv):
-                raise ValueError(f"{a}: expected a number of processes")
-            value, i = argv[i + 1], i + 2
-        elif a.startswith("--nproc-per-node=") or a.startswith("--nproc_per_node="):
-            value, i = a.split("=", 1)[1], i + 1
-        else:
+        name, eq, attached = a.partition("=")
+        if name not in names:
             rest.append(a)
             i += 1
             continue
+        if eq:
+            text, i = attached, i + 1
+        elif i + 1 < len(argv):
+            text, i = argv[i + 1], i + 2
+        else:
+            raise ValueError(f"{a}: expected a number")
         try:
-            nproc = int(value)
+            value = int(text)
         except ValueError:
-            raise ValueError(f"--nproc-per-node: expected a positive integer, got {value!r}") from None
-        if nproc < 1:
-            raise ValueError(f"--nproc-per-node: expected a positive integer, got {nproc}")
-    return nproc, rest
+            value = None
+        if value is None or value < least:
+            kind = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise ValueError(f"{option}: expected {kind}, got {text!r}")
+    return value, rest
+
+
+def split_nproc(argv: list[str]) -> tuple[int | None, list[str]]:
+    """Takes `--nproc-per-node N` (or `=N`) out of argv."""
+    return split_count(argv, "--nproc-per-node", 1)
 
 
 def launched() -> bool:
@@ -44,10 +54,12 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def exec_torchrun(nproc: int, train_argv: list[str]) -> None:
-    """Replaces this process with torchrun running `automoe train` on nproc local processes."""
+def exec_torchrun(nproc: int, train_argv: list[str], max_restarts: int = 0) -> None:
+    """Replaces this process with torchrun running `automoe train` on nproc local processes; with
+    max_restarts, torchrun restarts the group that many times after a failure (each restart resumes
+    from the last checkpoint)."""
     args = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            "-m", "automoe.cli", "train", *train_argv]
+            f"--max-restarts={max_restarts}", "-m", "automoe.cli", "train", *train_argv]
     sys.stderr.flush()
     os.execv(sys.executable, args)
 
@@ -87,6 +99,7 @@ def init(recipe: dict) -> dict:
         torch.cuda.set_device(torch.device(device))
     timeout = timedelta(seconds=float(par["timeout_s"]))
     if not dist.is_initialized():
+        elastic.install()  # (import automoe did; a restart's groups must not meet the last attempt's keys)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
     ep_group, dp_group = mesh_groups(ep, timeout)
     return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_group.group_name if ep_group else "",

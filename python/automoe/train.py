@@ -18,13 +18,15 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...] [--nproc-per-node N]
-                     [--resume-from step-N]
+                     [--max-restarts N] [--resume-from step-N]
 
 Fine-tunes model.path on data.train and exports a Hugging Face checkpoint to
 <checkpoint.dir>/export; re-running on the same checkpoint.dir resumes. Overrides use YAML
 values: train.max_steps=100 optimizer.lr=2e-5 data.packing=false. See docs/recipes.md.
 --nproc-per-node N runs N processes on this machine (torchrun); under torchrun or Slurm each
 process is one rank. The recipe's `parallel` section sets ep and dp (docs/parallelism.md).
+--max-restarts N lets torchrun restart the processes N times after one fails; each restart
+resumes from the last checkpoint.
 --resume-from step-N resumes from that checkpoint of checkpoint.dir instead of the latest
 (checkpoint.resume_from). SIGTERM, SIGINT or SIGHUP stop the run after its current step with a
 checkpoint (exit status 4); a second signal stops it at once.
@@ -215,12 +217,16 @@ def main(argv: list[str]) -> None:
 
     try:
         nproc, argv = distributed.split_nproc(split_resume_from(argv))
+        max_restarts, argv = distributed.split_count(argv, "--max-restarts", 0)
         if not argv:
             print(USAGE, file=sys.stderr, end="")
             raise SystemExit(2)
+        if max_restarts and not (nproc and nproc > 1):
+            raise ValueError("--max-restarts: restarts are torchrun's, for a run of several processes "
+                             "(--nproc-per-node N); one process resumes by running the command again")
         if nproc is not None and nproc > 1 and not distributed.launched():
             resolve(load_recipe(argv[0], argv[1:]), argv[0])  # a bad recipe fails here, once
-            distributed.exec_torchrun(nproc, argv)
+            distributed.exec_torchrun(nproc, argv, max_restarts or 0)
         doc = load_recipe(argv[0], argv[1:])
         recipe = resolve(doc, argv[0])
         if distributed.launched():

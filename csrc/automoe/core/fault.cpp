@@ -16,8 +16,19 @@ struct FaultConfig {
   long kill_at = 0;           // 0: never
   const char* trace = nullptr;
   FaultConfig() {
+    // Under torchrun every process has the same environment: the points count in one rank of
+    // one attempt only (RANK, TORCHELASTIC_RESTART_COUNT), so a restarted group runs clean.
+    if (!only_here("AUTOMOE_FAULT_RANK", "RANK") ||
+        !only_here("AUTOMOE_FAULT_ATTEMPT", "TORCHELASTIC_RESTART_COUNT"))
+      return;
     if (const char* s = std::getenv("AUTOMOE_FAULT_KILL_AT")) kill_at = std::atol(s);
     trace = std::getenv("AUTOMOE_FAULT_TRACE");
+  }
+  static bool only_here(const char* want_var, const char* have_var) {
+    const char* want = std::getenv(want_var);
+    if (!want) return true;
+    const char* have = std::getenv(have_var);
+    return std::string(have ? have : "0") == want;
   }
 };
 
