@@ -3,7 +3,7 @@
 # one for SECONDS seconds, seeded from tests/fuzz/corpus/<target>/.
 #   scripts/fuzz.sh                       30 s per target (the CI setting)
 #   scripts/fuzz.sh 3600 safetensors_header   one target for an hour
-#   FUZZ_BUILD_ONLY=1 scripts/fuzz.sh     build, run nothing
+#   FUZZ_BUILD_ONLY=1 scripts/fuzz.sh     build, run nothing (FUZZ_JOBS: compile jobs, default nproc)
 #   FUZZ_SEED=N                           libFuzzer's seed (0, the default: a new one each run;
 #                                         make test uses 1, so that CI's short runs repeat)
 # Exits non-zero when a target finds anything (crash, sanitizer report, leak, escaped exception,
@@ -56,6 +56,10 @@ TORCH=$("$PY" -c 'import os, torch; print(os.path.dirname(torch.__file__))')
 ABI=$("$PY" -c 'import torch; print(int(torch._C._GLIBCXX_USE_CXX11_ABI))')
 LAUNCHER=$(command -v ccache || true)
 export CCACHE_SLOPPINESS=include_file_mtime,include_file_ctime,time_macros
+# Paths relative to the checkout and no working directory in the hash (-g would add it), so that a
+# fresh clone (CI) finds the objects another checkout compiled (the debug info then names that
+# checkout's directory: the lines and functions are the same).
+export CCACHE_BASEDIR=$ROOT CCACHE_NOHASHDIR=1
 
 OUT=build-fuzz
 mkdir -p "$OUT"
@@ -101,7 +105,7 @@ cmp -s "$OUT/build.ninja.new" "$OUT/build.ninja" || mv "$OUT/build.ninja.new" "$
 rm -f "$OUT/build.ninja.new"
 
 start=$(date +%s)
-ninja -C "$OUT" -j "${FUZZ_JOBS:-1}" $(printf 'fuzz_%s ' "${TARGETS[@]}")
+ninja -C "$OUT" -j "${FUZZ_JOBS:-$(nproc)}" $(printf 'fuzz_%s ' "${TARGETS[@]}")
 echo "fuzz: build took $(($(date +%s) - start)) s"
 [ -z "${FUZZ_BUILD_ONLY:-}" ] || exit 0
 
