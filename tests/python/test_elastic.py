@@ -283,8 +283,9 @@ def test_two_nodes_equal_one_and_a_lost_node_started_again_rejoins(model_dir, re
     port = free_port()
     recipe = write_recipe(recipe_for(model_dir, tmp_path, "lost", steps), tmp_path)
     fresh = dict(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    a = first_node(recipe, tmp_path, port, "a2", **fresh)
-    b = node(recipe, tmp_path, port, "b2", **fresh)
+    quick = ",keep_alive_interval=1,keep_alive_max_attempt=2"  # the lost node's place frees in 2 s
+    a = first_node(recipe, tmp_path, port, "a2", rdzv_conf=quick, **fresh)
+    b = node(recipe, tmp_path, port, "b2", rdzv_conf=quick, **fresh)
     try:
         deadline = time.monotonic() + 300
         while last_checkpoint(tmp_path / "lost") < EVERY:
@@ -294,7 +295,7 @@ def test_two_nodes_equal_one_and_a_lost_node_started_again_rejoins(model_dir, re
         assert trained_steps(tmp_path / "lost") < steps, "the run ended before the node was lost"
         kill_tree(b)
         b.wait()
-        b = node(recipe, tmp_path, port, "b3", **fresh)
+        b = node(recipe, tmp_path, port, "b3", rdzv_conf=quick, **fresh)
         finish([a, b], 300)
     finally:
         kill_tree(a)
@@ -306,7 +307,7 @@ def test_two_nodes_equal_one_and_a_lost_node_started_again_rejoins(model_dir, re
 
 
 def test_a_node_that_never_comes_back_stops_the_other_within_the_timeouts(model_dir, tmp_path):
-    port, join_timeout = free_port(), 10
+    port, join_timeout = free_port(), 6
     recipe_doc = recipe_for(model_dir, tmp_path, "run", steps=10000)
     recipe = write_recipe(recipe_doc, tmp_path)
     a = first_node(recipe, tmp_path, port, "a", join_timeout=join_timeout)
