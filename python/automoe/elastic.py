@@ -51,19 +51,16 @@ def attempt_token(store, rank: int, world_size: int, timeout: timedelta) -> str:
         token = uuid.uuid4().hex
         store.set(current, token)
         hello = [f"{PREFIX}{token}/hello/{r}" for r in range(1, world_size)]
-        pending = list(hello)
-        while pending:
-            if time.monotonic() > deadline:
-                missing = [int(k.rsplit("/", 1)[1]) for k in pending]
+        if hello:  # one wait and one answer for all ranks: O(1) store calls from rank 0 at any scale
+            try:
+                store.wait(hello, timeout)
+            except Exception:  # the store's timeout (its error types differ between versions)
+                missing = [r for r, k in enumerate(hello, 1) if not store.check([k])]
                 raise RendezvousError(
                     f"rank(s) {missing} of this torchrun attempt did not join within {timeout.total_seconds():.0f} s "
-                    "(they died or hang before torch.distributed.init_process_group)")
-            arrived = [k for k in pending if store.check([k])]
-            for k in arrived:
-                store.set(f"{PREFIX}welcome/{store.get(k).decode()}", token)
-            pending = [k for k in pending if k not in arrived]
-            if pending:
-                time.sleep(_POLL_S)
+                    "(they died or hang before torch.distributed.init_process_group)") from None
+            nonces = store.multi_get(hello)
+            store.multi_set([f"{PREFIX}welcome/{n.decode()}" for n in nonces], [token] * len(nonces))
         return token
     nonce = uuid.uuid4().hex
     welcome = f"{PREFIX}welcome/{nonce}"

@@ -248,6 +248,44 @@ def test_each_attempt_forms_its_groups_in_a_namespace_of_its_own(tmp_path):
         assert r["unscoped_keys"] == [], r
 
 
+def test_the_attempt_token_ignores_a_stale_one_and_names_the_ranks_that_never_came():
+    """In one process, on a real TCPStore: a rank that reads the previous attempt's token first
+    (rank 0 of this attempt publishes later) still ends with this attempt's; rank 0 names the rank
+    that never arrived."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from automoe import elastic
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+    def client():  # each rank its own connection, as each process has
+        return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+
+    store.set(elastic.PREFIX + "current", "stale")
+    got = {}
+    t = threading.Thread(target=lambda: got.update(
+        r1=elastic.attempt_token(client(), 1, 2, timedelta(seconds=10))))
+    t.start()
+    time.sleep(0.5)  # rank 1 has said hello under the stale token by now
+    token = elastic.attempt_token(store, 0, 2, timedelta(seconds=10))
+    t.join(10)
+    assert got["r1"] == token != "stale"
+    with pytest.raises(elastic.RendezvousError, match=r"rank\(s\) \[2\] of this torchrun attempt did not join"):
+        def rank1():  # rank 0 gives up before rank 2 comes, so rank 1 is never answered
+            with pytest.raises(elastic.RendezvousError, match="rank 0 of this torchrun attempt did not answer rank 1"):
+                elastic.attempt_token(client(), 1, 3, timedelta(seconds=3))
+
+        t = threading.Thread(target=rank1)
+        t.start()
+        try:
+            elastic.attempt_token(store, 0, 3, timedelta(seconds=1))
+        finally:
+            t.join(10)
+
+
 def test_max_restarts_passes_to_torchrun_and_needs_several_processes(model_dir, tmp_path):
     from automoe import distributed
 
