@@ -13,8 +13,6 @@ import os
 import sys
 from datetime import timedelta
 
-from automoe import elastic
-
 
 def split_count(argv: list[str], option: str, least: int) -> tuple[int | None, list[str]]:
     """Takes `--OPTION N` (or `=N`; dashes or underscores) out of argv: (N or None, the rest)."""
@@ -99,7 +97,6 @@ def init(recipe: dict) -> dict:
         torch.cuda.set_device(torch.device(device))
     timeout = timedelta(seconds=float(par["timeout_s"]))
     if not dist.is_initialized():
-        elastic.install()  # (import automoe did; a restart's groups must not meet the last attempt's keys)
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timeout)
     ep_group, dp_group = mesh_groups(ep, timeout)
     return dict(world_group=dist.group.WORLD.group_name, ep_group=ep_group.group_name if ep_group else "",

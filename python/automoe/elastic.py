@@ -130,6 +130,5 @@ def install() -> bool:
 
     warn_if_a_lost_node_cannot_rejoin()
     env_handler._automoe_scoped = True
-    env_handler._automoe_original = original
     handlers["env"] = env_handler
     return True
