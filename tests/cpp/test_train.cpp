@@ -44,7 +44,12 @@ std::string error_of(const json& j) {
 TEST(Recipe, DefaultsAreFilledIn) {
   const Recipe r = Recipe::parse(kMinimal, "r.yaml");
   EXPECT_EQ(r.model.dtype, "bfloat16");
-  EXPECT_EQ(r.data.train, std::vector<std::string>{"t.jsonl"});
+  ASSERT_EQ(r.data.train.size(), 1u);
+  EXPECT_EQ(r.data.train[0].path, "t.jsonl");
+  EXPECT_TRUE(r.data.train[0].dataset.empty());
+  EXPECT_FALSE(r.data.train[0].weight.has_value());
+  EXPECT_EQ(r.data.num_proc, 0);
+  EXPECT_EQ(r.data.validation_split, 0.0);
   EXPECT_EQ(r.data.seq_len, 2048);
   EXPECT_TRUE(r.data.packing);
   EXPECT_EQ(r.data.train_on, "completion");
@@ -68,11 +73,12 @@ TEST(Recipe, UnknownKeysAndSectionsAreNamed) {
   EXPECT_NE(error_of(j).find("unknown section `trainer`"), std::string::npos) << error_of(j);
 }
 
+void expect(const json& j, const std::string& needle) {
+  const std::string e = error_of(j);
+  EXPECT_NE(e.find(needle), std::string::npos) << "expected \"" << needle << "\" in: " << e;
+}
+
 TEST(Recipe, BadValuesNameTheKey) {
-  auto expect = [](json j, const std::string& needle) {
-    const std::string e = error_of(j);
-    EXPECT_NE(e.find(needle), std::string::npos) << "expected \"" << needle << "\" in: " << e;
-  };
   json j = minimal();
   j["train"]["micro_batch_size"] = 0;
   expect(j, "train.micro_batch_size: expected >= 1, got 0");
@@ -99,7 +105,7 @@ TEST(Recipe, BadValuesNameTheKey) {
   expect(j, "train.seed: expected an integer up to 2^63");
   j = minimal();
   j["data"]["validation"] = "";
-  expect(j, "data.validation: expected a file path");
+  expect(j, "data.validation: expected a file path, a glob or a dataset id");
   j = minimal();
   j["train"]["device"] = "tpu";
   expect(j, "train.device");
@@ -118,6 +124,52 @@ TEST(Recipe, BadValuesNameTheKey) {
   j = minimal();
   j["optimizer"]["state_dtype"] = "int8";
   expect(j, "optimizer.state_dtype: \"int8\" is not one of");
+}
+
+TEST(Recipe, DataSourcesTakePathsDatasetIdsAndMappingsAndRoundTrip) {
+  json j = minimal();
+  j["data"]["train"] = json::array(
+      {"shards/*.parquet",
+       {{"dataset", "org/chats"}, {"subset", "en"}, {"split", "train"}, {"weight", 3},
+        {"columns", {{"messages", "conversations"}}}},
+       {{"path", "qa.csv"}, {"format", "prompt_completion"},
+        {"columns", {{"prompt", "question"}, {"completion", "answer"}}}}});
+  j["data"]["validation_split"] = 0.05;
+  j["data"]["num_proc"] = 3;
+  const Recipe r = Recipe::parse(j.dump(), "r.yaml");
+  ASSERT_EQ(r.data.train.size(), 3u);
+  EXPECT_EQ(r.data.train[0].path, "shards/*.parquet");
+  EXPECT_EQ(r.data.train[1].dataset, "org/chats");
+  EXPECT_EQ(r.data.train[1].subset, "en");
+  EXPECT_EQ(*r.data.train[1].weight, 3.0);
+  EXPECT_EQ(r.data.train[1].columns.at("messages"), "conversations");
+  EXPECT_EQ(r.data.train[2].format, "prompt_completion");
+  EXPECT_EQ(r.data.num_proc, 3);
+  const Recipe again = Recipe::parse(r.to_json(), "resolved");
+  EXPECT_EQ(again.to_json(), r.to_json());
+}
+
+TEST(Recipe, BadDataSourcesNameTheSourceAndKey) {
+  auto expect_source = [](json source, const char* message) {
+    json j = minimal();
+    j["data"]["train"] = json::array({"a.jsonl", source});
+    expect(j, message);
+  };
+  expect_source({{"path", "a"}, {"dataset", "o/n"}}, "data.train[1]: give exactly one of path");
+  expect_source({{"split", "train"}}, "data.train[1]: give exactly one of path");
+  expect_source({{"path", "a"}, {"weight", 0}}, "data.train[1]: weight: expected a number in (0");
+  expect_source({{"path", "a"}, {"subset", "en"}}, "subset and revision belong to a dataset");
+  expect_source({{"path", "a"}, {"columns", {{"prompt", 3}}}}, "columns.prompt: expected a column");
+  expect_source({{"path", "a"}, {"colums", {}}}, "data.train[1]: unknown key `colums`");
+  expect_source({{"path", "a"}, {"format", "sharegpt"}}, "format: \"sharegpt\" is not one of");
+  expect_source(7, "data.train[1]: expected a path, a dataset id or a mapping");
+  json j = minimal();
+  j["data"]["validation"] = "v.jsonl";
+  j["data"]["validation_split"] = 0.1;
+  expect(j, "data.validation_split: holds part of data.train out");
+  j = minimal();
+  j["data"]["train"] = json::array();
+  expect(j, "data.train: required");
 }
 
 TEST(Recipe, OptimizerPrecisionIsRefusedWhereItMeansNothing) {

@@ -98,8 +98,6 @@ class Section {
     return def;
   }
 
-  std::vector<std::string> paths(const std::string& k) { return strings(k, "file path"); }
-
   // One string or a list of non-empty strings (`what` names one in errors).
   std::vector<std::string> strings(const std::string& k, const std::string& what) {
     std::vector<std::string> out;
@@ -181,19 +179,112 @@ void parse_model(const json& root, const std::string& origin, ModelSection& mode
   m.finish();
 }
 
+const std::set<std::string> kDataFormats = {"auto", "chat", "prompt_completion", "alpaca", "text"};
+
+// One data source: a non-empty string (a local path or glob, or a hub dataset id) or a mapping.
+DataSource parse_source(const json& v, const std::string& where) {
+  DataSource s;
+  if (v.is_string()) {
+    s.path = v.get<std::string>();
+    AUTOMOE_CHECK(!s.path.empty(), where, "expected a file path, a glob or a dataset id, got \"\"");
+    return s;
+  }
+  AUTOMOE_CHECK(v.is_object(), where,
+                "expected a path, a dataset id or a mapping (path: or dataset:, ...), got ",
+                type_name(v));
+  static const std::set<std::string> keys = {"path",     "dataset", "subset", "split",
+                                             "revision", "columns", "weight", "format"};
+  for (const auto& [k, x] : v.items()) {
+    AUTOMOE_CHECK(keys.count(k), where, "unknown key `", k,
+                  "` (a source takes: columns, dataset, format, path, revision, split, subset, "
+                  "weight)");
+    if (x.is_null()) continue;
+    if (k == "columns") {
+      AUTOMOE_CHECK(x.is_object(), where, "columns: expected a mapping of format field to the "
+                    "source's column, got ", type_name(x));
+      for (const auto& [field, col] : x.items()) {
+        AUTOMOE_CHECK(col.is_string() && !col.get<std::string>().empty(), where, "columns.", field,
+                      ": expected a column name, got ", col.dump());
+        s.columns[field] = col.get<std::string>();
+      }
+    } else if (k == "weight") {
+      AUTOMOE_CHECK(x.is_number() && !x.is_boolean() && std::isfinite(x.get<double>()) &&
+                        x.get<double>() > 0 && x.get<double>() <= 1e6,
+                    where, "weight: expected a number in (0, 1e6], got ", x.dump());
+      s.weight = x.get<double>();
+    } else {
+      AUTOMOE_CHECK(x.is_string(), where, k, ": expected a string, got ", type_name(x));
+      const std::string t = x.get<std::string>();
+      if (k == "path") s.path = t;
+      if (k == "dataset") s.dataset = t;
+      if (k == "subset") s.subset = t;
+      if (k == "split") s.split = t;
+      if (k == "revision") s.revision = t;
+      if (k == "format") {
+        AUTOMOE_CHECK(kDataFormats.count(t), where, "format: \"", t,
+                      "\" is not one of: alpaca, auto, chat, prompt_completion, text");
+        s.format = t;
+      }
+    }
+  }
+  AUTOMOE_CHECK(s.path.empty() != s.dataset.empty(), where,
+                "give exactly one of path: (a local file, directory or glob) and dataset: (a "
+                "Hugging Face dataset id)");
+  AUTOMOE_CHECK(!s.dataset.empty() || (s.subset.empty() && s.revision.empty()), where,
+                "subset and revision belong to a dataset: source, not to path: ", s.path);
+  return s;
+}
+
+std::vector<DataSource> parse_sources(Section& d, const std::string& k) {
+  std::vector<DataSource> out;
+  const json* v = d.raw(k);
+  if (!v) return out;
+  if (!v->is_array()) return {parse_source(*v, d.where(k))};
+  for (size_t i = 0; i < v->size(); ++i) {
+    out.push_back(parse_source(v->at(i), d.where(k + "[" + std::to_string(i) + "]")));
+  }
+  return out;
+}
+
+json source_json(const DataSource& s) {
+  json j = json::object();
+  if (!s.path.empty()) j["path"] = s.path;
+  if (!s.dataset.empty()) j["dataset"] = s.dataset;
+  if (!s.subset.empty()) j["subset"] = s.subset;
+  if (!s.split.empty()) j["split"] = s.split;
+  if (!s.revision.empty()) j["revision"] = s.revision;
+  if (!s.columns.empty()) j["columns"] = s.columns;
+  if (s.weight) j["weight"] = *s.weight;
+  if (!s.format.empty()) j["format"] = s.format;
+  return j;
+}
+
+json sources_json(const std::vector<DataSource>& v) {
+  json j = json::array();
+  for (const auto& s : v) j.push_back(source_json(s));
+  return j;
+}
+
 void parse_data(const json& root, const std::string& origin, DataSection& data) {
   Section d(root, "data", origin);
-  data.train = d.paths("train");
-  AUTOMOE_CHECK(!data.train.empty(), d.where("train"), "required: the training JSONL file(s)");
-  data.validation = d.paths("validation");
-  data.format =
-      d.str("format", data.format, {"auto", "chat", "prompt_completion", "alpaca", "text"});
+  data.train = parse_sources(d, "train");
+  AUTOMOE_CHECK(!data.train.empty(), d.where("train"),
+                "required: the training data (a file, a directory or glob of shards, a dataset "
+                "id, or a list of them)");
+  data.validation = parse_sources(d, "validation");
+  data.format = d.str("format", data.format, kDataFormats);
   data.seq_len = d.integer("seq_len", data.seq_len, 2, kMaxSeqLen);
   data.packing = d.boolean("packing", data.packing);
   data.train_on = d.str("train_on", data.train_on, {"completion", "all"});
   data.on_error = d.str("on_error", data.on_error, {"fail", "skip"});
   data.shuffle = d.boolean("shuffle", data.shuffle);
   data.cache_dir = d.str("cache_dir", "");
+  data.num_proc = d.integer("num_proc", 0, 0, kMaxThreads);
+  data.validation_split = d.number("validation_split", 0.0, 0.0, 0.5);
+  AUTOMOE_CHECK(data.validation_split == 0.0 || data.validation.empty(), d.where("validation_split"),
+                "holds part of data.train out for validation, but data.validation is given too; "
+                "use one of them");
+  data.max_samples = d.integer("max_samples", 0, 0);
   d.finish();
 }
 
@@ -428,7 +519,11 @@ std::string Recipe::to_json() const {
                 {"router_aux_loss_coef", model.router_aux_loss_coef
                                              ? json(*model.router_aux_loss_coef)
                                              : json(nullptr)}};
-  j["data"] = {{"train", data.train},       {"validation", data.validation},
+  j["data"] = {{"train", sources_json(data.train)},
+               {"validation", sources_json(data.validation)},
+               {"num_proc", data.num_proc},
+               {"validation_split", data.validation_split},
+               {"max_samples", data.max_samples},
                {"format", data.format},     {"seq_len", data.seq_len},
                {"packing", data.packing},   {"train_on", data.train_on},
                {"on_error", data.on_error}, {"shuffle", data.shuffle},

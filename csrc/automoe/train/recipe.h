@@ -25,16 +25,31 @@ struct ModelSection {
   std::optional<double> router_aux_loss_coef;  // default: the checkpoint's config
 };
 
+// One source of documents (docs/recipes.md#data-sources): a local file, directory or glob of
+// shards (`path`), or a Hugging Face dataset id resolved offline from the local cache (`dataset`).
+// The Python front reads it (automoe/data); the engine only validates it and records it.
+struct DataSource {
+  std::string path;                            // file | directory | glob | save_to_disk directory
+  std::string dataset;                         // hub dataset id (org/name)
+  std::string subset, split, revision;         // for `dataset` (split also for save_to_disk)
+  std::map<std::string, std::string> columns;  // format field -> the source's column
+  std::optional<double> weight;                // mixing weight (> 0); unset = 1 when mixing
+  std::string format;                          // "" = data.format
+};
+
 struct DataSection {
-  std::vector<std::string> train;       // JSONL files
-  std::vector<std::string> validation;  // optional JSONL files
-  std::string format = "auto";          // auto | chat | prompt_completion | alpaca | text
+  std::vector<DataSource> train;       // one or more sources, concatenated or mixed by weight
+  std::vector<DataSource> validation;  // optional
+  std::string format = "auto";  // auto | chat | prompt_completion | alpaca | text
   int64_t seq_len = 2048;
   bool packing = true;
   std::string train_on = "completion";  // completion (assistant / completion tokens) | all
   std::string on_error = "fail";        // fail | skip
   bool shuffle = true;
   std::string cache_dir;                // "" = $AUTOMOE_CACHE/datasets or ~/.cache/automoe/datasets
+  int64_t num_proc = 0;                 // tokenising processes; 0 = the CPUs this process may use
+  double validation_split = 0.0;        // held out of data.train when no validation source
+  int64_t max_samples = 0;              // records read from each source; 0 = all
 };
 
 struct TrainSection {
