@@ -189,12 +189,15 @@ def prepare(recipe: dict, log=sys.stderr) -> list[str]:
 
     _C.check_config(model_path)  # the engine's message (file and key), not Transformers' traceback
     kw = dict(tokenizer=None, model_path=model_path, fmt=d["format"], train_on=d["train_on"],
-              on_error=d["on_error"], cache_dir=d["cache_dir"] or None, log=log)
-    train = data.build(d["train"], what="data.train", **kw)
+              on_error=d["on_error"], cache_dir=d["cache_dir"] or None, log=log, num_proc=d["num_proc"],
+              max_samples=d["max_samples"], seed=recipe["train"]["seed"])
+    train, held_out = data.build_split(d["train"], what="data.train", validation_split=d["validation_split"], **kw)
     _report(train, "train", log)
     args = ["--train-data", str(train.path), "--train-key", train.key]
+    val = held_out
     if d["validation"]:
         val = data.build(d["validation"], what="data.validation", **kw)
+    if val is not None:
         _report(val, "validation", log)
         args += ["--validation-data", str(val.path)]
     return args
@@ -203,9 +206,13 @@ def prepare(recipe: dict, log=sys.stderr) -> list[str]:
 def _report(ds, name: str, log) -> None:
     s = ds.stats
     how = "cached" if s.get("reused") else "tokenised"
-    extra = f", {s['skipped_lines']} malformed lines skipped" if s.get("skipped_lines") else ""
+    extra = f", {s['skipped_lines']} malformed records skipped" if s.get("skipped_lines") else ""
     print(f"automoe train: {name} data {how}: {s['documents']:,} documents, {s['tokens']:,} tokens "
           f"({s['loss_tokens']:,} with loss){extra}", file=log)
+    composed = s.get("composed")
+    if composed and len(s["sources"]) > 1:
+        for src, n in zip(s["sources"], composed):
+            print(f"automoe train:   {n:,} documents from {src['source']} ({src['documents']:,} tokenised)", file=log)
 
 
 def main(argv: list[str]) -> None:

@@ -423,6 +423,7 @@ def test_leftovers_of_a_killed_save_are_removed_at_the_next_start(model_dir, tmp
     (run_dir / "export" / f"model.safetensors.pending-{dead}").write_bytes(b"0" * 100)
     (run_dir / "export" / f"config.json.tmp.{os.getpid()}").write_text("alive: kept")
     (tmp_path / "cache" / f".x.amds.tmp-{dead}").write_bytes(b"0" * 100)  # a killed tokenisation
+    (tmp_path / "cache" / f".x.amds.tmp-{dead}.tokens").write_bytes(b"0" * 100)  # ... and its spill file
     run_train(recipe, tmp_path, "train.max_steps=2")
     names = {p.name for p in run_dir.rglob("*")} | {p.name for p in (tmp_path / "cache").iterdir()}
     assert not any(str(dead) in n for n in names), names

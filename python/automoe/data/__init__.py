@@ -1,20 +1,15 @@
-"""Tokenise JSONL training data once, into a cached, memory-mapped dataset the C++ trainer reads.
+"""Tokenise training data once, into a cached, memory-mapped dataset the C++ trainer reads.
 
-Formats (one JSON object per line; `format: auto` picks one per line from its keys):
+Sources (automoe.data.sources): JSONL / JSON / Parquet / Arrow / CSV files, directories and globs
+of shards, `datasets` save_to_disk directories and Hugging Face dataset ids from the local cache.
+Formats and loss masks (automoe.data.encode): chat (with tools and reasoning), prompt_completion,
+alpaca, text. The file (automoe.data.store) is written as documents are produced.
 
-- chat:              {"messages": [{"role": "user", "content": "..."}, ...]}, rendered with the
-                     tokenizer's own chat template; loss on the assistant turns (their content and
-                     the template's end-of-turn tokens).
-- prompt_completion: {"prompt": "...", "completion": "..."}; loss on the completion and EOS.
-- alpaca:            {"instruction": "...", "input": "...", "output": "..."}, in the Alpaca prompt;
-                     loss on the output and EOS.
-- text:              {"text": "..."}; loss on every token, then EOS.
-
-`train_on: all` puts loss on every token of every format. Rendering and tokenisation go through
-Hugging Face `transformers`/`tokenizers`, so the tokens are exactly what Transformers produces.
-
-The cache file is keyed by the inputs' bytes, the tokenizer files, the settings and the library
-versions; the layout is documented in csrc/automoe/train/dataset.h.
+Each source is tokenised on its own, streamed in batches through `data.num_proc` worker
+processes, into a cache file keyed by its bytes, the tokenizer files, the settings and the
+library versions; a recipe's dataset is then that file, or, when sources are mixed by weight,
+concatenated or split for validation, a file composed from them (also cached). Memory does not
+grow with the corpus: a batch of records per worker, one document per write.
 """
 
 from __future__ import annotations
@@ -23,40 +18,47 @@ import hashlib
 import json
 import os
 import sys
+from collections import deque
+from itertools import chain
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-CACHE_FORMAT = "AMDS0001"
-ENCODER_VERSION = 1  # bump when the rendering or masking rules change
-FORMATS = ("chat", "prompt_completion", "alpaca", "text")
+from automoe.data.encode import ENCODER_VERSION, FORMATS, Encoder, FatalDataError, detect_format
+from automoe.data.sources import Source, SourceError, BadRecord, file_digest, resolve
+from automoe.data.store import CACHE_FORMAT, Docs, StoreError, Writer, read, remove_dead_temporaries
+
+__all__ = ["CACHE_FORMAT", "DataError", "Dataset", "Encoder", "FORMATS", "build", "build_split",
+           "default_cache_dir", "detect_format", "load_tokenizer", "read", "remove_dead_temporaries"]
+
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
 )
 
-ALPACA_PROMPT = (
-    "Below is an instruction that describes a task{ctx}. "
-    "Write a response that appropriately completes the request.\n\n"
-    "### Instruction:\n{instruction}\n\n{input_block}### Response:\n"
-)
-
 
 class DataError(ValueError):
-    """A malformed line or an unusable file; the message names the file and line."""
+    """A malformed record or an unusable source; the message names the source and record."""
 
 
 @dataclass
 class Dataset:
     path: Path        # the .amds file
     key: str          # cache key
-    stats: dict       # documents, tokens, loss_tokens, skipped lines, reused
+    stats: dict       # documents, tokens, loss_tokens, skipped records, reused, per-source counts
 
 
 def default_cache_dir() -> Path:
     base = os.environ.get("AUTOMOE_CACHE")
     return Path(base) / "datasets" if base else Path.home() / ".cache" / "automoe" / "datasets"
+
+
+def usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def load_tokenizer(model_path: str | os.PathLike):
@@ -81,319 +83,333 @@ def load_tokenizer(model_path: str | os.PathLike):
         raise DataError(f"model.path {path}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
-def detect_format(rec: dict) -> str:
-    if "messages" in rec:
-        return "chat"
-    if "prompt" in rec and "completion" in rec:
-        return "prompt_completion"
-    if "instruction" in rec and "output" in rec:
-        return "alpaca"
-    if "text" in rec:
-        return "text"
-    raise ValueError("cannot tell the format from the keys " + ", ".join(sorted(rec)) +
-                     " (expected messages | prompt+completion | instruction+output | text)")
 
 
-def _string(rec: dict, key: str, allow_empty: bool = False) -> str:
-    if key not in rec:
-        raise ValueError(f"missing key \"{key}\"")
-    v = rec[key]
-    if not isinstance(v, str):
-        raise ValueError(f"\"{key}\" must be a string, got {type(v).__name__}")
-    if not v and not allow_empty:
-        raise ValueError(f"\"{key}\" is empty")
-    return v
+@dataclass
+class _Settings:
+    tokenizer: object
+    model_path: str
+    fmt: str
+    train_on: str
+    on_error: str
+    cache: Path
+    num_proc: int
+    max_samples: int
+    log: object
+
+    def base_key(self) -> dict:
+        from importlib.metadata import version  # not importing the libraries: a cached run never needs them
+
+        tok = {}
+        for name in TOKENIZER_FILES:
+            p = Path(self.model_path) / name
+            if p.exists():
+                tok[name] = file_digest(p)
+        return {"encoder": ENCODER_VERSION, "train_on": self.train_on, "on_error": self.on_error,
+                "max_samples": self.max_samples, "transformers": version("transformers"),
+                "tokenizers": version("tokenizers"), "tokenizer_files": tok}
+
+    def get_tokenizer(self):
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(self.model_path)
+        return self.tokenizer
 
 
-class Encoder:
-    """Turns one record into token ids and a per-token loss flag."""
-
-    def __init__(self, tokenizer, fmt: str, train_on: str):
-        self.tok = tokenizer
-        self.fmt = fmt
-        self.train_on = train_on
-        self.eos = tokenizer.eos_token_id
-
-    def __call__(self, rec) -> tuple[list[int], list[int]]:
-        if not isinstance(rec, dict):
-            raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
-        fmt = detect_format(rec) if self.fmt == "auto" else self.fmt
-        if fmt == "chat":
-            ids, mask = self._chat(rec)
-        elif fmt == "prompt_completion":
-            ids, mask = self._pair(_string(rec, "prompt"), _string(rec, "completion"))
-        elif fmt == "alpaca":
-            inp = rec.get("input", "")
-            if not isinstance(inp, str):
-                raise ValueError(f"\"input\" must be a string, got {type(inp).__name__}")
-            prompt = ALPACA_PROMPT.format(
-                ctx=", paired with an input that provides further context" if inp else "",
-                instruction=_string(rec, "instruction"),
-                input_block=f"### Input:\n{inp}\n\n" if inp else "")
-            ids, mask = self._pair(prompt, _string(rec, "output"))
-        else:
-            ids = self.tok(_string(rec, "text"), add_special_tokens=True)["input_ids"]
-            if self.eos is not None:
-                ids = ids + [self.eos]
-            mask = [1] * len(ids)
-        if self.train_on == "all":
-            mask = [1] * len(ids)
-        return ids, mask
-
-    def _prompt_only(self) -> str:
-        """What the template renders before a first assistant turn (a default system prompt, the
-        generation prompt); empty when the template refuses an empty conversation."""
-        try:
-            return self.tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
-        except Exception:
-            return ""
-
-    def _pair(self, prompt: str, completion: str):
-        p = self.tok(prompt, add_special_tokens=True)["input_ids"]
-        c = self.tok(completion, add_special_tokens=False)["input_ids"]
-        if self.eos is not None:
-            c = c + [self.eos]
-        return p + c, [0] * len(p) + [1] * len(c)
-
-    def _chat(self, rec):
-        msgs = rec["messages"] if "messages" in rec else None
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError("\"messages\" must be a non-empty list")
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"messages[{i}] must be {{\"role\": str, \"content\": str}}")
-        if not any(m["role"] == "assistant" for m in msgs) and self.train_on != "all":
-            raise ValueError("no assistant message: nothing to train on")
-        if getattr(self.tok, "chat_template", None) is None:
-            raise DataError("chat data needs a tokenizer with a chat template; the model's tokenizer has none "
-                            "(use format prompt_completion, or add a chat_template)")
-        if not getattr(self.tok, "is_fast", False):
-            raise DataError("chat data needs a fast tokenizer (tokenizer.json) to map the assistant "
-                            "turns onto tokens; the model's tokenizer is a slow one")
-
-        def render(m, **kw):
-            try:
-                return self.tok.apply_chat_template(m, tokenize=False, **kw)
-            except Exception as e:  # jinja's TemplateError (e.g. "roles must alternate") and co.
-                raise ValueError(f"the chat template refused this conversation: {e}") from None
-
-        text = render(msgs)
-        spans, cursor = [], 0
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            before = render(msgs[:i], add_generation_prompt=True) if i else self._prompt_only()
-            through = render(msgs[: i + 1])
-            if text.startswith(through) and through.startswith(before):
-                spans.append((len(before), len(through)))
-                cursor = len(through)
-            else:  # templates that rewrite earlier turns: fall back to the content itself
-                at = text.find(m["content"], cursor)
-                if at < 0:
-                    raise ValueError(f"messages[{i}]: the chat template does not reproduce the assistant text")
-                spans.append((at, at + len(m["content"])))
-                cursor = at + len(m["content"])
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids = enc["input_ids"]
-        mask = [0] * len(ids)
-        for t, (s, e) in enumerate(enc["offset_mapping"]):
-            if e > s and any(a <= s < b for a, b in spans):
-                mask[t] = 1
-        return ids, mask
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:32]
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_key(files: list[Path], model_path: str, fmt: str, train_on: str, on_error: str) -> str:
-    from importlib.metadata import version  # not importing the libraries: a cached run never needs them
-
-    h = hashlib.sha256()
-    h.update(json.dumps({"encoder": ENCODER_VERSION, "format": fmt, "train_on": train_on, "on_error": on_error,
-                         "transformers": version("transformers"),
-                         "tokenizers": version("tokenizers")}).encode())
-    for f in files:
-        h.update(b"data\0" + _file_digest(f).encode())
-    for name in TOKENIZER_FILES:
-        p = Path(model_path) / name
-        if p.exists():
-            h.update(name.encode() + b"\0" + _file_digest(p).encode())
-    return h.hexdigest()[:32]
-
-
-def _write(path: Path, docs_ids: list[np.ndarray], docs_mask: list[np.ndarray], meta: dict) -> None:
-    offsets = np.zeros(len(docs_ids) + 1, dtype=np.int64)
-    np.cumsum([len(d) for d in docs_ids], out=offsets[1:])
-    tokens = np.concatenate(docs_ids).astype(np.int32) if docs_ids else np.zeros(0, np.int32)
-    mask = np.concatenate(docs_mask).astype(np.uint8) if docs_mask else np.zeros(0, np.uint8)
-
-    def align(n: int) -> int:
-        return (n + 63) // 64 * 64
-
-    header = dict(meta, n_docs=len(docs_ids), n_tokens=int(tokens.size))
-    # Section offsets depend on the header's length, which depends on them: fix the point.
-    offs = {"offsets_at": 0, "tokens_at": 0, "mask_at": 0}
-    for _ in range(4):
-        text = json.dumps(dict(header, **offs)).encode()
-        start = align(16 + len(text) + 16)
-        new = {"offsets_at": start, "tokens_at": align(start + offsets.nbytes)}
-        new["mask_at"] = align(new["tokens_at"] + tokens.nbytes)
-        if new == offs:
-            break
-        offs = new
-    text = json.dumps(dict(header, **offs)).encode()
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(CACHE_FORMAT.encode() + len(text).to_bytes(8, "little") + text)
-            for at, arr in ((offs["offsets_at"], offsets), (offs["tokens_at"], tokens), (offs["mask_at"], mask)):
-                f.write(b"\0" * (at - f.tell()))
-                f.write(arr.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write the tokenised data {path}: {e.strerror or e} (data.cache_dir: free "
-                        "space there, or choose another directory)") from None
-
-
-def remove_dead_temporaries(cache: Path) -> None:
-    """Removes the hidden `.NAME.tmp-PID` files a killed tokenisation left in the cache."""
-    import re
-
-    for p in cache.glob(".*.tmp-*"):
-        m = re.fullmatch(r"\..+\.tmp-(\d+)", p.name)
-        if not m or int(m.group(1)) == os.getpid():
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-            continue  # a live process (ours or not): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
-        p.unlink(missing_ok=True)
-
-
-def _no_lone_surrogates(value) -> None:
-    """JSON's \\ud800 escapes decode to strings that are not Unicode text: refuse them here, not
-    inside the tokenizer."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"a lone surrogate \\u{ord(value[e.start]):04x} in a string (not valid "
-                             "Unicode text)") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _no_lone_surrogates(k)
-            _no_lone_surrogates(v)
-    elif isinstance(value, list):
-        for v in value:
-            _no_lone_surrogates(v)
-
-
-def build(files: list[str], tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
-          on_error: str = "fail", cache_dir: str | os.PathLike | None = None,
-          what: str = "data.train", log=sys.stderr) -> Dataset:
-    """Tokenises `files` (or reuses the cached result) and returns the dataset file. `tokenizer`
-    None: the model's own, loaded only if the data is not cached (Transformers takes seconds to
-    import)."""
-    paths = []
-    for f in files:
-        p = Path(f)
-        if not p.is_file():
-            raise DataError(f"{what}: {f}: no such file")
-        paths.append(p)
+def _open_cache(cache_dir) -> Path:
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise DataError(f"data.cache_dir: cannot create {cache}: {e.strerror or e}") from None
     remove_dead_temporaries(cache)
-    key = cache_key(paths, model_path, fmt, train_on, on_error)
-    out = cache / f"{key}.amds"
-    stats_path = cache / f"{key}.json"
-    if out.exists() and stats_path.exists():
-        stats = json.loads(stats_path.read_text())
-        stats["reused"] = True
-        return Dataset(out, key, stats)
+    return cache
 
-    enc = Encoder(tokenizer if tokenizer is not None else load_tokenizer(model_path), fmt, train_on)
-    ids_list, mask_list, skipped, short = [], [], [], 0
-    for p in paths:
-        with open(p, "rb") as fh:  # decoded line by line, so that a bad byte names its own line
-            lineno = 0
-            for raw in fh:
-                lineno += 1
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{p}:{lineno}: not UTF-8 text (byte {e.start + 1} of the line: "
-                                    f"{e.reason})") from None
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    _no_lone_surrogates(row)
-                    ids, mask = enc(row)
-                except DataError:
-                    raise
-                except (ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
-                    msg = f"{p}:{lineno}: {e}"
-                    if on_error == "fail":
-                        raise DataError(msg + " (data.on_error: skip would skip such lines)") from None
-                    skipped.append(msg)
-                    continue
-                if len(ids) < 2:
-                    short += 1
-                    continue
-                ids_list.append(np.asarray(ids, dtype=np.int64))
-                mask_list.append(np.asarray(mask, dtype=np.uint8))
-    for msg in skipped[:10]:
-        print(f"automoe train: skipped {msg}", file=log)
-    if len(skipped) > 10:
-        print(f"automoe train: ... and {len(skipped) - 10} more malformed lines skipped", file=log)
-    if not ids_list:
-        raise DataError(f"{what}: no usable documents in {', '.join(map(str, paths))}")
-    stats = {
-        "files": [str(p) for p in paths],
-        "documents": len(ids_list),
-        "tokens": int(sum(len(d) for d in ids_list)),
-        "loss_tokens": int(sum(int(m.sum()) for m in mask_list)),
-        "skipped_lines": len(skipped),
-        "too_short": short,
-        "max_token": int(max(int(d.max()) for d in ids_list)),
-    }
-    _write(out, ids_list, mask_list, {"key": key, "format": fmt, "train_on": train_on, **{
-        k: stats[k] for k in ("documents", "tokens", "loss_tokens")}})
-    tmp = stats_path.with_name(f".{stats_path.name}.tmp-{os.getpid()}")
+
+class _Locked:
+    """An exclusive lock on one cache key: processes on one machine tokenise a source once (the
+    others wait, then find it cached)."""
+
+    def __init__(self, cache: Path, key: str):
+        self.path = cache / f".{key}.lock"
+
+    def __enter__(self):
+        import fcntl
+
+        self.f = open(self.path, "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        self.f.close()
+
+
+def _write_stats(path: Path, stats: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(json.dumps(stats, indent=2) + "\n")
-        os.replace(tmp, stats_path)
+        os.replace(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        raise DataError(f"cannot write {stats_path}: {e.strerror or e} (data.cache_dir: free space there, "
+        raise DataError(f"cannot write {path}: {e.strerror or e} (data.cache_dir: free space there, "
                         "or choose another directory)") from None
-    stats["reused"] = False
-    return Dataset(out, key, stats)
 
 
-def read(path: str | os.PathLike) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """The documents of a .amds file (token ids, loss flags): for tests and inspection."""
-    raw = Path(path).read_bytes()
-    if raw[:8] != CACHE_FORMAT.encode():
-        raise DataError(f"{path}: not an AutoMoE dataset")
-    n = int.from_bytes(raw[8:16], "little")
-    h = json.loads(raw[16:16 + n])
-    offsets = np.frombuffer(raw, np.int64, h["n_docs"] + 1, h["offsets_at"])
-    tokens = np.frombuffer(raw, np.int32, h["n_tokens"], h["tokens_at"])
-    mask = np.frombuffer(raw, np.uint8, h["n_tokens"], h["mask_at"])
-    return ([tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])],
-            [mask[a:b] for a, b in zip(offsets[:-1], offsets[1:])])
+def _cached(cache: Path, key: str) -> dict | None:
+    out, stats = cache / f"{key}.amds", cache / f"{key}.json"
+    if out.exists() and stats.exists():
+        return json.loads(stats.read_text())
+    return None
+
+
+# --- tokenising one source ------------------------------------------------------------------
+
+_WORKER_ENCODER = None
+
+
+def _init_worker(encoder) -> None:
+    global _WORKER_ENCODER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per CPU already
+    _WORKER_ENCODER = encoder
+
+
+def _encode(chunk, encoder=None) -> dict:
+    """A worker's task: decode and tokenise one chunk of a source. Returns its documents as one
+    concatenation (ids, mask, lengths), the records that failed as (index, message, fatal) and
+    the number too short to train on."""
+    enc = encoder or _WORKER_ENCODER
+    records = chunk.records()
+    errors, good, where = [], [], []
+    for k, rec in enumerate(records):
+        if isinstance(rec, BadRecord):
+            errors.append((k, rec.reason, rec.fatal))
+            continue
+        good.append(rec)
+        where.append(k)
+    ids, masks, short = [], [], 0
+    for k, r in zip(where, enc.encode_batch(good)):
+        if isinstance(r, Exception):
+            errors.append((k, str(r), isinstance(r, FatalDataError)))
+        elif len(r[0]) < 2:
+            short += 1
+        else:
+            ids.append(r[0])
+            masks.append(r[1])
+    errors.sort()
+    return {"ids": np.concatenate(ids) if ids else np.zeros(0, np.int32),
+            "mask": np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+            "lengths": np.array([len(x) for x in ids], np.int64), "errors": errors, "short": short}
+
+
+def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> dict:
+    writer = Writer(out)
+    skipped, short, records = [], 0, 0
+
+    def take(chunk, res):
+        nonlocal short, records
+        records += len(chunk)
+        short += res["short"]
+        for k, msg, fatal in res["errors"]:
+            msg = f"{chunk.where(k)}: {msg}"
+            if fatal:
+                raise DataError(msg)
+            if s.on_error == "fail":
+                raise DataError(msg + " (data.on_error: skip would skip such records)")
+            skipped.append(msg)
+        writer.append_many(res["ids"], res["mask"], res["lengths"])
+
+    try:
+        it = src.chunks(s.max_samples)
+        head = [c for _, c in zip(range(2), it)]
+        if s.num_proc > 1 and len(head) == 2:
+            _tokenise_parallel(chain(head, it), enc, s.num_proc, take)
+        else:  # one process asked for, or a small source: no processes to start
+            for chunk in chain(head, it):
+                take(chunk, _encode(chunk, enc))
+    except BaseException:
+        writer.discard()
+        raise
+    for msg in skipped[:10]:
+        print(f"automoe train: skipped {msg}", file=s.log)
+    if len(skipped) > 10:
+        print(f"automoe train: ... and {len(skipped) - 10} more malformed records skipped", file=s.log)
+    stats = {"source": src.label, "records": records, "documents": writer.n_docs, "tokens": writer.n_tokens,
+             "loss_tokens": writer.loss_tokens, "skipped_lines": len(skipped), "too_short": short,
+             "max_token": writer.max_token}
+    try:
+        writer.publish({"key": out.stem, "source": src.label, "documents": writer.n_docs,
+                        "tokens": writer.n_tokens, "loss_tokens": writer.loss_tokens})
+    except StoreError as e:
+        raise DataError(str(e)) from None
+    return stats
+
+
+def _tokenise_parallel(chunks, enc, num_proc, take) -> None:
+    """Chunks through a pool of forked workers, at most 2 per worker in flight, results taken in
+    order: the memory of a few chunks whatever the corpus. The workers decode the rows too, so
+    this process only reads bytes and writes tokens."""
+    import multiprocessing as mp
+
+    pool = mp.get_context("fork").Pool(num_proc, initializer=_init_worker, initargs=(enc,))
+    try:
+        pending = deque()
+        for chunk in chunks:
+            pending.append((chunk, pool.apply_async(_encode, (chunk,))))
+            while len(pending) >= 2 * num_proc:
+                chunk, res = pending.popleft()
+                take(chunk, res.get())
+        while pending:
+            chunk, res = pending.popleft()
+            take(chunk, res.get())
+        pool.close()
+        pool.join()
+    finally:
+        pool.terminate()
+
+
+def _source_dataset(src: Source, s: _Settings, base: dict, what: str) -> tuple[Path, dict]:
+    fmt = src.format or s.fmt
+    key = _digest({"base": base, "format": fmt, "source": src.fingerprint()})
+    out = s.cache / f"{key}.amds"
+    with _Locked(s.cache, key):
+        stats = _cached(s.cache, key)
+        if stats is not None:
+            return out, dict(stats, reused=True)
+        enc = Encoder(s.get_tokenizer(), fmt, s.train_on, src.columns)
+        stats = _tokenise(src, enc, s, out, what)
+        _write_stats(s.cache / f"{key}.json", stats)
+    return out, dict(stats, reused=False)
+
+
+# --- composing sources: concatenation, weighted mixing, a held-out split -----------------------
+
+def _holdout(n: int, ratio: float, seed: int, i: int) -> tuple[np.ndarray, np.ndarray]:
+    """(kept, held out) document indices of source i, each sorted: a seeded random `ratio`."""
+    if ratio <= 0 or n < 2:
+        return np.arange(n), np.arange(0)
+    k = min(n - 1, max(1, int(round(n * ratio))))
+    perm = np.random.default_rng([seed, i, 0x5EED]).permutation(n)
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
+def _mix(parts: list[np.ndarray], weights: list[float], seed: int) -> np.ndarray:
+    """Each source's share of an epoch of sum(len(parts)) documents in proportion to its weight
+    (largest remainder), as whole passes plus a seeded random subset; the result interleaved by a
+    seeded permutation."""
+    total = sum(len(p) for p in parts)
+    weights = [w if len(p) else 0.0 for p, w in zip(parts, weights)]  # an empty source gets no share
+    if not total:
+        return np.zeros((0, 2), np.int64)
+    exact = [total * w / sum(weights) for w in weights]
+    counts = [int(x) for x in exact]
+    for j in sorted(range(len(parts)), key=lambda j: counts[j] - exact[j])[: total - sum(counts)]:
+        counts[j] += 1
+    rng = np.random.default_rng([seed, 0x313])
+    picks = []
+    for j, (p, c) in enumerate(zip(parts, counts)):
+        if not len(p):
+            continue
+        chosen = np.concatenate([np.tile(p, c // len(p)), np.sort(rng.choice(p, c % len(p), replace=False))])
+        picks.append(np.stack([np.full(len(chosen), j), chosen], 1))
+    order = np.concatenate(picks) if picks else np.zeros((0, 2), np.int64)
+    return order[rng.permutation(len(order))]
+
+
+def _compose(files: list[Path], order: np.ndarray, out: Path, meta: dict) -> dict:
+    """Writes the documents order[k] = (source, index) of the source files, in that order."""
+    docs = [Docs(f) for f in files]
+    writer = Writer(out)
+    try:
+        for j, i in order:
+            writer.append(*docs[j].doc(int(i)))
+        writer.publish(dict(meta, documents=writer.n_docs, tokens=writer.n_tokens, loss_tokens=writer.loss_tokens))
+    except StoreError as e:
+        raise DataError(str(e)) from None
+    except BaseException:
+        writer.discard()
+        raise
+    return {"documents": writer.n_docs, "tokens": writer.n_tokens, "loss_tokens": writer.loss_tokens,
+            "max_token": writer.max_token}
+
+
+def build_split(sources: list, tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
+                on_error: str = "fail", cache_dir: str | os.PathLike | None = None, what: str = "data.train",
+                log=sys.stderr, num_proc: int = 0, max_samples: int = 0, seed: int = 42,
+                validation_split: float = 0.0) -> tuple[Dataset, Dataset | None]:
+    """Tokenises `sources` (or reuses the cached result): the dataset, and with `validation_split`
+    the seeded share of every source's documents held out of it for validation. `tokenizer` None:
+    the model's own, loaded only if some source is not cached (Transformers takes seconds to
+    import)."""
+    cache = _open_cache(cache_dir)
+    s = _Settings(tokenizer, model_path, fmt, train_on, on_error, cache,
+                  num_proc if num_proc > 0 else usable_cpus(), max_samples, log)
+    try:
+        srcs = [resolve(spec, what if len(sources) == 1 else f"{what}[{k}]") for k, spec in enumerate(sources)]
+    except SourceError as e:
+        raise DataError(str(e)) from None
+    base = s.base_key()
+    files, stats = [], []
+    for k, src in enumerate(srcs):
+        try:
+            f, st = _source_dataset(src, s, base, what)
+        except (StoreError, SourceError) as e:
+            raise DataError(str(e)) from None
+        except OSError as e:
+            raise DataError(f"{src.label}: {e.strerror or e}") from None
+        files.append(f)
+        stats.append(st)
+    reused = all(st["reused"] for st in stats)
+    mixing = any(src.weight is not None for src in srcs) and len(srcs) > 1
+    if len(srcs) == 1 and not validation_split:
+        if not stats[0]["documents"]:
+            raise DataError(f"{what}: no usable documents in {srcs[0].label}")
+        return Dataset(files[0], files[0].stem, _summary(stats, reused)), None
+    kept, held = zip(*(_holdout(st["documents"], validation_split, seed, j) for j, st in enumerate(stats)))
+    weights = [src.weight if src.weight is not None else 1.0 for src in srcs]
+    if mixing:
+        order = _mix(list(kept), weights, seed)
+    else:
+        order = np.concatenate([np.stack([np.full(len(p), j), p], 1) for j, p in enumerate(kept)])
+    train = _composed(files, order, stats, reused, what, {"sources": [f.stem for f in files], "seed": seed,
+                      "split": validation_split, "mix": weights if mixing else None, "part": "train"}, s)
+    val = None
+    if validation_split:
+        vorder = np.concatenate([np.stack([np.full(len(p), j), p], 1) for j, p in enumerate(held)])
+        val = _composed(files, vorder, stats, reused, "data.validation_split", {
+            "sources": [f.stem for f in files], "seed": seed, "split": validation_split, "part": "validation"}, s)
+    return train, val
+
+
+def _composed(files, order, stats, reused, what, ident, s: _Settings) -> Dataset:
+    key = _digest(ident)
+    out = s.cache / f"{key}.amds"
+    per_source = [int((order[:, 0] == j).sum()) if len(order) else 0 for j in range(len(files))]
+    with _Locked(s.cache, key):
+        cached = _cached(s.cache, key)
+        if cached is None:
+            if not len(order):
+                raise DataError(f"{what}: no usable documents in {', '.join(st['source'] for st in stats)}")
+            made = _compose(files, order, out, {"key": key})
+            _write_stats(s.cache / f"{key}.json", dict(_summary(stats, False), **made, composed=per_source))
+            return Dataset(out, key, dict(_summary(stats, False), **made, composed=per_source))
+    return Dataset(out, key, dict(cached, reused=reused))
+
+
+def _summary(stats: list[dict], reused: bool) -> dict:
+    return {"sources": [{k: st[k] for k in ("source", "records", "documents", "skipped_lines")} for st in stats],
+            "documents": sum(st["documents"] for st in stats), "tokens": sum(st["tokens"] for st in stats),
+            "loss_tokens": sum(st["loss_tokens"] for st in stats),
+            "skipped_lines": sum(st["skipped_lines"] for st in stats),
+            "too_short": sum(st["too_short"] for st in stats),
+            "max_token": max(st["max_token"] for st in stats), "reused": reused}
+
+
+def build(files: list, tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
+          on_error: str = "fail", cache_dir: str | os.PathLike | None = None,
+          what: str = "data.train", log=sys.stderr, **kw) -> Dataset:
+    """The dataset of `files` (sources: paths, globs, dataset ids or recipe mappings), without a
+    validation split; see build_split."""
+    return build_split(files, tokenizer, model_path, fmt, train_on, on_error, cache_dir, what, log, **kw)[0]
