@@ -276,6 +276,24 @@ def test_parallel_tokenisation_writes_the_file_one_process_writes(tok, tok_dir, 
         build(str(f), tok, tok_dir, tmp_path, cache_dir=tmp_path / "three", num_proc=2)
 
 
+def test_a_worker_that_dies_stops_the_tokenisation_with_an_error_not_a_hang(tok, tok_dir, tmp_path, monkeypatch):
+    import signal
+
+    from automoe import data
+
+    class Dying(data.Encoder):  # a worker killed (say, by the OOM killer) in the middle of a chunk
+        def encode_batch(self, records):
+            if any(r.get("text") == "die" for r in records):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super().encode_batch(records)
+
+    monkeypatch.setattr(data, "Encoder", Dying)
+    f = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(1000)] + [{"text": "die"}])
+    with pytest.raises(data.DataError, match=r"a tokenising worker process died .* while on .*t\.jsonl:"):
+        build(str(f), tok, tok_dir, tmp_path, num_proc=2)
+    assert not list((tmp_path / "cache").glob("*.amds")) and not list((tmp_path / "cache").glob(".*.tmp-*"))
+
+
 def test_processes_on_one_machine_tokenise_a_source_once(tok_dir, tmp_path):
     f = write_jsonl(tmp_path / "c.jsonl", chats(400))
     code = textwrap.dedent(f"""

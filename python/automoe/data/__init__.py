@@ -250,24 +250,30 @@ def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> 
 def _tokenise_parallel(chunks, enc, num_proc, take) -> None:
     """Chunks through a pool of forked workers, at most 2 per worker in flight, results taken in
     order: the memory of a few chunks whatever the corpus. The workers decode the rows too, so
-    this process only reads bytes and writes tokens."""
+    this process only reads bytes and writes tokens. A worker that dies (killed, out of memory)
+    stops the tokenisation with an error instead of leaving its chunk waited for forever."""
     import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
 
-    pool = mp.get_context("fork").Pool(num_proc, initializer=_init_worker, initargs=(enc,))
+    pool = ProcessPoolExecutor(num_proc, mp_context=mp.get_context("fork"), initializer=_init_worker,
+                               initargs=(enc,))
     try:
         pending = deque()
         for chunk in chunks:
-            pending.append((chunk, pool.apply_async(_encode, (chunk,))))
+            pending.append((chunk, pool.submit(_encode, chunk)))
             while len(pending) >= 2 * num_proc:
                 chunk, res = pending.popleft()
-                take(chunk, res.get())
+                take(chunk, res.result())
         while pending:
             chunk, res = pending.popleft()
-            take(chunk, res.get())
-        pool.close()
-        pool.join()
+            take(chunk, res.result())
+    except BrokenProcessPool:
+        raise DataError(f"a tokenising worker process died (killed, or out of memory) while on "
+                        f"{chunk.where(0)} and the {len(chunk) - 1} records after it; lower data.num_proc "
+                        "if memory is short") from None
     finally:
-        pool.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _source_dataset(src: Source, s: _Settings, base: dict, what: str) -> tuple[Path, dict]:
