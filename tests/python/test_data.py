@@ -313,7 +313,7 @@ def test_a_killed_tokenisation_publishes_nothing_and_the_next_one_starts_clean(t
     import signal
     import time
 
-    f = write_jsonl(tmp_path / "c.jsonl", chats(2000) * 10)
+    f = write_jsonl(tmp_path / "c.jsonl", chats(2000) * 3)
     cache = tmp_path / "cache"
     code = (f"from automoe import data; data.build([{str(f)!r}], None, {str(tok_dir)!r}, "
             f"cache_dir={str(cache)!r}, num_proc=2)")
@@ -329,7 +329,7 @@ def test_a_killed_tokenisation_publishes_nothing_and_the_next_one_starts_clean(t
     from automoe import data
 
     ds = data.build([str(f)], None, str(tok_dir), cache_dir=cache, num_proc=1)
-    assert ds.stats["documents"] == 20000 and not ds.stats["reused"]
+    assert ds.stats["documents"] == 6000 and not ds.stats["reused"]
     assert not list(cache.glob(".*.tmp-*"))
 
 
@@ -445,7 +445,7 @@ def test_tokenising_memory_does_not_grow_with_the_corpus(tok_dir, tmp_path):
     """Peak memory of the tokenising process (above what it held with the tokenizer loaded) and of
     its largest worker, for a corpus and one ten times larger: the same within 20 % (+ 8 MiB for
     allocator noise)."""
-    rows = chats(600)
+    rows = chats(400)
     small = write_jsonl(tmp_path / "small.jsonl", rows)
     big = write_jsonl(tmp_path / "big.jsonl", rows * 10)
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
