@@ -264,11 +264,17 @@ def _train_rank(recipe: dict, origin: str) -> int:
     # collective's timeout): the first process of each machine to take the cache's lock tokenises,
     # the others then find the result cached.
     cache = Path(recipe["data"]["cache_dir"] or data.default_cache_dir())
-    cache.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
-    with open(cache / ".automoe-train.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        engine_args = prepare(recipe, log=sys.stderr if rank == 0 else io.StringIO())
+    log = sys.stderr if rank == 0 else io.StringIO()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / ".automoe-train.lock", "a")
+    except OSError:  # a read-only cache: usable if it holds the data (prepare says if it does not)
+        engine_args = prepare(recipe, log=log)
+    else:
+        with lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            engine_args = prepare(recipe, log=log)
     groups = distributed.init(recipe)
     args = dict(zip(engine_args[::2], engine_args[1::2]))
     if groups["collective_device"].startswith("cuda"):  # the GPU's peak, as the engine binary reports it

@@ -289,7 +289,7 @@ def test_a_worker_that_dies_stops_the_tokenisation_with_an_error_not_a_hang(tok,
 
     monkeypatch.setattr(data, "Encoder", Dying)
     f = write_jsonl(tmp_path / "t.jsonl", [{"text": f"row {i}"} for i in range(1000)] + [{"text": "die"}])
-    with pytest.raises(data.DataError, match=r"a tokenising worker process died .* while on .*t\.jsonl:"):
+    with pytest.raises(data.DataError, match=r"a tokenising worker process died .* while tokenising the records from .*t\.jsonl:\d+ on"):
         build(str(f), tok, tok_dir, tmp_path, num_proc=2)
     assert not list((tmp_path / "cache").glob("*.amds")) and not list((tmp_path / "cache").glob(".*.tmp-*"))
 
@@ -497,3 +497,106 @@ def test_every_shipped_example_recipe_is_a_valid_recipe():
             doc[section][key] = doc[section].get(key) or "set-by-the-demo"
         resolved = resolve(doc, str(r))
         assert resolved["data"]["train"], r
+
+
+def test_awkward_files_read_as_the_tools_that_write_them_mean_them(tok, tok_dir, tmp_path):
+    """Byte-order marks (Excel's CSV, some editors' JSONL), CSV fields beyond the csv module's
+    128 KiB default, Arrow files written as one huge batch (read in chunks of 256 rows), a
+    directory with a README, and a list of validation sources defaulting to the validation split."""
+    import datasets
+    import pyarrow as pa
+
+    from automoe import data
+    from automoe.data.sources import resolve
+
+    rows = pairs(3)
+    (tmp_path / "bom.csv").write_bytes(b"\xef\xbb\xbfprompt,completion\n" +
+                                       "".join(f"{r['prompt']},{r['completion']}\n" for r in rows).encode())
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in rows).encode())
+    want = docs(build(str(write_jsonl(tmp_path / "plain.jsonl", rows)), tok, tok_dir, tmp_path).path)
+    assert docs(build(str(tmp_path / "bom.csv"), tok, tok_dir, tmp_path).path) == want
+    assert docs(build(str(tmp_path / "bom.jsonl"), tok, tok_dir, tmp_path).path) == want
+    long = {"prompt": "p", "completion": "word " * 40000}
+    (tmp_path / "long.csv").write_text(f"prompt,completion\n{long['prompt']},{long['completion']}\n")
+    assert build(str(tmp_path / "long.csv"), tok, tok_dir, tmp_path).stats["documents"] == 1
+    table = pa.Table.from_pylist([{"text": f"row {i}"} for i in range(3000)])
+    with pa.OSFile(str(tmp_path / "one-batch.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=3000)
+    chunks = list(resolve(str(tmp_path / "one-batch.arrow"), "data.train").chunks())
+    assert max(len(c) for c in chunks) == 256 and sum(len(c) for c in chunks) == 3000
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "a.jsonl", rows)
+    (shards / "README.md").write_text("about the data")
+    log = __import__("io").StringIO()
+    assert build(str(shards), tok, tok_dir, tmp_path, log=log).stats["documents"] == 3
+    assert "1 files that are not data files left out (README.md)" in log.getvalue()
+    (shards / "b.jsonl.gz").write_bytes(b"")
+    with pytest.raises(data.DataError, match=r"b\.jsonl\.gz: compressed data files are not read"):
+        build(str(shards), tok, tok_dir, tmp_path)
+    dd = tmp_path / "dd"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list([{"text": "train row"}]),
+                          "validation": datasets.Dataset.from_list([{"text": "validation row"}])}).save_to_disk(str(dd))
+    val = data.build([str(dd), str(dd)], tok, str(tok_dir), cache_dir=tmp_path / "c", what="data.validation")
+    assert all(tok.decode(d).startswith("validation row") for d, _ in docs(val.path))
+
+
+def test_json_arrays_are_read_strictly_and_deep_nesting_is_a_malformed_record(tok, tok_dir, tmp_path):
+    from automoe import data
+
+    for text, message in [('[{"text": "a"}, {"text": "b"', r"element 2: not valid JSON"),
+                          ('[{"text": "a"}, {"text": "b"},', r"ends after element 2 and a comma, without the closing"),
+                          ('[{"text": "a"} {"text": "b"}]', r"a comma or \] expected after element 1"),
+                          ('[{"text": "a"}] {"text": "c"}', r"more than whitespace after the closing \]"),
+                          ('[{"text": "a"}', r"ends after element 1 without the closing \]")]:
+        (tmp_path / "a.json").write_text(text)
+        with pytest.raises(data.DataError, match=message):
+            build(str(tmp_path / "a.json"), tok, tok_dir, tmp_path, on_error="skip")
+    deep = '{"text": ' + "[" * 100000 + "]" * 100000 + "}"
+    f = tmp_path / "deep.jsonl"
+    f.write_text(json.dumps({"text": "fine"}) + "\n" + deep + "\n")
+    ds = build(str(f), tok, tok_dir, tmp_path, on_error="skip")
+    assert ds.stats["documents"] == 1 and ds.stats["skipped_lines"] == 1
+
+
+def test_prefix_rule_never_trains_on_prompts_a_template_renders_around_the_turn(tok):
+    """Templates without generation marks: a conversation opening with the assistant (Qwen2.5's
+    template adds a default system prompt), and a tool result the template does not render
+    (Phi-3) before a user turn: the loss stays on the assistant's text."""
+    import copy
+
+    from automoe.data import Encoder
+
+    t = copy.deepcopy(tok)
+    t.bos_token = t.bos_token or t.eos_token
+    cases = [
+        ("qwen2_5", [{"role": "assistant", "content": "Hello there."}, {"role": "user", "content": "Name a fruit."},
+                     {"role": "assistant", "content": "An apple."}]),
+        ("phi3", [{"role": "user", "content": "Q one?"}, {"role": "assistant", "content": "A one."},
+                  {"role": "tool", "content": "RESULT"}, {"role": "user", "content": "Q two?"},
+                  {"role": "assistant", "content": "A two."}]),
+    ]
+    for name, msgs in cases:
+        t.chat_template = (TRL_TEMPLATES / f"{name}.jinja").read_text()
+        ids, mask = Encoder(t, "chat", "completion")({"messages": msgs})
+        trained = t.decode([i for i, m in zip(ids, mask) if m])
+        for m in msgs:
+            if m["role"] == "assistant":
+                assert m["content"] in trained, (name, trained)
+            else:
+                assert m["content"] not in trained, (name, trained)
+        assert "You are" not in trained and "system" not in trained, (name, trained)
+
+
+def test_a_dict_of_chat_templates_uses_the_generation_marks_of_the_one_transformers_picks(tok, tok_dir, tmp_path):
+    import copy
+
+    from automoe.data import Encoder
+
+    t = copy.deepcopy(tok)
+    marked = (TRL_TEMPLATES / "qwen3_training.jinja").read_text()
+    t.chat_template = {"default": marked, "tool_use": marked}
+    rec = conversations("qwen3_training")["plain"]
+    ids, mask = Encoder(t, "chat", "completion")(rec)
+    ref = t.apply_chat_template(rec["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert ids == list(ref["input_ids"]) and mask == list(ref["assistant_masks"])

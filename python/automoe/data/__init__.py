@@ -35,7 +35,9 @@ __all__ = ["CACHE_FORMAT", "DataError", "Dataset", "Encoder", "FORMATS", "build"
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
     "chat_template.json", "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+    "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "config.json",
 )
+TOKENIZER_GLOBS = ("*.tiktoken", "additional_chat_templates/*")
 
 
 class DataError(ValueError):
@@ -100,12 +102,11 @@ class _Settings:
     def base_key(self) -> dict:
         from importlib.metadata import version  # not importing the libraries: a cached run never needs them
 
-        tok = {}
-        for name in TOKENIZER_FILES:
-            p = Path(self.model_path) / name
-            if p.exists():
-                tok[name] = file_digest(p)
-        return {"encoder": ENCODER_VERSION, "train_on": self.train_on, "on_error": self.on_error,
+        root = Path(self.model_path)
+        names = [n for n in TOKENIZER_FILES if (root / n).is_file()]
+        names += sorted(str(p.relative_to(root)) for g in TOKENIZER_GLOBS for p in root.glob(g) if p.is_file())
+        tok = {n: file_digest(root / n) for n in names}
+        return {"encoder": ENCODER_VERSION, "file_format": CACHE_FORMAT, "train_on": self.train_on, "on_error": self.on_error,
                 "max_samples": self.max_samples, "transformers": version("transformers"),
                 "tokenizers": version("tokenizers"), "tokenizer_files": tok}
 
@@ -131,16 +132,25 @@ def _open_cache(cache_dir) -> Path:
 
 class _Locked:
     """An exclusive lock on one cache key: processes on one machine tokenise a source once (the
-    others wait, then find it cached)."""
+    others wait, then find it cached). Whoever holds it also removes the key's leftovers of a
+    killed writer — a writer holds the lock while it writes, so they can only be a dead one's,
+    whatever machine or PID namespace it ran in."""
 
     def __init__(self, cache: Path, key: str):
+        self.cache, self.key = cache, key
         self.path = cache / f".{key}.lock"
 
     def __enter__(self):
         import fcntl
 
-        self.f = open(self.path, "w")
+        try:
+            self.f = open(self.path, "a")
+        except OSError as e:
+            raise DataError(f"data.cache_dir: cannot lock {self.path}: {e.strerror or e} (a cache directory "
+                            "must be writable to tokenise into it)") from None
         fcntl.flock(self.f, fcntl.LOCK_EX)
+        for leftover in self.cache.glob(f".{self.key}.*.tmp-*"):
+            leftover.unlink(missing_ok=True)
         return self
 
     def __exit__(self, *exc):
@@ -161,7 +171,10 @@ def _write_stats(path: Path, stats: dict) -> None:
 def _cached(cache: Path, key: str) -> dict | None:
     out, stats = cache / f"{key}.amds", cache / f"{key}.json"
     if out.exists() and stats.exists():
-        return json.loads(stats.read_text())
+        try:
+            return json.loads(stats.read_text())
+        except (OSError, ValueError):  # a damaged statistics file: tokenise again
+            return None
     return None
 
 
@@ -206,10 +219,10 @@ def _encode(chunk, encoder=None) -> dict:
 
 def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> dict:
     writer = Writer(out)
-    skipped, short, records = [], 0, 0
+    skipped, short, records, n_skipped = [], 0, 0, 0
 
     def take(chunk, res):
-        nonlocal short, records
+        nonlocal short, records, n_skipped
         records += len(chunk)
         short += res["short"]
         for k, msg, fatal in res["errors"]:
@@ -218,7 +231,9 @@ def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> 
                 raise DataError(msg)
             if s.on_error == "fail":
                 raise DataError(msg + " (data.on_error: skip would skip such records)")
-            skipped.append(msg)
+            n_skipped += 1
+            if len(skipped) < 10:
+                skipped.append(msg)
         writer.append_many(res["ids"], res["mask"], res["lengths"])
 
     try:
@@ -232,12 +247,12 @@ def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> 
     except BaseException:
         writer.discard()
         raise
-    for msg in skipped[:10]:
+    for msg in skipped:
         print(f"automoe train: skipped {msg}", file=s.log)
-    if len(skipped) > 10:
-        print(f"automoe train: ... and {len(skipped) - 10} more malformed records skipped", file=s.log)
+    if n_skipped > len(skipped):
+        print(f"automoe train: ... and {n_skipped - len(skipped)} more malformed records skipped", file=s.log)
     stats = {"source": src.label, "records": records, "documents": writer.n_docs, "tokens": writer.n_tokens,
-             "loss_tokens": writer.loss_tokens, "skipped_lines": len(skipped), "too_short": short,
+             "loss_tokens": writer.loss_tokens, "skipped_lines": n_skipped, "too_short": short,
              "max_token": writer.max_token}
     try:
         writer.publish({"key": out.stem, "source": src.label, "documents": writer.n_docs,
@@ -269,17 +284,20 @@ def _tokenise_parallel(chunks, enc, num_proc, take) -> None:
             chunk, res = pending.popleft()
             take(chunk, res.result())
     except BrokenProcessPool:
-        raise DataError(f"a tokenising worker process died (killed, or out of memory) while on "
-                        f"{chunk.where(0)} and the {len(chunk) - 1} records after it; lower data.num_proc "
-                        "if memory is short") from None
+        raise DataError(f"a tokenising worker process died (killed, or out of memory) while tokenising the "
+                        f"records from {pending[0][0].where(0) if pending else chunk.where(0)} on; lower "
+                        "data.num_proc if memory is short") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _source_dataset(src: Source, s: _Settings, base: dict, what: str) -> tuple[Path, dict]:
     fmt = src.format or s.fmt
-    key = _digest({"base": base, "format": fmt, "source": src.fingerprint()})
+    key = _digest({"base": base, "format": fmt, "source": src.fingerprint(s.cache / "digests")})
     out = s.cache / f"{key}.amds"
+    stats = _cached(s.cache, key)  # first without the lock: a read-only cache that holds it is usable
+    if stats is not None:
+        return out, dict(stats, reused=True)
     with _Locked(s.cache, key):
         stats = _cached(s.cache, key)
         if stats is not None:
@@ -344,18 +362,25 @@ def _compose(files: list[Path], order: np.ndarray, out: Path, meta: dict) -> dic
 def build_split(sources: list, tokenizer, model_path: str, fmt: str = "auto", train_on: str = "completion",
                 on_error: str = "fail", cache_dir: str | os.PathLike | None = None, what: str = "data.train",
                 log=sys.stderr, num_proc: int = 0, max_samples: int = 0, seed: int = 42,
-                validation_split: float = 0.0) -> tuple[Dataset, Dataset | None]:
+                validation_split: float = 0.0, role: str | None = None) -> tuple[Dataset, Dataset | None]:
     """Tokenises `sources` (or reuses the cached result): the dataset, and with `validation_split`
     the seeded share of every source's documents held out of it for validation. `tokenizer` None:
     the model's own, loaded only if some source is not cached (Transformers takes seconds to
-    import)."""
+    import). `role` (train | validation; default from `what`) picks the default split of a
+    DatasetDict or a dataset id."""
+    role = role or ("validation" if what.split("[")[0] == "data.validation" else "train")
     cache = _open_cache(cache_dir)
     s = _Settings(tokenizer, model_path, fmt, train_on, on_error, cache,
                   num_proc if num_proc > 0 else usable_cpus(), max_samples, log)
     try:
-        srcs = [resolve(spec, what if len(sources) == 1 else f"{what}[{k}]") for k, spec in enumerate(sources)]
+        srcs = [resolve(spec, what if len(sources) == 1 else f"{what}[{k}]", role) for k, spec in enumerate(sources)]
     except SourceError as e:
         raise DataError(str(e)) from None
+    for src in srcs:
+        if src.ignored:
+            names = ", ".join(p.name for p in src.ignored[:5]) + (", ..." if len(src.ignored) > 5 else "")
+            print(f"automoe train: {what}: {src.label}: {len(src.ignored)} files that are not data files "
+                  f"left out ({names})", file=log)
     base = s.base_key()
     files, stats = [], []
     for k, src in enumerate(srcs):
@@ -364,7 +389,7 @@ def build_split(sources: list, tokenizer, model_path: str, fmt: str = "auto", tr
         except (StoreError, SourceError) as e:
             raise DataError(str(e)) from None
         except OSError as e:
-            raise DataError(f"{src.label}: {e.strerror or e}") from None
+            raise DataError(f"{e.filename or src.label}: {e.strerror or e}") from None
         files.append(f)
         stats.append(st)
     reused = all(st["reused"] for st in stats)
@@ -393,6 +418,9 @@ def _composed(files, order, stats, reused, what, ident, s: _Settings) -> Dataset
     key = _digest(ident)
     out = s.cache / f"{key}.amds"
     per_source = [int((order[:, 0] == j).sum()) if len(order) else 0 for j in range(len(files))]
+    cached = _cached(s.cache, key)
+    if cached is not None:
+        return Dataset(out, key, dict(cached, reused=reused))
     with _Locked(s.cache, key):
         cached = _cached(s.cache, key)
         if cached is None:

@@ -171,8 +171,23 @@ class Encoder:
         self.train_on = train_on
         self.columns = dict(columns or {})
         self.eos = tokenizer.eos_token_id
-        template = getattr(tokenizer, "chat_template", None)
-        self.generation_marks = isinstance(template, str) and bool(_GENERATION.search(template))
+        self._marks: dict = {}
+
+    @property
+    def generation_marks(self) -> bool:
+        """Whether the template used without tools marks its generation ({% generation %})."""
+        return self._marks_generation(None)
+
+    def _marks_generation(self, tools) -> bool:
+        """Whether the template Transformers picks for a conversation (with a dict of templates:
+        `tool_use` when there are tools, else `default`) marks its generation."""
+        try:
+            template = self.tok.get_chat_template(None, tools)
+        except Exception:  # no template at all: the chat path refuses the record by name
+            return False
+        if template not in self._marks:
+            self._marks[template] = bool(_GENERATION.search(template))
+        return self._marks[template]
 
     def __call__(self, rec) -> tuple[list[int], list[int]]:
         if not isinstance(rec, dict):
@@ -217,6 +232,8 @@ class Encoder:
                     plain.append((i, *self._prompt_and_completion(rec, fmt)))
             except (ValueError, TypeError) as e:
                 out[i] = e
+            except RecursionError:
+                out[i] = ValueError("nested too deeply to render")
         if chats:
             enc = self.tok([c[1] for c in chats], add_special_tokens=False)
             for (i, _, spans), ids, encoding in zip(chats, enc["input_ids"], enc.encodings):
@@ -312,7 +329,7 @@ class Encoder:
         if not getattr(self.tok, "is_fast", False):
             raise FatalDataError("chat data needs a fast tokenizer (tokenizer.json) to map the assistant "
                                  "turns onto tokens; the model's tokenizer is a slow one")
-        if self.generation_marks:
+        if self._marks_generation(tools):
             try:
                 enc = self.tok.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=True,
                                                    return_assistant_tokens_mask=True)
@@ -337,6 +354,9 @@ class Encoder:
             before = render(msgs[:i], add_generation_prompt=True) if i else self._prompt_only(tools)
             common = len(before) if text.startswith(before) else len(os.path.commonprefix([before, text]))
             start = max(common, cursor)
+            if not i and not before:  # the template renders no prompt alone: start at the content
+                first = _content_span(text, m.get("content"), 0)
+                start = first[0] if first else start
             if start < len(before) and i:  # never before the end of the messages before the turn
                 so_far = render(msgs[:i])
                 if text.startswith(so_far):
@@ -345,9 +365,11 @@ class Encoder:
             if text.startswith(through) and len(through) > start:
                 span = (start, len(through))
             else:  # a turn rendered differently once later turns follow
+                # Its ending is searched only before the next message's content: when that is not
+                # rendered as it is (a tool result the template drops), only the content is trained.
                 nxt = next((x.get("content") for x in msgs[i + 1:] if x["role"] != "assistant"), None)
-                limit = text.find(nxt, start) if isinstance(nxt, str) and nxt else len(text)
-                span = (_rewritten_turn(text, through, start, len(text) if limit < 0 else limit)
+                limit = text.find(nxt, start) if isinstance(nxt, str) and nxt else -1
+                span = ((_rewritten_turn(text, through, start, limit) if limit >= 0 else None)
                         or _content_span(text, m.get("content"), cursor))
             if span is None:
                 raise ValueError(f"messages[{i}]: the chat template renders this assistant turn differently "

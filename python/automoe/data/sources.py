@@ -41,13 +41,16 @@ class Source:
     columns: dict = field(default_factory=dict)
     weight: float | None = None
     format: str = ""
+    ignored: list[Path] = field(default_factory=list)  # files of a directory that are not data
 
-    def fingerprint(self) -> str:
-        """The bytes this source reads, as a digest (a renamed file keeps its digest)."""
+    def fingerprint(self, memo: Path | None = None) -> str:
+        """The bytes this source reads, as a digest (a renamed file keeps its digest). `memo`: a
+        directory remembering each file's digest by its identity (device, inode, size, times),
+        so that a cached corpus is not read in full at every start."""
         h = hashlib.sha256(json.dumps({"kind": self.kind, "columns": sorted(self.columns.items()),
                                        "subset": self.subset, "split": self.split}).encode())
         for f in self.files if self.kind != "hub" else _hub_files(self):
-            h.update(b"file\0" + file_digest(f).encode())
+            h.update(b"file\0" + file_digest(f, memo).encode())
         return h.hexdigest()
 
     def chunks(self, limit: int = 0) -> Iterator["Chunk"]:
@@ -83,18 +86,23 @@ class Source:
 
 
 class Chunk:
-    """Rows of one source: `kind` jsonl (raw lines, with their line numbers), arrow (a record
-    batch, rows numbered from `first`) or objects (decoded records, numbered from `first`)."""
+    """Rows of one source: `kind` jsonl (raw lines, with their line numbers), arrow (one record
+    batch of at most _BATCH_ROWS rows as Arrow IPC bytes — only its own rows, however large the
+    batch it was cut from — numbered from `first`) or objects (decoded records, numbered from
+    `first`)."""
 
-    def __init__(self, kind: str, rows, label: str, first: int = 1, numbers: list[int] | None = None):
+    def __init__(self, kind: str, rows, label: str, first: int = 1, numbers: list[int] | None = None,
+                 n: int | None = None):
         self.kind, self.rows, self.label, self.first, self.numbers = kind, rows, label, first, numbers
+        self.n = len(rows) if n is None else n
 
     def __len__(self) -> int:
-        return self.rows.num_rows if self.kind == "arrow" else len(self.rows)
+        return self.n
 
     def head(self, n: int) -> "Chunk":
-        rows = self.rows.slice(0, n) if self.kind == "arrow" else self.rows[:n]
-        return Chunk(self.kind, rows, self.label, self.first, self.numbers[:n] if self.numbers else None)
+        if self.kind == "arrow":
+            return Chunk("arrow", _ipc(_batch(self.rows).slice(0, n)), self.label, self.first, n=n)
+        return Chunk(self.kind, self.rows[:n], self.label, self.first, self.numbers[:n] if self.numbers else None)
 
     def where(self, k: int) -> str:
         if self.kind == "jsonl":
@@ -104,16 +112,18 @@ class Chunk:
     def records(self) -> list:
         """The decoded records (a BadRecord for a row that cannot be decoded)."""
         if self.kind == "arrow":
-            return [_drop_none(r) for r in self.rows.to_pylist()]
+            return [_drop_none(r) for r in _batch(self.rows).to_pylist()]
         if self.kind == "objects":
             return self.rows
         out = []
-        for raw in self.rows:
+        for k, raw in enumerate(self.rows):
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 out.append(BadRecord(f"not UTF-8 text (byte {e.start + 1} of the line: {e.reason})", fatal=True))
                 continue
+            if self.numbers[k] == 1 and line.startswith("\ufeff"):  # a byte-order mark opens the file
+                line = line[1:]
             try:
                 rec = json.loads(line)
                 if _SURROGATE_ESCAPE.search(raw):
@@ -121,35 +131,58 @@ class Chunk:
                 out.append(rec)
             except ValueError as e:
                 out.append(BadRecord(str(e)))
+            except RecursionError:
+                out.append(BadRecord("nested too deeply to decode"))
         return out
 
 
-def file_digest(path: Path) -> str:
+def file_digest(path: Path, memo: Path | None = None) -> str:
+    """SHA-256 of a file's bytes; with `memo`, remembered under the file's identity (any write
+    changes its modification and change times, so a changed file is read again)."""
+    note = None
+    if memo is not None:
+        st = os.stat(path)
+        ident = f"{os.path.realpath(path)}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
+        note = memo / hashlib.sha256(ident.encode()).hexdigest()[:40]
+        try:
+            known = note.read_text().strip()
+            if len(known) == 64:
+                return known
+        except OSError:
+            pass
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
+    if note is not None and os.stat(path).st_size >= 1 << 20:  # worth remembering
+        try:
+            note.parent.mkdir(exist_ok=True)
+            tmp = note.with_name(f".{note.name}.{os.getpid()}")
+            tmp.write_text(h.hexdigest())
+            os.replace(tmp, note)
+        except OSError:  # a read-only cache: read the file again next time
+            pass
     return h.hexdigest()
 
 
-def resolve(spec, what: str) -> Source:
+def resolve(spec, what: str, role: str = "train") -> Source:
     """A recipe source (a string, or the mapping the engine's recipe parser validated) resolved
-    against the file system; raises SourceError naming `what` when there is nothing to read."""
+    against the file system; raises SourceError naming `what` when there is nothing to read.
+    `role` (train | validation) picks the default split of a DatasetDict or a dataset id."""
     if isinstance(spec, str):
         spec = {"path": spec}
     common = dict(columns=dict(spec.get("columns") or {}), weight=spec.get("weight"),
                   format=spec.get("format") or "", split=spec.get("split") or "")
+    default_split = "validation" if role == "validation" else "train"
     if spec.get("dataset"):
-        return _hub_source(spec["dataset"], spec.get("subset") or "", spec.get("revision") or "", what, common)
+        return _hub_source(spec["dataset"], spec.get("subset") or "", spec.get("revision") or "", what,
+                           common, default_split)
     text = spec["path"]
     p = Path(text)
     if p.is_dir():
         if (p / "dataset_dict.json").exists() or (p / "state.json").exists():
-            return _disk_source(p, what, common)
-        files = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in SUFFIXES)
-        if not files:
-            raise SourceError(f"{what}: {text}: a directory without data files ({', '.join(SUFFIXES)})")
-        return _files_source(text, files, what, common)
+            return _disk_source(p, what, common, default_split)
+        return _directory_source(p, text, what, common)
     if p.is_file():
         return _files_source(text, [p], what, common)
     if any(c in text for c in "*?["):
@@ -159,7 +192,7 @@ def resolve(spec, what: str) -> Source:
         return _files_source(text, files, what, common)
     if _HUB_ID.fullmatch(text) and p.suffix.lower() not in SUFFIXES and not text.startswith("."):
         try:
-            return _hub_source(text, "", "", what, common)
+            return _hub_source(text, "", "", what, common, default_split)
         except SourceError as e:
             raise SourceError(f"{e} ({text} is no file or directory here either)") from None
     raise SourceError(f"{what}: {text}: no such file")
@@ -176,7 +209,30 @@ def _files_source(label: str, files: list[Path], what: str, common: dict) -> Sou
     return Source(label=label, kind="files", files=files, **common)
 
 
-def _disk_source(p: Path, what: str, common: dict) -> Source:
+def _directory_source(p: Path, text: str, what: str, common: dict) -> Source:
+    """Every data file under a directory, sorted by path. Other files (a README, a license) are
+    named in `ignored`; compressed shards and save_to_disk directories inside are refused."""
+    files, ignored = [], []
+    for f in sorted(p.rglob("*")):
+        if f.is_dir() and ((f / "state.json").exists() or (f / "dataset_dict.json").exists()):
+            raise SourceError(f"{what}: {f}: a datasets save_to_disk directory inside the directory {text}; give "
+                              "it as a source of its own")
+        if not f.is_file():
+            continue
+        if f.suffix.lower() in SUFFIXES:
+            files.append(f)
+        elif any(f.name.lower().endswith(s + z) for s in SUFFIXES for z in (".gz", ".bz2", ".xz", ".zst", ".lz4")):
+            raise SourceError(f"{what}: {f}: compressed data files are not read; decompress the shards")
+        else:
+            ignored.append(f)
+    if not files:
+        raise SourceError(f"{what}: {text}: a directory without data files ({', '.join(SUFFIXES)})")
+    src = _files_source(text, files, what, common)
+    src.ignored = ignored
+    return src
+
+
+def _disk_source(p: Path, what: str, common: dict, default_split: str) -> Source:
     """A `datasets` save_to_disk directory: a Dataset (state.json) or a DatasetDict
     (dataset_dict.json, one directory per split). Its Arrow shards are read directly."""
     split = common["split"]
@@ -185,7 +241,7 @@ def _disk_source(p: Path, what: str, common: dict) -> Source:
             splits = json.loads((p / "dataset_dict.json").read_text())["splits"]
         except (ValueError, KeyError, OSError) as e:
             raise SourceError(f"{what}: {p / 'dataset_dict.json'}: not a datasets DatasetDict ({e})") from None
-        want = split or ("validation" if what.endswith("validation") else "train")
+        want = split or default_split
         if want not in splits:
             raise SourceError(f"{what}: {p}: no split \"{want}\" (it has: {', '.join(splits)}); name one with "
                               "split:")
@@ -207,11 +263,11 @@ def _disk_source(p: Path, what: str, common: dict) -> Source:
     return Source(label=str(d), kind="disk", files=files, **common)
 
 
-def _hub_source(dataset: str, subset: str, revision: str, what: str, common: dict) -> Source:
+def _hub_source(dataset: str, subset: str, revision: str, what: str, common: dict, default_split: str) -> Source:
     src = Source(label=dataset + (f"[{subset}]" if subset else ""), kind="hub", dataset=dataset,
                  subset=subset, revision=revision, **common)
     if not src.split:
-        src.split = "validation" if what.endswith("validation") else "train"
+        src.split = default_split
     src.label += f"/{src.split}"
     _hub_dataset(src, what)  # fails now, naming the id, when it is not cached
     return src
@@ -225,14 +281,17 @@ def _hub_dataset(src: Source, what: str = "data"):
     key = (src.dataset, src.subset, src.split, src.revision)
     if key in _HUB_CACHE:
         return _HUB_CACHE[key]
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"):
+        if os.environ.get(var, "").strip().lower() in ("0", "false", "no", "off"):
+            raise SourceError(f"{what}: {src.dataset}: hub datasets are read offline, from the local cache, but "
+                              f"{var}={os.environ[var]} asks for the network; unset it")
+        os.environ.setdefault(var, "1")
     import datasets
 
     datasets.disable_progress_bars()
-    if not datasets.config.HF_HUB_OFFLINE:
-        raise SourceError(f"{what}: {src.dataset}: hub datasets are read offline, from the local cache, but "
-                          "HF_DATASETS_OFFLINE / HF_HUB_OFFLINE is set to 0 in the environment; unset it")
+    datasets.logging.set_verbosity_error()  # not "Using the latest cached version ..." on every run
+    saved = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True  # also when `datasets` was imported before these variables were set
     try:
         ds = datasets.load_dataset(src.dataset, name=src.subset or None, split=src.split)
     except ConnectionError:
@@ -245,11 +304,13 @@ def _hub_dataset(src: Source, what: str = "data"):
             "directory as path:") from None
     except (ValueError, KeyError, FileNotFoundError) as e:  # an unknown subset or split of a cached id
         raise SourceError(f"{what}: {src.label}: {e}".replace("\n", " ")) from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE = saved
     if src.revision:
-        names = " ".join(f["filename"] for f in ds.cache_files)
-        if src.revision not in names:
+        cached = sorted({Path(f["filename"]).parent.name for f in ds.cache_files})
+        if not all(h.startswith(src.revision) for h in cached):
             raise SourceError(f"{what}: {src.dataset}: revision \"{src.revision}\" is not the cached one "
-                              f"({', '.join(sorted({Path(f['filename']).parent.name for f in ds.cache_files}))}); "
+                              f"({', '.join(cached)}); "
                               "offline, only the cached version can be read: give its commit hash, or leave "
                               "revision out")
     if getattr(ds, "_indices", None) is not None:  # a selection over the cached table: read it as rows
@@ -303,32 +364,68 @@ def _json_array(path: Path):
         yield from _json_array_objects(path)
     except UnicodeDecodeError as e:
         yield BadRecord(f"not UTF-8 text (byte {e.start} of a block of the file: {e.reason})", fatal=True)
-    except ValueError:  # no opening bracket at all
-        yield BadRecord("not a JSON array", fatal=True)
+    except RecursionError:
+        yield BadRecord("an element nested too deeply to decode", fatal=True)
+
+
+_MAX_ELEMENT = 1 << 28  # characters: a larger element of a JSON array is refused, not buffered
+_SYNTAX_HORIZON = 1 << 26  # characters read past a failing element (and 8x the largest one) before
+                           # it is called invalid rather than incomplete
 
 
 def _json_array_objects(path: Path):
+    """Strict JSON array syntax, element by element: one comma between elements, the closing
+    bracket, nothing but whitespace after it. The buffer grows geometrically while an element is
+    incomplete, so an element of n characters costs O(n), and never beyond _MAX_ELEMENT."""
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8", errors="strict") as fh:
-        buf, pos, eof = "", 0, False
+    with open(path, encoding="utf-8-sig", errors="strict") as fh:
+        buf, pos, eof, largest = "", 0, False, 0
 
-        def more():
+        def more(at_least: int = 1 << 20) -> None:
             nonlocal buf, pos, eof
-            chunk = fh.read(1 << 20)
+            chunk = fh.read(max(at_least, 1 << 20))
             eof = not chunk
             buf, pos = buf[pos:] + chunk, 0
 
-        more()
-        pos = buf.index("[") + 1
-        while True:
-            while True:  # skip separators
-                while pos < len(buf) and buf[pos] in " \t\r\n,":
+        def skip_space() -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in " \t\r\n":
                     pos += 1
                 if pos < len(buf) or eof:
-                    break
+                    return
                 more()
-            if pos >= len(buf) or buf[pos] == "]":
+
+        def fatal(what: str) -> BadRecord:
+            return BadRecord(f"not a valid JSON array: {what}", fatal=True)
+
+        more()
+        skip_space()
+        if buf[pos:pos + 1] != "[":
+            yield fatal("it does not start with [")
+            return
+        pos += 1
+        n = 0
+        while True:
+            skip_space()
+            if pos >= len(buf):
+                yield fatal(f"the file ends after element {n} without the closing ]")
                 return
+            if buf[pos] == "]":
+                pos += 1
+                skip_space()
+                if pos < len(buf):
+                    yield fatal("more than whitespace after the closing ]")
+                return
+            if n:
+                if buf[pos] != ",":
+                    yield fatal(f"a comma or ] expected after element {n}, found {buf[pos]!r}")
+                    return
+                pos += 1
+                skip_space()
+                if pos >= len(buf):
+                    yield fatal(f"the file ends after element {n} and a comma, without the closing ]")
+                    return
             while True:
                 try:
                     rec, end = dec.raw_decode(buf, pos)
@@ -337,18 +434,28 @@ def _json_array_objects(path: Path):
                     if eof:
                         yield BadRecord(f"not valid JSON: {e}", fatal=True)
                         return
-                    more()
+                    held = len(buf) - pos
+                    if held > _MAX_ELEMENT or (n and held > max(_SYNTAX_HORIZON, 8 * largest)):
+                        yield BadRecord(f"element {n + 1} is not valid JSON ({e}), or larger than any before "
+                                        f"it by far", fatal=True)
+                        return
+                    more(len(buf) - pos)  # double what is held: linear in the element's size
             try:
                 no_lone_surrogates(rec)
             except ValueError as e:
                 rec = BadRecord(str(e))
+            except RecursionError:
+                rec = BadRecord("nested too deeply to decode")
+            n += 1
+            largest = max(largest, end - pos)
             yield rec
             pos = end
 
 
 def _csv(path: Path):
+    csv.field_size_limit(2**31 - 1)  # a long answer is one field; the default stops at 128 KiB
     try:
-        with open(path, newline="", encoding="utf-8") as fh:
+        with open(path, newline="", encoding="utf-8-sig") as fh:  # Excel writes a byte-order mark
             for rec in csv.DictReader(fh):
                 yield BadRecord("more fields than the header names") if None in rec else rec
     except UnicodeDecodeError as e:
@@ -396,7 +503,25 @@ def no_lone_surrogates(value) -> None:
             no_lone_surrogates(v)
 
 
+def _ipc(batch) -> bytes:
+    """A record batch as Arrow IPC stream bytes: only the batch's own rows, so a slice of a large
+    batch travels to a worker as its slice, not as the whole batch."""
+    import pyarrow as pa
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, batch.schema) as w:
+        w.write_batch(batch)
+    return sink.getvalue().to_pybytes()
+
+
+def _batch(data: bytes):
+    import pyarrow as pa
+
+    return pa.ipc.open_stream(data).read_next_batch()
+
+
 def _arrow_chunks(batches, label: str):
+    """Chunks of at most _BATCH_ROWS rows of an Arrow / Parquet stream, whatever its batches."""
     import pyarrow as pa
 
     first = 1
@@ -409,9 +534,10 @@ def _arrow_chunks(batches, label: str):
         except (pa.ArrowException, OSError) as e:  # a damaged or truncated Parquet / Arrow file
             raise SourceError(f"{label}: cannot be read as {'Parquet' if label.endswith('.parquet') else 'Arrow'} "
                               f"(after {first - 1} rows): {e}") from None
-        if batch.num_rows:
-            yield Chunk("arrow", batch, f"{label}: row ", first)
-            first += batch.num_rows
+        for at in range(0, batch.num_rows, _BATCH_ROWS):
+            part = batch.slice(at, _BATCH_ROWS)
+            yield Chunk("arrow", _ipc(part), f"{label}: row ", first, n=part.num_rows)
+            first += part.num_rows
 
 
 def _drop_none(value):

@@ -124,6 +124,7 @@ class Writer:
                 pass
         for n in ("tokens", "mask", "lengths"):
             Path(f"{self._tmp}.{n}").unlink(missing_ok=True)
+        self._tmp.unlink(missing_ok=True)  # interrupted while publishing (after os.replace: gone already)
 
 
 class Docs:
@@ -158,16 +159,22 @@ def read(path: str | os.PathLike) -> tuple[list[np.ndarray], list[np.ndarray]]:
 
 
 def remove_dead_temporaries(cache: Path) -> None:
-    """Removes the hidden `.NAME.tmp-PID[.part]` files a killed tokenisation left in the cache."""
+    """Removes the hidden `.NAME.tmp-PID[.part]` files a killed tokenisation left in the cache
+    when no lock file guards their key (older caches) and their PID is not running here."""
     for p in cache.glob(".*.tmp-*"):
-        m = re.fullmatch(r"\..+\.tmp-(\d+)(\.\w+)?", p.name)
-        if not m or int(m.group(1)) == os.getpid():
+        m = re.fullmatch(r"\.(.+?)\.(?:amds|json)\.tmp-(\d+)(\.\w+)?", p.name)
+        if not m or int(m.group(2)) == os.getpid():
             continue
+        if (cache / f".{m.group(1)}.lock").exists():
+            continue  # a key written under its lock: the next writer of the key removes them (data._Locked)
         try:
-            os.kill(int(m.group(1)), 0)
+            os.kill(int(m.group(2)), 0)
             continue  # a live process (ours or not): leave it
         except ProcessLookupError:
             pass
         except PermissionError:
             continue
-        p.unlink(missing_ok=True)
+        try:
+            p.unlink(missing_ok=True)
+        except OSError:  # a read-only cache: nothing to clean there
+            pass
