@@ -141,6 +141,9 @@ def test_columns_map_onto_the_format_and_sharegpt_becomes_messages(tok, tok_dir,
     assert docs(build(str(write_jsonl(tmp_path / "sg.jsonl", sharegpt)), tok, tok_dir, tmp_path).path) == want
     dialog = write_jsonl(tmp_path / "dialog.jsonl", [{"dialog": c["messages"]} for c in conv])
     assert docs(build({"path": str(dialog), "columns": {"messages": "dialog"}}, tok, tok_dir, tmp_path).path) == want
+    turns = write_jsonl(tmp_path / "turns.jsonl", [{"turns": r["conversations"], **({"system": r["system"]} if
+                                                    "system" in r else {})} for r in sharegpt])
+    assert docs(build({"path": str(turns), "columns": {"messages": "turns"}}, tok, tok_dir, tmp_path).path) == want
     from automoe import data
 
     with pytest.raises(data.DataError, match=r"qa\.jsonl:1: no column \"query\" \(columns: maps prompt to it"):

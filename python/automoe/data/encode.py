@@ -290,6 +290,9 @@ class Encoder:
     def _messages(self, rec: dict):
         if "messages" in rec:
             msgs = rec["messages"]
+            if isinstance(msgs, list) and msgs and all(isinstance(m, dict) and "from" in m and "value" in m
+                                                       and "role" not in m for m in msgs):
+                msgs = _sharegpt(msgs, rec.get("system"))  # ShareGPT turns under a mapped column
         else:
             turns = rec.get("conversations")
             if not isinstance(turns, list) or not turns:
