@@ -85,8 +85,6 @@ def load_tokenizer(model_path: str | os.PathLike):
         raise DataError(f"model.path {path}: cannot load its tokenizer: {type(e).__name__}: {e}") from None
 
 
-
-
 @dataclass
 class _Settings:
     tokenizer: object
@@ -106,8 +104,8 @@ class _Settings:
         names = [n for n in TOKENIZER_FILES if (root / n).is_file()]
         names += sorted(str(p.relative_to(root)) for g in TOKENIZER_GLOBS for p in root.glob(g) if p.is_file())
         tok = {n: file_digest(root / n) for n in names}
-        return {"encoder": ENCODER_VERSION, "file_format": CACHE_FORMAT, "train_on": self.train_on, "on_error": self.on_error,
-                "max_samples": self.max_samples, "transformers": version("transformers"),
+        return {"encoder": ENCODER_VERSION, "file_format": CACHE_FORMAT, "train_on": self.train_on,
+                "on_error": self.on_error, "max_samples": self.max_samples, "transformers": version("transformers"),
                 "tokenizers": version("tokenizers"), "tokenizer_files": tok}
 
     def get_tokenizer(self):
@@ -217,7 +215,7 @@ def _encode(chunk, encoder=None) -> dict:
             "lengths": np.array([len(x) for x in ids], np.int64), "errors": errors, "short": short}
 
 
-def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path, what: str) -> dict:
+def _tokenise(src: Source, enc: Encoder, s: _Settings, out: Path) -> dict:
     writer = Writer(out)
     skipped, short, records, n_skipped = [], 0, 0, 0
 
@@ -291,7 +289,7 @@ def _tokenise_parallel(chunks, enc, num_proc, take) -> None:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _source_dataset(src: Source, s: _Settings, base: dict, what: str) -> tuple[Path, dict]:
+def _source_dataset(src: Source, s: _Settings, base: dict) -> tuple[Path, dict]:
     fmt = src.format or s.fmt
     key = _digest({"base": base, "format": fmt, "source": src.fingerprint(s.cache / "digests")})
     out = s.cache / f"{key}.amds"
@@ -303,7 +301,7 @@ def _source_dataset(src: Source, s: _Settings, base: dict, what: str) -> tuple[P
         if stats is not None:
             return out, dict(stats, reused=True)
         enc = Encoder(s.get_tokenizer(), fmt, s.train_on, src.columns)
-        stats = _tokenise(src, enc, s, out, what)
+        stats = _tokenise(src, enc, s, out)
         _write_stats(s.cache / f"{key}.json", stats)
     return out, dict(stats, reused=False)
 
@@ -340,6 +338,11 @@ def _mix(parts: list[np.ndarray], weights: list[float], seed: int) -> np.ndarray
         picks.append(np.stack([np.full(len(chosen), j), chosen], 1))
     order = np.concatenate(picks) if picks else np.zeros((0, 2), np.int64)
     return order[rng.permutation(len(order))]
+
+
+def _in_order(parts) -> np.ndarray:
+    """(source, index) rows: every source's documents `parts[j]`, source after source."""
+    return np.concatenate([np.stack([np.full(len(p), j), p], 1) for j, p in enumerate(parts)])
 
 
 def _compose(files: list[Path], order: np.ndarray, out: Path, meta: dict) -> dict:
@@ -385,7 +388,7 @@ def build_split(sources: list, tokenizer, model_path: str, fmt: str = "auto", tr
     files, stats = [], []
     for k, src in enumerate(srcs):
         try:
-            f, st = _source_dataset(src, s, base, what)
+            f, st = _source_dataset(src, s, base)
         except (StoreError, SourceError) as e:
             raise DataError(str(e)) from None
         except OSError as e:
@@ -400,16 +403,12 @@ def build_split(sources: list, tokenizer, model_path: str, fmt: str = "auto", tr
         return Dataset(files[0], files[0].stem, _summary(stats, reused)), None
     kept, held = zip(*(_holdout(st["documents"], validation_split, seed, j) for j, st in enumerate(stats)))
     weights = [src.weight if src.weight is not None else 1.0 for src in srcs]
-    if mixing:
-        order = _mix(list(kept), weights, seed)
-    else:
-        order = np.concatenate([np.stack([np.full(len(p), j), p], 1) for j, p in enumerate(kept)])
+    order = _mix(list(kept), weights, seed) if mixing else _in_order(kept)
     train = _composed(files, order, stats, reused, what, {"sources": [f.stem for f in files], "seed": seed,
                       "split": validation_split, "mix": weights if mixing else None, "part": "train"}, s)
     val = None
     if validation_split:
-        vorder = np.concatenate([np.stack([np.full(len(p), j), p], 1) for j, p in enumerate(held)])
-        val = _composed(files, vorder, stats, reused, "data.validation_split", {
+        val = _composed(files, _in_order(held), stats, reused, "data.validation_split", {
             "sources": [f.stem for f in files], "seed": seed, "split": validation_split, "part": "validation"}, s)
     return train, val
 
@@ -423,13 +422,13 @@ def _composed(files, order, stats, reused, what, ident, s: _Settings) -> Dataset
         return Dataset(out, key, dict(cached, reused=reused))
     with _Locked(s.cache, key):
         cached = _cached(s.cache, key)
-        if cached is None:
-            if not len(order):
-                raise DataError(f"{what}: no usable documents in {', '.join(st['source'] for st in stats)}")
-            made = _compose(files, order, out, {"key": key})
-            _write_stats(s.cache / f"{key}.json", dict(_summary(stats, False), **made, composed=per_source))
-            return Dataset(out, key, dict(_summary(stats, False), **made, composed=per_source))
-    return Dataset(out, key, dict(cached, reused=reused))
+        if cached is not None:
+            return Dataset(out, key, dict(cached, reused=reused))
+        if not len(order):
+            raise DataError(f"{what}: no usable documents in {', '.join(st['source'] for st in stats)}")
+        made = dict(_summary(stats, False), **_compose(files, order, out, {"key": key}), composed=per_source)
+        _write_stats(s.cache / f"{key}.json", made)
+    return Dataset(out, key, made)
 
 
 def _summary(stats: list[dict], reused: bool) -> dict:

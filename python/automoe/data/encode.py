@@ -190,23 +190,11 @@ class Encoder:
         return self._marks[template]
 
     def __call__(self, rec) -> tuple[list[int], list[int]]:
-        if not isinstance(rec, dict):
-            raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
-        rec = map_columns(rec, self.columns)
-        fmt = detect_format(rec) if self.fmt == "auto" else self.fmt
-        if fmt == "chat":
-            ids, mask = self._chat(rec)
-            mask = mask.tolist() if isinstance(mask, np.ndarray) else list(mask)
-        elif fmt == "text":
-            ids = self.tok(_string(rec, "text"), add_special_tokens=True)["input_ids"]
-            if self.eos is not None:
-                ids = ids + [self.eos]
-            mask = [1] * len(ids)
-        else:
-            ids, mask = self._pair(*self._prompt_and_completion(rec, fmt))
-        if self.train_on == "all":
-            mask = [1] * len(ids)
-        return ids, mask
+        """One record's token ids and loss flags (encode_batch of one); raises what it refuses."""
+        [r] = self.encode_batch([rec])
+        if isinstance(r, Exception):
+            raise r
+        return r[0].tolist(), r[1].tolist()
 
     def encode_batch(self, records: list) -> list:
         """Each record's (ids int32 array, mask uint8 array), or the exception it raised. Text and
@@ -280,13 +268,6 @@ class Encoder:
         except Exception:
             return ""
 
-    def _pair(self, prompt: str, completion: str):
-        p = self.tok(prompt, add_special_tokens=True)["input_ids"]
-        c = self.tok(completion, add_special_tokens=False)["input_ids"]
-        if self.eos is not None:
-            c = c + [self.eos]
-        return p + c, [0] * len(p) + [1] * len(c)
-
     def _messages(self, rec: dict):
         if "messages" in rec:
             msgs = rec["messages"]
@@ -311,14 +292,6 @@ class Encoder:
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError(f"\"tools\" must be a list of tool definitions, got {type(tools).__name__}")
         return msgs, tools or None
-
-    def _chat(self, rec):
-        marked = self._chat_text(rec)
-        if isinstance(marked[0], list):  # token ids and mask from the template's generation marks
-            return marked
-        text, spans = marked
-        enc = self.tok(text, add_special_tokens=False)
-        return enc["input_ids"], _span_mask(enc.encodings[0], len(enc["input_ids"]), spans)
 
     def _chat_text(self, rec):
         """(rendered text, assistant character spans), or (ids, mask) when the template marks
