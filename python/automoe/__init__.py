@@ -18,9 +18,9 @@ AutoMoEError = _engine.load().AutoMoEError
 # Under torchrun, torch.distributed's env:// rendezvous (init_process_group, accelerate, the
 # Trainer) gets a namespace of its own per restart attempt (automoe/elastic.py).
 _importlib.import_module("automoe.elastic").install()
-_LAZY = {"AutoModelForCausalLM": "automoe.modeling", "EngineCache": "automoe.cache"}
+_LAZY = {"AutoModelForCausalLM": "automoe.modeling", "EngineCache": "automoe.cache", "plan": "automoe.planning"}
 
-__all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache"]
+__all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache", "plan"]
 __version__ = "0.1.0"
 
 

@@ -1,6 +1,6 @@
-"""The `automoe` console script. `train` and `report` start in Python (tokenisation, plotting);
-everything else, and the training loop itself, runs in the C++ command that ships inside the
-package."""
+"""The `automoe` console script. `train`, `plan` and `report` start in Python (tokenisation, YAML,
+plotting); everything else, and the training loop itself, runs in the C++ command that ships
+inside the package."""
 
 from __future__ import annotations
 
@@ -15,6 +15,10 @@ def main() -> None:
         from automoe import train
 
         train.main(args[1:])
+    elif args and args[0] == "plan":
+        from automoe import planning
+
+        planning.main(args[1:])
     elif args and args[0] == "report":
         from automoe import report
 

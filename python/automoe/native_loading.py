@@ -222,6 +222,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
     config = _native_config(cls, path, config, kwargs)
     chosen = dtype if dtype is not None else torch_dtype
     groups = parallel.pop("_groups") if parallel else None
+    _check_weights_fit(path, config, dtype_name(chosen), ep_size or 1, device)
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
                                 config_json=config.to_json_string(use_diff=False), parallel=parallel)
     if engine.spec["mxfp4_experts"]:  # dequantised on load: the model is no longer quantised
@@ -239,6 +240,36 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
         return model, {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [],
                        "error_msgs": []}
     return model
+
+
+def _check_weights_fit(path: str, config, dtype: str | None, ep: int, device) -> None:
+    """Before any weight is read: this rank's weights (its E/ep experts) against the memory it has
+    — the CPU's (shared by the node's ranks), and the GPU's when the model goes there. A model that
+    cannot fit is refused with what would, instead of being killed by the out-of-memory killer."""
+    # (the config's own dtype as written: the engine refuses one it does not run, with its message)
+    name = dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
+    width = {"float32": 4.0, "float64": 8.0}.get(name, 2.0)
+    text = config.to_json_string(use_diff=False)
+    need, cpu = _C.plan_weights(text, ep, width)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ep > 1 else 1
+    places = [("this machine", cpu / max(1, ranks))]
+    if device is not None and device.type == "cuda":
+        places.append((str(device), float(torch.cuda.mem_get_info(device)[0])))
+    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
+                    if isinstance(getattr(config, k, None), int)), 0)
+    for where, have in places:
+        if need <= have:
+            continue
+        hint = ""
+        for e in (e for e in range(ep + 1, experts + 1) if experts % e == 0):
+            per_rank = _C.plan_weights(text, e, width)[0]
+            if per_rank <= have:
+                hint = f"; with ep_size={e} each rank would hold {per_rank / 2**30:.2f} GiB"
+                break
+        raise MemoryError(
+            f"from_pretrained({path!r}{f', ep_size={ep}' if ep > 1 else ''}): the weights need "
+            f"{need / 2**30:.2f} GiB per rank in {name}, and {where} has {have / 2**30:.2f} GiB available"
+            f"{hint} (training needs more: `automoe plan` counts all of it). Nothing was loaded.")
 
 
 def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=None,

@@ -18,7 +18,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 USAGE = """usage: automoe train RECIPE.yaml [section.key=value ...] [--nproc-per-node N]
-                     [--max-restarts N] [--resume-from step-N]
+                     [--max-restarts N] [--resume-from step-N] [--force]
 
 Fine-tunes model.path on data.train and exports a Hugging Face checkpoint to
 <checkpoint.dir>/export; re-running on the same checkpoint.dir resumes. Overrides use YAML
@@ -30,25 +30,33 @@ resumes from the last checkpoint.
 --resume-from step-N resumes from that checkpoint of checkpoint.dir instead of the latest
 (checkpoint.resume_from). SIGTERM, SIGINT or SIGHUP stop the run after its current step with a
 checkpoint (exit status 4); a second signal stops it at once.
+Before loading the model, the run's memory plan (`automoe plan`) is compared with the memory each
+rank has; a run that cannot fit stops with exit status 1 and what would fit. --force
+(train.force=true) starts it anyway.
 """
 
 
 def split_resume_from(argv: list[str]) -> list[str]:
     """argv with `--resume-from step-N` (or `--resume-from=step-N`) turned into the override
-    checkpoint.resume_from=step-N."""
-    out, i = [], 0
+    checkpoint.resume_from=step-N, and `--force` into train.force=true (after the recipe and its
+    other overrides, wherever they were given)."""
+    out, extra, i = [], [], 0
     while i < len(argv):
         a = argv[i]
+        if a == "--force":
+            extra.append("train.force=true")
+            i += 1
+            continue
         if a == "--resume-from" or a.startswith("--resume-from="):
             value = a.partition("=")[2] if "=" in a else (argv[i + 1] if i + 1 < len(argv) else "")
             if not value:
                 raise RecipeError("--resume-from: expected a checkpoint name, e.g. --resume-from step-100")
-            out.append(f"checkpoint.resume_from={value}")
+            extra.append(f"checkpoint.resume_from={value}")
             i += 1 if "=" in a else 2
             continue
         out.append(a)
         i += 1
-    return out
+    return out + extra
 
 
 class RecipeError(ValueError):

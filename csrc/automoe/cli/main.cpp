@@ -17,8 +17,11 @@ commands:
   train RECIPE.yaml [key=value ...]
                               fine-tune a Hugging Face MoE checkpoint on JSONL data and export a
                               Hugging Face checkpoint (see docs/recipes.md)
+  plan RECIPE.yaml [--nproc-per-node N --nnodes M --device cpu|cuda --gpu-memory GiB --json]
+                              per-rank peak memory and step time of a recipe's run, and the
+                              configurations that fit (see docs/recipes.md)
   report RUN_DIR              loss curve and expert-load heat map of a training run (PNG files)
-  (train and report start in the Python `automoe` command: `pip install .`, or .venv/bin/automoe
+  (train, plan and report start in the Python `automoe` command: `pip install .`, or .venv/bin/automoe
    after `make setup`)
   inspect DIR                 architecture, parameter counts, experts layout and dtype of a
                               Hugging Face checkpoint directory
@@ -55,9 +58,9 @@ int main(int argc, char** argv) {
     if (cmd == "bench") return automoe::cli::bench(args);
     if (cmd == "train") return automoe::cli::train(args);
     if (cmd == "export") return automoe::cli::export_adapter(args);
-    if (cmd == "report") {
-      std::cerr << "automoe report: run it through the Python `automoe` command (it draws with "
-                   "matplotlib)\n";
+    if (cmd == "report" || cmd == "plan") {
+      std::cerr << "automoe " << cmd << ": run it through the Python `automoe` command (it "
+                << (cmd == "plan" ? "reads the YAML recipe" : "draws with matplotlib") << ")\n";
       return 2;
     }
     std::cerr << "automoe: unknown command \"" << cmd << "\"\n\n" << kUsage;

@@ -1,6 +1,7 @@
 #include "automoe/model/components.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace automoe {
 namespace {
@@ -307,6 +308,114 @@ double forward_flops_per_token(const ModelSpec& s, int64_t seq_len) {
     }
   }
   return total;
+}
+
+}  // namespace automoe
+
+namespace automoe {
+
+// What each component's autograd keeps, per token unless said otherwise (s: compute bytes; f32: 4,
+// int64: 8), on the default CPU/CUDA backends: fused norms/rope/swiglu, sdpa, grouped experts,
+// fused linear cross-entropy. Training batches carry document ids, so attention runs with a mask.
+ActivationDecl activation_bytes(const ModelSpec& spec, int64_t batch, int64_t seq_len,
+                                int64_t compute_bytes) {
+  ActivationDecl out;
+  const double s = static_cast<double>(compute_bytes), T = static_cast<double>(batch * seq_len);
+  const double S = static_cast<double>(seq_len), H = static_cast<double>(spec.hidden_size);
+  const double f32 = 4, i64 = 8;
+  const bool bf16 = compute_bytes == 2;
+  // A norm keeps its input (its own, or an f32 copy for zero-centred weights in bf16) and 1/rms.
+  const double norm = (spec.zero_centered_norms && bf16 ? f32 : s) * H + f32;
+  const AttentionSpec& a = spec.attn;
+  const double N = static_cast<double>(a.num_heads), KV = static_cast<double>(a.num_kv_heads);
+  const double D = static_cast<double>(a.head_dim);
+  double attention = 0, attention_bwd = 0;
+  if (a.kind == AttentionKind::kMLA) {
+    const double Dqk = static_cast<double>(a.qk_nope_head_dim + a.qk_rope_head_dim);
+    const double Dv = static_cast<double>(a.v_head_dim), R = static_cast<double>(a.kv_lora_rank);
+    // normed x; q's and kv's latent norms (output and the b-projection's input); the math kernel's
+    // f32 q, k, v and probabilities [N, S]; o_proj's input.
+    attention = s * H + 2 * s * static_cast<double>(a.q_lora_rank) + 2 * s * R +
+                f32 * N * (2 * Dqk + Dv) + f32 * N * S + s * N * Dv;
+    attention_bwd = 2 * f32 * N * S + f32 * N * (2 * Dqk + Dv);
+  } else {
+    // normed x; q (rope output) and the output; k and v expanded to every head (the masked path);
+    // logsumexp; the mask's additive form [S] per token.
+    attention = s * H + 2 * s * N * D + 2 * s * N * D + f32 * N + s * S;
+    if (a.qk_norm) attention += s * (N + KV) * D + f32 * (N + KV);
+    if (a.output_gate) attention += 2 * s * N * D;
+    if (a.clip_qkv > 0) attention += s * (N + 2 * KV) * D;
+    if (a.sinks) attention += s * N * (S + 1) + s * N * D + i64 * N;  // eager: the probabilities
+    attention_bwd = f32 * (3 + 2) * N * D + (a.sinks ? 2 * s * N * (S + 1) : f32 * S);
+  }
+  const Mamba2Spec& m = spec.mamba;
+  const double I_m = static_cast<double>(m.inner()), GN = static_cast<double>(m.n_groups * m.state_size);
+  const double Hm = static_cast<double>(m.num_heads), G = static_cast<double>(m.n_groups);
+  // in_proj's input and its padding-zeroed copy; the conv's xBC; dt's chain; the scan's x, B, C;
+  // the gated norm's f32 y, z and 1/rms; out_proj's input.
+  const double mamba = s * (2 * H + 4 * I_m + 4 * GN + 3 * Hm) + f32 * (I_m + G);
+  const GatedDeltaNetSpec& g = spec.deltanet;
+  const double Kd = static_cast<double>(g.key_dim()), Vd = static_cast<double>(g.value_dim());
+  const double Nv = static_cast<double>(g.num_v_heads), conv = 2 * Kd + Vd;
+  const double repeat = g.num_v_heads > g.num_k_heads ? 2 * s * Nv * static_cast<double>(g.head_k_dim) : 0;
+  // normed x; the conv's input (a copy in Qwen3-Next) and output; q/k repeated to the value heads;
+  // beta and the decay chain; the chunk states [Dk, Dv] per 64-token chunk (f32); the gated norm's
+  // o, z (f32), silu (f32), normed, out_proj's input.
+  const double deltanet =
+      s * H + (g.split_projections ? 0 : s * conv) + s * conv + repeat + s * Nv + f32 * 4 * Nv +
+      f32 * Nv * static_cast<double>(g.head_k_dim * g.head_v_dim) / static_cast<double>(std::max<int64_t>(1, g.chunk_size)) +
+      s * 3 * Vd + f32 * 2 * Vd;
+  const MoESpec& e = spec.moe;
+  const double K = static_cast<double>(e.top_k), I = static_cast<double>(e.intermediate_size);
+  const double E = static_cast<double>(e.num_experts);
+  const double X = e.latent_size > 0 ? static_cast<double>(e.latent_size) : H;
+  const bool relu2 = spec.hidden_act == Activation::kRelu2;
+  // A SwiGLU MLP of width i: normed x, gate_up, h (+ the fused op's cat(gate, up) weight copy,
+  // per layer); relu2: normed x and two [i].
+  auto mlp = [&](double i) { return relu2 ? s * (H + 2 * i) : s * (H + 3 * i); };
+  auto mlp_weights = [&](double i) { return relu2 ? 0.0 : s * 2 * i * H; };
+  // Routed experts per token: the router's f32 x, scores, choices and weights, the permuted rows,
+  // the experts' inner tensors, their outputs; the aux loss's logits, probabilities and choices.
+  double moe = f32 * H + f32 * E + 2 * i64 * K + s * K + K * s * (e.gated ? 2 * X + 3 * I : 2 * X + 2 * I);
+  if (e.aux_loss) moe += 2 * f32 * E + i64 * K + f32;
+  if (e.latent_size > 0) moe += s * X;
+  double moe_weights = bf16 ? f32 * E * H : 0;  // the router weight's f32 copy
+  if (e.shared_intermediate_size > 0) {
+    const double Is = static_cast<double>(e.shared_intermediate_size);
+    moe += mlp(Is) + (e.shared_gate ? s * (1 + H) : 0);
+    moe_weights += mlp_weights(Is);
+  }
+  const double moe_bwd = K * s * (2 * I + H) + f32 * H;
+  const double dense = mlp(static_cast<double>(spec.intermediate_size));
+  const double dense_weights = mlp_weights(static_cast<double>(spec.intermediate_size));
+  const bool hybrid = spec.naming == Naming::kHybridBlocks;
+  for (const LayerSpec& l : spec.layers) {
+    double per_token = hybrid ? norm : 2 * norm, weights = 0, bwd = 0;
+    if (l.mixer == MixerKind::kAttention) per_token += attention, bwd = attention_bwd;
+    if (l.mixer == MixerKind::kMamba2) per_token += mamba, bwd = s * 4 * I_m;
+    if (l.mixer == MixerKind::kGatedDeltaNet) per_token += deltanet, bwd = s * 2 * conv;
+    if (l.mlp == MlpKind::kMoE) per_token += moe, weights += moe_weights, bwd = std::max(bwd, moe_bwd);
+    if (l.mlp == MlpKind::kDense) per_token += dense, weights += dense_weights;
+    out.layer.push_back(per_token * T + weights);
+    out.layer_backward = std::max(out.layer_backward, bwd * T);
+  }
+  // A checkpointed layer keeps its input and, in an MoE layer, its routing (and the aux loss's).
+  out.layer_input = s * H * T + (e.num_experts > 0 ? (i64 * K + (e.aux_loss ? 2 * f32 * E + i64 * K : 0)) * T : 0);
+  // The embedding's ids; the final norm's input, its output (the last hidden state) and the loss's
+  // copy of the labelled rows, their indices, labels and log-sum-exp; the masks and RoPE tables.
+  const double rows = T - static_cast<double>(batch);  // each row's last position has no label
+  out.head = T * (i64 + 2 * s * H + f32) + rows * (s * H + 2 * i64 + f32) + static_cast<double>(batch) * S * S +
+             2 * s * T * static_cast<double>(a.rope_head_dim()) + 2 * i64 * T;
+  // The fused loss keeps all [rows, V] logits when they are at most 8 x 2^24 elements (compute
+  // dtype under bf16), else one 64 MiB chunk; its backward adds f32 and compute-dtype [rows, H].
+  const double V = static_cast<double>(spec.vocab_size);
+  const double logits = rows * V <= 8.0 * (1 << 24) ? rows * V * s : 64.0 * (1 << 20);
+  out.loss = logits + rows * H * (f32 + s) + T * H * s;
+  if (spec.has_mixer(MixerKind::kMamba2)) {
+    const double chunks = std::ceil(S / static_cast<double>(std::max<int64_t>(1, m.chunk_size))) + 1;
+    out.scratch = 3 * chunks * static_cast<double>(m.state_size) * I_m * f32 * static_cast<double>(batch);
+  }
+  return out;
 }
 
 }  // namespace automoe

@@ -110,4 +110,19 @@ std::vector<ParamDecl> parameter_layout(const ModelSpec& spec);
 //   LM head    2*H*V
 double forward_flops_per_token(const ModelSpec& spec, int64_t seq_len);
 
+// The activation memory of one training micro-batch of `batch` rows of `seq_len` tokens (each row
+// with document ids, as the trainer's packed batches have) in a model computing in
+// `compute_bytes`-byte floats: what each component's autograd keeps from the forward to the
+// backward, and the largest transients (components.cpp lists them per component).
+struct ActivationDecl {
+  std::vector<double> layer;   // bytes layer l keeps for its backward, weight-sized copies included
+  double layer_input = 0;      // what a checkpointed layer keeps instead (its input, its routing)
+  double layer_backward = 0;   // the largest layer's backward temporaries
+  double head = 0;             // the embedding's, final norm's and loss's kept tensors, the masks
+  double loss = 0;             // the fused LM head + loss: kept logits or one chunk, its backward's
+  double scratch = 0;          // kernels' thread-local buffers (the SSD scan's chunk states)
+};
+ActivationDecl activation_bytes(const ModelSpec& spec, int64_t batch, int64_t seq_len,
+                                int64_t compute_bytes);
+
 }  // namespace automoe

@@ -5,6 +5,9 @@
 #include "automoe/core/error.h"
 #include "automoe/parallel/world.h"
 #include "automoe/python/bindings.h"
+#include "automoe/model/config.h"
+#include "automoe/train/peak.h"
+#include "automoe/train/plan.h"
 #include "automoe/train/recipe.h"
 #include "automoe/train/trainer.h"
 
@@ -18,6 +21,45 @@ void bind_train(py::module_& m) {
       },
       py::arg("json_text"), py::arg("origin"),
       "Validates a training recipe (JSON text) and returns it with every default filled in.");
+  m.def(
+      "plan",
+      [](const std::string& recipe_text, const std::string& origin, int64_t nproc_per_node,
+         int64_t nnodes, const std::string& device, double rank_memory_gib, double peak_tflops,
+         double mfu) {
+        py::gil_scoped_release no_gil;
+        const train::Recipe rc = train::Recipe::parse(recipe_text, origin);
+        const LoadedConfig config = load_config(rc.model.path);
+        train::PlanTarget t;
+        t.nproc_per_node = nproc_per_node;
+        t.nnodes = nnodes;
+        t.device = device;
+        t.rank_memory_bytes = rank_memory_gib * (1 << 30);
+        t.mfu = mfu;
+        t.peak_tflops = peak_tflops;
+        if (t.peak_tflops <= 0 && device == "cpu") {
+          // This machine's matmul peak in the compute dtype (a small product: a fraction of a
+          // second even where bf16 has no native instructions).
+          const auto dtype = rc.model.dtype == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
+          t.peak_tflops = measure_matmul_peak(c10::kCPU, dtype, 384, 1).tflops;
+          t.peak_source = "measured here";
+        }
+        const train::Plan plan = train::make_plan(config.spec, rc, t);
+        return std::make_pair(plan.to_json(), plan.to_text());
+      },
+      py::arg("recipe_text"), py::arg("origin"), py::arg("nproc_per_node") = 1,
+      py::arg("nnodes") = 1, py::arg("device") = "cpu", py::arg("rank_memory_gib") = 0.0,
+      py::arg("peak_tflops") = 0.0, py::arg("mfu") = 0.0,
+      "The memory and time plan of a recipe (train/plan.h): (JSON text, the table as text).");
+  m.def(
+      "plan_weights",
+      [](const std::string& config_json, int64_t ep, double bytes) {
+        const LoadedConfig config = parse_config(config_json, "config.json");
+        return py::make_tuple(train::weight_bytes(config.spec, ep, bytes),
+                              train::available_cpu_memory());
+      },
+      py::arg("config_json"), py::arg("ep"), py::arg("bytes"),
+      "(one rank's weight bytes under expert parallelism ep, the CPU memory available to this "
+      "process) for the drop-in's pre-flight check.");
   m.def(
       "train",
       [](const std::string& recipe_text, const std::string& origin, const std::string& train_data,

@@ -331,6 +331,7 @@ void parse_train(const json& root, const std::string& origin, int64_t seq_len,
     AUTOMOE_CHECK(ok, t.where("device"), "expected auto, cpu, cuda or cuda:N, got \"", dev, "\"");
   }
   train.threads = t.integer("threads", 0, 0, kMaxThreads);
+  train.force = t.boolean("force", false);
   t.finish();
 }
 
@@ -538,7 +539,8 @@ std::string Recipe::to_json() const {
                 {"max_nonfinite_steps", train.max_nonfinite_steps},
                 {"activation_checkpointing", train.activation_checkpointing},
                 {"device", train.device},
-                {"threads", train.threads}};
+                {"threads", train.threads},
+                {"force", train.force}};
   j["optimizer"] = {{"name", optimizer.name},
                     {"lr", optimizer.lr},
                     {"betas", {optimizer.beta1, optimizer.beta2}},

@@ -64,6 +64,9 @@ struct TrainSection {
   bool activation_checkpointing = false;
   std::string device = "auto";  // auto | cpu | cuda | cuda:N
   int64_t threads = 0;          // CPU threads; 0 = LibTorch's default
+  // The pre-flight memory check (train/plan.h): false stops a run whose plan does not fit the
+  // memory this rank has before anything large is allocated; true starts it anyway (--force).
+  bool force = false;
 };
 
 struct OptimizerSection {

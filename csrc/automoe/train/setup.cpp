@@ -4,6 +4,8 @@
 #include <sched.h>
 #include <torch/cuda.h>
 
+#include <cstdlib>
+#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 
@@ -11,6 +13,7 @@
 #include "automoe/core/error.h"
 #include "automoe/model/config.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
+#include "automoe/train/plan.h"
 #include "automoe/train/run_dir.h"
 #include "automoe/train/state.h"
 
@@ -164,6 +167,62 @@ RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device de
                   complete.empty() ? " (it holds none)" : "; complete ones:" + complete);
   }
   return p;
+}
+
+void check_memory(const Recipe& rc, const parallel::World& world, int64_t available,
+                  RunPlace& place) {
+  const LoadedConfig config = load_config(rc.model.path);
+  const int64_t ranks = world.mesh.world;
+  // The node's ranks share its memory (torchrun's LOCAL_WORLD_SIZE; one rank per node otherwise).
+  int64_t local = 1;
+  if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v && available < 0) {
+    local = std::max<int64_t>(1, std::atoll(v));
+  }
+  if (available < 0) available = available_cpu_memory() / local;
+  const bool cuda = place.dev.is_cuda();
+  PlanTarget target;
+  target.nproc_per_node = local;
+  target.nnodes = std::max<int64_t>(1, ranks / local);
+  target.device = cuda ? "cuda" : "cpu";
+  target.rank_memory_bytes = static_cast<double>(available);
+  target.peak_tflops = rc.log.peak_tflops;
+  RankPlan mine = plan_rank(config.spec, rc, ranks, available, cuda);
+  place.planned_peak_bytes = mine.peak_bytes;
+  // Every rank stops, or none: the ranks' verdicts are shared.
+  int64_t short_ranks = mine.fits ? 0 : 1;
+  if (place.dist) {
+    for (int64_t v : parallel::all_gather_ints(world.world, {short_ranks}, world.device,
+                                               "memory plan")) {
+      short_ranks += v;
+    }
+    short_ranks -= mine.fits ? 0 : 1;
+  }
+  const bool fits = short_ranks == 0;
+  // The whole plan (with suggestions) only where someone reads it.
+  std::optional<Plan> plan;
+  if (place.lead || !fits) plan = make_plan(config.spec, rc, target, fits ? 0 : 5);
+  if (place.lead) {
+    std::ofstream(place.run / "plan.json") << plan->to_json() << "\n";
+  }
+  if (fits) return;
+  if (rc.train.force) {
+    if (place.lead) {
+      std::cerr << "automoe train: warning: the memory plan needs " << mine.peak_bytes / (1 << 30)
+                << " GiB per rank and " << available / double(1 << 30)
+                << " GiB are available; starting anyway (train.force)\n";
+    }
+    return;
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof buf, "%.2f GiB per rank, and %s has %.2f GiB available",
+                mine.peak_bytes / double(1 << 30), cuda ? "the GPU" : "this machine",
+                static_cast<double>(available) / double(1 << 30));
+  fail("not enough memory: the run's plan needs ", buf,
+       " (it would be killed by the out-of-memory killer, or fail mid-run); nothing was "
+       "loaded.\n",
+       plan->to_text(),
+       "Change the recipe to one of these, or start anyway with --force (train.force: true). "
+       "The plan is in ", (place.run / "plan.json").string());
 }
 
 std::unique_ptr<TrainModel> load_train_model(const Recipe& rc, const TrainData& data,

@@ -25,6 +25,7 @@
 #include "automoe/train/inputs.h"
 #include "automoe/train/metrics.h"
 #include "automoe/train/peak.h"
+#include "automoe/train/plan.h"
 #include "automoe/train/progress.h"
 #include "automoe/train/resume.h"
 #include "automoe/train/run_log.h"
@@ -44,7 +45,10 @@ double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
+// The process's resident high-water mark since run_training began (reset there), or since it
+// started where /proc cannot say.
 int64_t cpu_peak_rss() {
+  if (const int64_t hwm = peak_rss(); hwm > 0) return hwm;
   rusage u{};
   getrusage(RUSAGE_SELF, &u);
   return static_cast<int64_t>(u.ru_maxrss) * 1024;
@@ -185,7 +189,10 @@ void Trainer::start() {
           {"train_tokens", train_set.num_tokens()},
           {"peak_tflops", peak_tflops_},
           {"device", place_.dev.str()},
-          {"dtype", dtype_to_name(place_.compute)}});
+          {"dtype", dtype_to_name(place_.compute)},
+          {"planned_peak_bytes", place_.planned_peak_bytes},
+          {"memory_baseline_bytes", place_.memory_baseline},
+          {"setup_peak_bytes", hooks_.peak_memory_bytes()}});
   }
   const Truncation& cut = in_.cut;
   if (cut.documents > 0) {
@@ -504,7 +511,13 @@ int Trainer::finish() {
   checkpoint();
   const Exported out = export_run(rc_, place_, m_, world_);
   if (!place_.lead) return 0;
-  json end = {{"type", "end"}, {"step", st_.step}, {"elapsed_s", seconds_since(t_start_)}};
+  // The peak above the process's memory at the start, against the plan (train/plan.h).
+  json end = {{"type", "end"},
+              {"step", st_.step},
+              {"elapsed_s", seconds_since(t_start_)},
+              {"peak_memory_bytes", hooks_.peak_memory_bytes()},
+              {"memory_baseline_bytes", place_.memory_baseline},
+              {"planned_peak_bytes", place_.planned_peak_bytes}};
   end.update(out.fields);
   emit(end);
   progress_.line("automoe train: done at step " + std::to_string(st_.step) + "; " + out.where);
@@ -516,14 +529,23 @@ int Trainer::finish() {
 int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& hooks_in,
                  const parallel::World& world) {
   TrainerHooks hooks = hooks_in;
-  if (!hooks.peak_memory_bytes) hooks.peak_memory_bytes = cpu_peak_rss;
+  // What the process holds before the run: the plan predicts the memory above it.
+  const int64_t baseline = hooks.peak_memory_bytes ? 0 : current_rss();
+  if (!hooks.peak_memory_bytes) {
+    reset_peak_rss();
+    hooks.peak_memory_bytes = cpu_peak_rss;
+  }
   use_threads(rc.train.threads);
   // From here a SIGTERM / SIGINT / SIGHUP ends the run after its step, with a checkpoint.
   const StopSignals stop;
   const c10::Device dev = resolve_device(rc.train.device);
   // cuda:N: N is the current device for the whole run.
   const c10::OptionalDeviceGuard device_guard(dev.is_cuda() ? std::optional(dev) : std::nullopt);
-  const RunPlace place = open_run(rc, world, dev);
+  RunPlace place = open_run(rc, world, dev);
+  place.memory_baseline = baseline;
+  // Before any weight is read: does the plan fit the memory this rank has?
+  check_memory(rc, world, hooks.available_memory_bytes ? hooks.available_memory_bytes() : -1,
+               place);
   const std::unique_ptr<TrainModel> model = load_train_model(rc, data, world, place);
   const TrainInputs inputs = open_inputs(rc, data, model->spec());
   return Trainer(rc, data, hooks, world, stop, place, *model, inputs).run();

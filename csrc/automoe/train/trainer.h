@@ -24,6 +24,9 @@ struct TrainData {
 struct TrainerHooks {
   std::function<int64_t()> peak_memory_bytes;
   std::function<void()> reset_peak_memory;
+  // The device memory this rank may still allocate (cudaMemGetInfo's free bytes on a GPU); unset:
+  // the CPU's (train/plan.h available_cpu_memory, shared by the node's ranks).
+  std::function<int64_t()> available_memory_bytes;
 };
 
 // Exit status: 0 done, 3 stopped after too many consecutive non-finite steps (a checkpoint is
