@@ -2,7 +2,8 @@
 # One script for a machine with an NVIDIA GPU and a preinstalled torch + transformers (no venv,
 # no network): builds AutoMoE against that torch (CUDA on when nvcc matches), runs the tests (the
 # op-test harness on CUDA first), the op benchmark at Qwen3-30B-A3B's layer and cpu-small, then the
-# side-by-side comparison for Qwen3-30B-A3B's layer geometry and a short `automoe train` run,
+# side-by-side comparison for Qwen3-30B-A3B's layer geometry, a short `automoe train` run and the
+# memory plan against measured runs,
 # writing everything under ${OUT:-bench/results/gpu}. Budget: about 10 minutes in all.
 #   bash bench/gpu.sh                 # preset qwen3-30b-a3b-L4
 #   PRESET=qwen3-30b-a3b-L2 bash bench/gpu.sh
@@ -100,4 +101,9 @@ timeout 240 $PY -m automoe.cli train examples/chat.yaml model.path="$OUT/train-m
   model.dtype=bfloat16 train.max_steps=60 train.micro_batch_size=16 log.every=10 log.progress=lines \
   || echo "automoe train failed or ran out of time (see above)"
 $PY -m automoe.cli report "$OUT/train-run" || true
+step "memory plan against the measured peak on $DEVICE: cpu-medium, 4 configurations"
+# The plan's allocator overhead and runtime on a GPU are assumptions until this runs (docs/recipes.md
+# #planning-a-run); the table goes to docs/performance.md#memory-plan.
+timeout 150 $PY bench/plan_accuracy.py --preset cpu-medium --cases fp32,bf16,bf16-8bit,bf16-ckpt --seq 1024 \
+  --work "$OUT/plan-accuracy" --record "$OUT/plan_accuracy.md" || echo "plan_accuracy failed or ran out of time"
 step "done; results under $OUT"

@@ -31,22 +31,25 @@ sys.path.insert(0, str(REPO / "python"))
 
 GiB = float(1 << 30)
 
-# name -> recipe overrides (and "nproc"): the configurations the plan must get right.
+# name -> recipe overrides (and "nproc"): the configurations the plan must get right. "bf16" cases
+# keep float32 masters and moments unless they say otherwise (the default for one process is
+# remainders + 8-bit moments: "bf16-8bit").
+F32 = {"optimizer.master_weights": "float32", "optimizer.state_dtype": "float32"}
 CASES = {
     "fp32": {"model.dtype": "float32"},
     "fp32-ckpt": {"model.dtype": "float32", "train.activation_checkpointing": True},
-    "bf16": {"model.dtype": "bfloat16"},
-    "bf16-accum": {"model.dtype": "bfloat16", "train.grad_accumulation_steps": 2},
+    "bf16": {"model.dtype": "bfloat16", **F32},
+    "bf16-accum": {"model.dtype": "bfloat16", **F32, "train.grad_accumulation_steps": 2},
     "bf16-8bit": {"model.dtype": "bfloat16", "optimizer.master_weights": "remainders",
                   "optimizer.state_dtype": "8bit"},
     "bf16-rem-bf16": {"model.dtype": "bfloat16", "optimizer.master_weights": "remainders",
                       "optimizer.state_dtype": "bfloat16"},
-    "bf16-ckpt": {"model.dtype": "bfloat16", "train.activation_checkpointing": True},
+    "bf16-ckpt": {"model.dtype": "bfloat16", **F32, "train.activation_checkpointing": True},
     "bf16-lora": {"model.dtype": "bfloat16", "peft.r": 8, "peft.lora_alpha": 16,
                   "peft.target_modules": "all-linear"},
     "fp32-ep2-zero1": {"model.dtype": "float32", "nproc": 2, "parallel.ep": 2, "parallel.zero": 1,
                        "train.grad_accumulation_steps": 2},
-    "bf16-ep2-zero0": {"model.dtype": "bfloat16", "nproc": 2, "parallel.ep": 2, "parallel.zero": 0,
+    "bf16-ep2-zero0": {"model.dtype": "bfloat16", **F32, "nproc": 2, "parallel.ep": 2, "parallel.zero": 0,
                        "train.grad_accumulation_steps": 2},
     "fp32-dp2-zero2": {"model.dtype": "float32", "nproc": 2, "parallel.ep": 1, "parallel.zero": 2,
                        "train.grad_accumulation_steps": 2},
@@ -132,7 +135,7 @@ def run_case(model: Path, work: Path, name: str, case: dict, seq: int, micro: in
     cmd = [*automoe_cmd(), "train", str(path), *overrides]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    env = dict(os.environ, PYTHONPATH=os.environ.get("PYTHONPATH") or str(REPO / "python"))
     # The run is stopped (SIGKILL to its process group) once its last step is logged: the step's
     # peak is what the plan predicts, and a large model's checkpoint and export would only cost
     # disk and time.
@@ -163,6 +166,8 @@ def run_case(model: Path, work: Path, name: str, case: dict, seq: int, micro: in
     peak = max(last.get("peak_memory_gib_per_rank") or [last["peak_memory_gib"]]) * GiB
     measured = peak - start["memory_baseline_bytes"]
     planned = start["planned_peak_bytes"]
+    if start["device"].startswith("cuda"):  # the allocator's peak counts tensors, not the context
+        planned -= next(m["bytes"] for m in plan["plan"]["memory"] if m["name"] == "runtime")
     return {"case": name, "planned": planned, "measured": measured, "ratio": planned / measured, "plan": plan,
             "setup": start["setup_peak_bytes"] - start["memory_baseline_bytes"]}
 

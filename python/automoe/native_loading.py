@@ -251,17 +251,19 @@ def _check_weights_fit(path: str, config, dtype: str | None, ep: int, device) ->
     width = {"float32": 4.0, "float64": 8.0}.get(name, 2.0)
     text = config.to_json_string(use_diff=False)
     need, cpu = _C.plan_weights(text, ep, width)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ep > 1 else 1
-    places = [("this machine", cpu / max(1, ranks))]
+    # (the processes a launcher started on this machine each load their copy)
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    places = [("this machine", cpu / ranks)]
     if device is not None and device.type == "cuda":
         places.append((str(device), float(torch.cuda.mem_get_info(device)[0])))
     experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
                     if isinstance(getattr(config, k, None), int)), 0)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     for where, have in places:
         if need <= have:
             continue
         hint = ""
-        for e in (e for e in range(ep + 1, experts + 1) if experts % e == 0):
+        for e in (e for e in range(ep + 1, min(experts, world) + 1) if experts % e == 0 and world % e == 0):
             per_rank = _C.plan_weights(text, e, width)[0]
             if per_rank <= have:
                 hint = f"; with ep_size={e} each rank would hold {per_rank / 2**30:.2f} GiB"
@@ -269,7 +271,8 @@ def _check_weights_fit(path: str, config, dtype: str | None, ep: int, device) ->
         raise MemoryError(
             f"from_pretrained({path!r}{f', ep_size={ep}' if ep > 1 else ''}): the weights need "
             f"{need / 2**30:.2f} GiB per rank in {name}, and {where} has {have / 2**30:.2f} GiB available"
-            f"{hint} (training needs more: `automoe plan` counts all of it). Nothing was loaded.")
+            f"{hint} (training needs more: `automoe plan` counts all of it). Nothing was loaded; "
+            "AUTOMOE_AVAILABLE_MEMORY=BYTES overrides the memory this check assumes.")
 
 
 def native_from_config(cls, config, *, backend=None, torch_dtype=None, dtype=None,

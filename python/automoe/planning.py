@@ -9,6 +9,7 @@ runs; a model is planned from its config.json alone (model.path may name a bare 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 USAGE = """usage: automoe plan RECIPE.yaml [section.key=value ...] [--nproc-per-node N] [--nnodes M]
@@ -36,41 +37,36 @@ def plan(recipe: str | dict, *overrides: str, nproc_per_node: int = 1, nnodes: i
     from automoe import _C
     from automoe.train import load_recipe, resolve
 
-    if isinstance(recipe, dict):
-        doc, origin = json.loads(json.dumps(recipe)), "recipe"
-        from automoe.train import RecipeError  # noqa: F401 (the same errors as a file's)
+    import copy
+    import math
 
-        _apply(doc, overrides)
+    from automoe.train import RecipeError, apply_overrides
+
+    if isinstance(recipe, dict):
+        doc, origin = apply_overrides(copy.deepcopy(recipe), overrides), "recipe"
+    elif isinstance(recipe, (str, os.PathLike)):
+        doc, origin = load_recipe(os.fspath(recipe), list(overrides)), os.fspath(recipe)
     else:
-        doc, origin = load_recipe(str(recipe), list(overrides)), str(recipe)
+        raise RecipeError(f"plan(): expected a recipe file or a dict, got {type(recipe).__name__}")
     resolved = resolve(doc, origin)
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"--device: expected cpu or cuda, got {device!r}")
+        raise ValueError(f"device: expected cpu or cuda, got {device!r}")
     for name, v in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
-        if not isinstance(v, int) or v < 1:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}: expected a positive integer, got {v!r}")
-    rank_memory = gpu_memory if device == "cuda" and gpu_memory else memory or 0.0
-    if rank_memory < 0:
-        raise ValueError(f"memory: expected a positive number of GiB, got {rank_memory}")
+    if device == "cpu" and gpu_memory is not None:
+        raise ValueError("gpu_memory: for device cuda; a CPU rank's memory is memory=GiB")
+    if device == "cuda" and memory is not None:
+        raise ValueError("memory: a CPU rank's; with device cuda give gpu_memory=GiB")
+    rank_memory = (gpu_memory if device == "cuda" else memory) or 0.0
+    for name, v, top in (("memory", rank_memory, math.inf), ("peak_tflops", peak_tflops, math.inf), ("mfu", mfu, 1.0)):
+        if not isinstance(v, (int, float)) or not (0 <= v <= top) or math.isnan(v):
+            raise ValueError(f"{name}: expected a number in [0, {top}], got {v!r}")
     text_json, text = _C.plan(json.dumps(resolved), origin, nproc_per_node, nnodes, device, float(rank_memory),
                               float(peak_tflops), float(mfu))
     out = json.loads(text_json)
     out["text"] = text
     return out
-
-
-def _apply(doc: dict, overrides) -> None:
-    from automoe.train import RecipeError, yaml_load
-
-    for ov in overrides:
-        key, sep, value = ov.partition("=")
-        if not sep:
-            raise RecipeError(f"override \"{ov}\": expected section.key=value")
-        node = doc
-        parts = key.split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = yaml_load(value) if value else ""
 
 
 def _split(argv: list[str]) -> tuple[dict, list[str], bool]:

@@ -140,6 +140,13 @@ def load_recipe(path: str, overrides: list[str]) -> dict:
         doc = {}
     if not isinstance(doc, dict):
         raise RecipeError(f"{path}: a recipe is a mapping of sections (model, data, train, ...)")
+    return apply_overrides(doc, overrides)
+
+
+def apply_overrides(doc: dict, overrides) -> dict:
+    """`section.key=value` overrides (values read as YAML) applied to the recipe `doc`, in order."""
+    import yaml
+
     for ov in overrides:
         key, sep, value = ov.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
@@ -291,6 +298,7 @@ def _train_rank(recipe: dict, origin: str) -> int:
         dev = torch.device(groups["collective_device"])
         groups["peak_memory_bytes"] = lambda: int(torch.cuda.max_memory_allocated(dev))
         groups["reset_peak_memory"] = lambda: torch.cuda.reset_peak_memory_stats(dev)
+        groups["available_memory_bytes"] = lambda: int(torch.cuda.mem_get_info(dev)[0])
     sys.stderr.flush()
     try:
         code = _C.train(json.dumps(recipe), origin, args["--train-data"], args.get("--validation-data", ""),

@@ -58,11 +58,17 @@ Params params_of(const ModelSpec& spec) {
 TEST(Plan, WeightsMastersAndMomentsComeFromTheComponentDeclarations) {
   const ModelSpec spec = parse_config(qwen3().dump(), "c.json").spec;
   const Params n = params_of(spec);
-  const RankPlan p = plan_rank(spec, recipe(), 1, 0, false);
+  const json f32 = {{"optimizer", {{"master_weights", "float32"}, {"state_dtype", "float32"}}}};
+  const RankPlan p = plan_rank(spec, recipe(f32), 1, 0, false);
   EXPECT_DOUBLE_EQ(item(p, "weights"), 2 * (n.dense + n.experts));
   EXPECT_DOUBLE_EQ(item(p, "master weights"), 4 * (n.dense + n.experts));
   EXPECT_DOUBLE_EQ(item(p, "optimizer moments"), 8 * (n.dense + n.experts));
   EXPECT_TRUE(p.fits);  // no memory given: nothing to compare with
+  // The default ("auto") for one bf16 process: remainders and 8-bit moments.
+  const RankPlan d = plan_rank(spec, recipe(), 1, 0, false);
+  EXPECT_EQ(d.master_weights, "remainders");
+  EXPECT_EQ(d.state_dtype, "8bit");
+  EXPECT_DOUBLE_EQ(item(d, "master weights"), 2 * (n.dense + n.experts));
   // float32: the weights are the masters.
   const RankPlan f = plan_rank(spec, recipe({{"model", {{"dtype", "float32"}}}}), 1, 0, false);
   EXPECT_DOUBLE_EQ(item(f, "weights"), 4 * (n.dense + n.experts));
@@ -87,7 +93,9 @@ TEST(Plan, ExpertParallelismAndZeroShardWhatTheEngineShards) {
 TEST(Plan, LeanerPrecisionAndCheckpointingNeedLess) {
   const ModelSpec spec = parse_config(qwen3().dump(), "c.json").spec;
   const Params n = params_of(spec);
-  const RankPlan full = plan_rank(spec, recipe(), 1, 0, false);
+  const RankPlan full = plan_rank(
+      spec, recipe({{"optimizer", {{"master_weights", "float32"}, {"state_dtype", "float32"}}}}), 1,
+      0, false);
   const RankPlan lean = plan_rank(
       spec, recipe({{"optimizer", {{"master_weights", "remainders"}, {"state_dtype", "8bit"}}}}), 1, 0,
       false);

@@ -342,6 +342,8 @@ def test_bf16_activation_checkpointing_zero2_and_evaluation_under_ep(model_dir, 
     def recipe(run, **parallel):
         r = ep_recipe(model_dir, tmp_path, run, **parallel)
         r["model"]["dtype"] = "bfloat16"
+        # float32 masters and moments on both sides (ZeRO's; one process would take 8-bit moments)
+        r["optimizer"].update(master_weights="float32", state_dtype="float32")
         r["train"]["activation_checkpointing"] = True
         r["data"]["validation"] = str(REPO / "examples" / "data" / "chat_valid.jsonl")
         return r

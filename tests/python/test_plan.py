@@ -65,7 +65,8 @@ def test_plan_prints_the_breakdown_and_json_for_a_checkpoint_and_a_bare_config(m
     (tmp_path / "bare").mkdir()
     cfg = tmp_path / "bare" / "config.json"
     cfg.write_text((model / "config.json").read_text())
-    proc = run_cli("plan", str(recipe_file(tmp_path, model)), f"model.path={cfg}", "--device", "cuda",
+    proc = run_cli("plan", str(recipe_file(tmp_path, model)), f"model.path={cfg}",
+                   "train.grad_accumulation_steps=8", "--device", "cuda",
                    "--nproc-per-node", "8", "--gpu-memory", "80", "--json")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
@@ -92,6 +93,9 @@ def test_a_plan_that_does_not_fit_says_so_and_lists_what_would(medium, tmp_path)
         assert s["fits"] and s["peak_bytes"] <= 1.2 * GiB
     bad = run_cli("plan", str(path), "--nnodes", "zero")
     assert bad.returncode == 1 and "--nnodes: expected a number" in bad.stderr
+    # The engine's own refusals are named: a batch that does not split over the processes.
+    split = run_cli("plan", str(path), "--nproc-per-node", "3")
+    assert split.returncode == 3 and "cannot run: the step's 1 micro-batches do not split evenly" in split.stdout
 
 
 def test_train_stops_before_loading_when_the_plan_does_not_fit_and_force_starts_it(medium, tmp_path):

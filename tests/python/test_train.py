@@ -357,12 +357,37 @@ def test_packed_documents_train_like_unpacked_ones(model_dir, tmp_path):
 
 
 def test_bfloat16_compute_keeps_float32_masters_and_exports_the_checkpoint_dtype(model_dir, tmp_path):
-    recipe = base_recipe(model_dir, tmp_path, "bf16", model={"dtype": "bfloat16"}, train={"max_steps": 2})
+    recipe = base_recipe(model_dir, tmp_path, "bf16", model={"dtype": "bfloat16"}, train={"max_steps": 2},
+                         optimizer={"master_weights": "float32", "state_dtype": "float32"})
     run_train(recipe, tmp_path)
     run = tmp_path / "bf16"
     assert all(t.dtype == torch.float32 for t in load_tensors(run / "step-2" / "model.safetensors").values())
     assert json.loads((run / "export" / "config.json").read_text())["dtype"] == "float32"
     assert all(np.isfinite(r["loss"]) for r in metrics(run).values())
+
+
+def test_bfloat16_default_precision_is_remainders_and_8bit_and_a_resume_keeps_its_checkpoints(model_dir, tmp_path):
+    """optimizer.master_weights / state_dtype "auto" (the defaults): one bf16 process keeps its float32
+    masters as remainders with 8-bit moments; ZeRO and float32 runs keep float32; a resumed run keeps
+    the precision its checkpoint was written with (one from an explicit float32 run continues)."""
+    def state(run: Path, step: int) -> dict:
+        return json.loads((run / f"step-{step}" / "trainer_state.json").read_text())["optimizer_precision"]
+
+    auto = base_recipe(model_dir, tmp_path, "auto", model={"dtype": "bfloat16"}, train={"max_steps": 2},
+                       checkpoint={"every": 2})
+    run_train(auto, tmp_path)
+    assert state(tmp_path / "auto", 2)["master_weights"] == "remainders"
+    assert state(tmp_path / "auto", 2)["state_dtype"] == "8bit"
+    f32 = base_recipe(model_dir, tmp_path, "f32", model={"dtype": "float32"}, train={"max_steps": 2})
+    run_train(f32, tmp_path)
+    assert state(tmp_path / "f32", 2) == {"master_weights": "float32", "state_dtype": "float32"}
+    old = base_recipe(model_dir, tmp_path, "old", model={"dtype": "bfloat16"}, train={"max_steps": 2},
+                      optimizer={"master_weights": "float32", "state_dtype": "float32"}, checkpoint={"every": 2})
+    run_train(old, tmp_path)
+    old["optimizer"] = {"lr": 1e-3}  # back to "auto"
+    old["train"]["max_steps"] = 3
+    run_train(old, tmp_path)
+    assert state(tmp_path / "old", 3) == {"master_weights": "float32", "state_dtype": "float32"}
 
 
 def test_bfloat16_optimizer_precision_options_train_checkpoint_and_refuse_a_mismatched_resume(model_dir, tmp_path):

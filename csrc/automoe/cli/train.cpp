@@ -11,6 +11,8 @@
 #ifdef AUTOMOE_TORCH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <dlfcn.h>
 #endif
 
 #include <fstream>
@@ -84,6 +86,16 @@ int train(const Args& args) {
       return static_cast<int64_t>(stats.allocated_bytes[0].peak);
     };
     hooks.reset_peak_memory = [index] { c10::cuda::CUDACachingAllocator::resetPeakStats(index); };
+    // The pre-flight check's: what the GPU still has free (other processes' use included).
+    // (cudaMemGetInfo from the CUDA runtime torch has loaded: no link-time dependency on it.)
+    hooks.available_memory_bytes = [index]() -> int64_t {
+      using MemGetInfo = int (*)(size_t*, size_t*);
+      static const auto get = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
+      if (get == nullptr) return 0;  // unknown: the check is skipped
+      const c10::cuda::CUDAGuard guard(index);
+      size_t free = 0, total = 0;
+      return get(&free, &total) == 0 ? static_cast<int64_t>(free) : 0;
+    };
   }
 #endif
   return train::run_training(recipe, {train_data, val_data, train_key}, hooks);

@@ -40,7 +40,7 @@ void bind_train(py::module_& m) {
           // This machine's matmul peak in the compute dtype (a small product: a fraction of a
           // second even where bf16 has no native instructions).
           const auto dtype = rc.model.dtype == "bfloat16" ? c10::kBFloat16 : c10::kFloat;
-          t.peak_tflops = measure_matmul_peak(c10::kCPU, dtype, 384, 1).tflops;
+          t.peak_tflops = measure_matmul_peak(c10::kCPU, dtype, 384, 3).tflops;
           t.peak_source = "measured here";
         }
         const train::Plan plan = train::make_plan(config.spec, rc, t);
@@ -66,12 +66,14 @@ void bind_train(py::module_& m) {
          const std::string& validation_data, const std::string& train_key,
          const std::string& world_group, const std::string& ep_group, const std::string& dp_group,
          int64_t world_size, int64_t ep, const std::string& collective_device,
-         std::function<int64_t()> peak_memory_bytes, std::function<void()> reset_peak_memory) {
+         std::function<int64_t()> peak_memory_bytes, std::function<void()> reset_peak_memory,
+         std::function<int64_t()> available_memory_bytes) {
         // The device's own memory measurements (torch.cuda's, on a GPU); the process's peak RSS
         // otherwise. (pybind's function wrappers take the GIL when the engine calls them.)
         train::TrainerHooks hooks;
         hooks.peak_memory_bytes = std::move(peak_memory_bytes);
         hooks.reset_peak_memory = std::move(reset_peak_memory);
+        hooks.available_memory_bytes = std::move(available_memory_bytes);
         py::gil_scoped_release no_gil;
         const train::Recipe rc = train::Recipe::parse(recipe_text, origin);
         parallel::World w;
@@ -91,6 +93,7 @@ void bind_train(py::module_& m) {
       py::arg("train_key"), py::arg("world_group"), py::arg("ep_group"), py::arg("dp_group"),
       py::arg("world_size"), py::arg("ep"), py::arg("collective_device"),
       py::arg("peak_memory_bytes") = nullptr, py::arg("reset_peak_memory") = nullptr,
+      py::arg("available_memory_bytes") = nullptr,
       "Runs `automoe train` in this process as one rank of a torch.distributed run (the groups "
       "by their registered names). Returns the trainer's exit status.");
 }

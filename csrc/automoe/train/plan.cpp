@@ -36,10 +36,12 @@ constexpr double kAllocatorCpu = 0.02;
 // makes meanwhile (the rest stays as freed blocks of the wrong sizes).
 constexpr double kReuse = 0.5;
 constexpr double kAllocatorCuda = 0.10;
-// The training step's measured fraction of the matmul peak (MFU), per device: CPU measured on
-// this project's cpu-medium preset (bf16, AVX-512-BF16); CUDA not measured yet (no GPU run): the
-// reference system's published Nemotron 3 Nano rate on H100 is about a third of the datasheet.
-constexpr double kMfuCpu = 0.30;
+// The training step's fraction of the matmul peak (MFU), per device. CPU: measured on the
+// cpu-medium preset, bf16, 2 x 256 tokens, on an AVX-512-BF16 Xeon (2 cores): 0.63 of at::mm's
+// bf16 peak (the engine's brgemm kernels outrun at::mm there; other CPUs differ: --mfu). CUDA: not
+// measured yet (no GPU run): the reference system's published Nemotron 3 Nano rate on H100 is
+// about a third of the datasheet.
+constexpr double kMfuCpu = 0.6;
 constexpr double kMfuCuda = 0.30;
 // TFLOP/s: an H100 SXM's dense bf16 tensor-core peak, and its float32 (no TF32) peak.
 constexpr double kH100Bf16 = 989.0, kH100Fp32 = 67.0;
@@ -184,9 +186,12 @@ std::string refusal(const ModelSpec& full, const Recipe& rc, const Config& c, in
                     (c.masters != "float32" || c.state != "float32");
   if (lean && zero > 0) return "lean optimizer precision needs parallel.zero: 0";
   if (lora && c.ep > 1) return "LoRA under expert parallelism is not supported yet";
+  if (c.world % c.ep != 0) return "parallel.ep does not divide the processes";
+  if (c.ep > 1 && full.moe.num_experts == 0) return "parallel.ep > 1 on a model without experts";
   if (full.moe.num_experts > 0 && full.moe.num_experts % c.ep != 0) {
-    return "ep does not divide the experts";
+    return "parallel.ep does not divide the experts";
   }
+
   if (rc.optimizer.in_backward && (c.world > 1 || c.accumulation > 1 || lora)) {
     return "optimizer.in_backward needs one process and one micro-batch a step";
   }
@@ -289,19 +294,28 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
     kept += c.checkpointing ? act.layer_input : l;
     biggest_layer = std::max(biggest_layer, l);
   }
-  if (c.checkpointing) kept += biggest_layer;  // the layer recomputed in the backward
+  // Checkpointing: the layer recomputed in the backward, and its weights' gradients, which
+  // autograd::grad makes apart before they are added to the others.
+  const Counts& n = facts.count_of(c.ep);
+  const double layers = static_cast<double>(std::max<int64_t>(1, facts.full.num_layers));
+  if (c.checkpointing) kept += biggest_layer + cd * (n.trained() - 2 * n.head) / layers;
   // Every activation with the loss's (or a layer's) backward and the gradients made first, or the
   // gradients at the end of the backward. The gradients take the activations' place as the
   // backward frees them, but only in part: the allocator cannot reuse blocks of other sizes
   // (kReuse, measured).
-  const double A = kept + std::max(act.loss, act.layer_backward) + g.first;
+  // Under expert parallelism a layer's exchange adds its send and receive buffers (the routed rows,
+  // top_k per token) to that layer's backward.
+  const double K = static_cast<double>(facts.full.moe.top_k);
+  const double dispatch =
+      c.ep > 1 ? 2 * T * K * static_cast<double>(facts.full.hidden_size) * cd : 0;
+  const double A = kept + std::max(act.loss, act.layer_backward + dispatch) + g.first;
   p.dynamic_bytes =
       std::max(A + g.held, g.end) + (1 - kReuse) * std::min(A, g.end) + act.scratch;
   char what[200];
-  std::snprintf(what, sizeof what, "%lld x %lld tokens%s; the loss's logits %s GiB",
+  std::snprintf(what, sizeof what, "%lld x %lld tokens%s; the loss's logits %s GiB%s",
                 static_cast<long long>(c.micro_batch), static_cast<long long>(seq),
                 c.checkpointing ? ", layer inputs + one recomputed layer" : "",
-                gib(act.loss).c_str());
+                gib(act.loss).c_str(), dispatch > 0 ? (", dispatch " + gib(dispatch) + " GiB").c_str() : "");
   p.memory.push_back({"activations (one micro-batch)", kept + act.loss + act.scratch, what});
   if (g.end > 0) {
     p.memory.push_back({"gradients (end of backward)", g.end,
@@ -311,7 +325,6 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   }
   // Loading: the checkpoint's tensors are held until the training state is built from them; under
   // ZeRO the full float32 masters (and bf16 compute copies) exist until they are sliced.
-  const Counts& n = facts.count_of(c.ep);
   const double stored = spec_bytes(facts.full.dtype), P = n.trained();
   double loading = p.static_bytes - 4 * n.buffers;
   if (lora) {
@@ -333,7 +346,7 @@ RankPlan plan_config(ModelFacts& facts, const Config& c, double memory, bool cud
   RankPlan p;
   p.world = c.world;
   p.ep = c.ep;
-  p.dp = c.world / c.ep;
+  p.dp = std::max<int64_t>(1, c.world / c.ep);
   p.checkpointing = c.checkpointing;
   p.micro_batch = c.micro_batch;
   p.accumulation = c.accumulation;
@@ -351,7 +364,9 @@ RankPlan plan_config(ModelFacts& facts, const Config& c, double memory, bool cud
   p.static_bytes += runtime;
   const double overhead =
       (cuda ? kAllocatorCuda : kAllocatorCpu) * (p.static_bytes - runtime + p.dynamic_bytes);
-  p.memory.push_back({"allocator overhead", overhead, "measured fraction of the tensors' bytes"});
+  p.memory.push_back({"allocator overhead", overhead,
+                      cuda ? "assumed fraction of the tensors' bytes (not yet measured on a GPU)"
+                           : "measured fraction of the tensors' bytes"});
   p.peak_bytes = p.static_bytes + p.dynamic_bytes + overhead;
   p.fits = p.invalid.empty() && (memory <= 0 || p.peak_bytes <= memory);
 
@@ -430,11 +445,18 @@ RankPlan plan_rank(const ModelSpec& spec, const Recipe& rc, int64_t world, int64
   c.zero = rc.parallel.zero;
   c.micro_batch = rc.train.micro_batch_size;
   c.accumulation = std::max<int64_t>(1, rc.train.grad_accumulation_steps / world);
-  c.masters = rc.optimizer.master_weights;
-  c.state = rc.optimizer.state_dtype;
+  const OptimizerSection o = resolve_precision(rc, world);
+  c.masters = o.master_weights;
+  c.state = o.state_dtype;
   c.checkpointing = rc.train.activation_checkpointing;
   ModelFacts facts{spec, rc};
-  return plan_config(facts, c, static_cast<double>(rank_memory), cuda);
+  RankPlan p = plan_config(facts, c, static_cast<double>(rank_memory), cuda);
+  if (p.invalid.empty() && rc.train.grad_accumulation_steps % world != 0) {
+    p.invalid = "the step's " + std::to_string(rc.train.grad_accumulation_steps) +
+                " micro-batches do not split evenly over " + std::to_string(world) + " processes";
+    p.fits = false;
+  }
+  return p;
 }
 
 Plan make_plan(const ModelSpec& spec_in, const Recipe& rc, const PlanTarget& t,
@@ -460,7 +482,7 @@ Plan make_plan(const ModelSpec& spec_in, const Recipe& rc, const PlanTarget& t,
   }
   plan.mfu = t.mfu > 0 ? t.mfu : cuda ? kMfuCuda : kMfuCpu;
   plan.mfu_source = t.mfu > 0 ? "given" : cuda ? "assumed: not yet measured on a GPU by this project"
-                                               : "measured on the cpu-medium preset";
+                                               : "measured on cpu-medium, AVX-512-BF16";
   plan.device = std::to_string(t.world()) + " x " + t.device + " (" + gib(memory) + " GiB each)";
 
   plan.chosen = plan_rank(spec, rc, t.world(), static_cast<int64_t>(memory), cuda);
@@ -486,6 +508,7 @@ Plan make_plan(const ModelSpec& spec_in, const Recipe& rc, const PlanTarget& t,
     }
   }
 
+  if (max_suggestions <= 0) return plan;
   // Configurations that fit: the target's ranks first, then more (whole nodes) until some fit.
   const int64_t E = std::max<int64_t>(1, spec.moe.num_experts);
   const int64_t rows = rc.train.global_batch_size;
@@ -506,8 +529,10 @@ Plan make_plan(const ModelSpec& spec_in, const Recipe& rc, const PlanTarget& t,
         for (const auto& [masters, state] : precisions) {
           for (bool ckpt : {false, true}) {
             for (int64_t mb = rc.train.micro_batch_size; mb >= 1; mb /= 2) {
-              Config c{world, ep, zero, mb, std::max<int64_t>(1, rows / (mb * world)), masters,
-                       state, ckpt};
+              // The global batch stays, its rows split into whole micro-batches on every rank; with
+              // more ranks than it has micro-batches, it grows to one micro-batch per rank.
+              if (rows % (mb * world) != 0 && rows > mb * world) continue;
+              Config c{world, ep, zero, mb, std::max<int64_t>(1, rows / (mb * world)), masters, state, ckpt};
               if (rc.optimizer.in_backward && c.accumulation > 1) continue;
               RankPlan r = plan_config(facts, c, memory, cuda);
               if (!r.fits) continue;
@@ -681,30 +706,44 @@ int64_t available_cpu_memory() {
       if (key == "MemAvailable:") avail = kb * 1024;
     }
   }
-  // The cgroup's limit less what it uses (cgroup v2, then v1).
-  std::string cg;
+  // The cgroup's limit less what it uses, less the page cache the kernel reclaims before it kills
+  // anything (cgroup v2, then v1's memory controller), for this process's own cgroup.
+  std::string v2, v1;
   {
     std::ifstream in("/proc/self/cgroup");
     std::string line;
     while (std::getline(in, line)) {
-      if (line.rfind("0::", 0) == 0) cg = line.substr(3);
+      if (line.rfind("0::", 0) == 0) v2 = "/sys/fs/cgroup" + line.substr(3);
+      const auto colon = line.find(':');
+      const auto second = line.find(':', colon + 1);
+      if (colon != std::string::npos && second != std::string::npos) {
+        const std::string controllers = line.substr(colon + 1, second - colon - 1);
+        if (("," + controllers + ",").find(",memory,") != std::string::npos) {
+          v1 = "/sys/fs/cgroup/memory" + line.substr(second + 1);
+        }
+      }
     }
   }
-  const int64_t limit2 = read_number("/sys/fs/cgroup" + cg + "/memory.max");
-  int64_t used2 = read_number("/sys/fs/cgroup" + cg + "/memory.current");
-  {  // the page cache the kernel reclaims before it kills anything
-    std::ifstream in("/sys/fs/cgroup" + cg + "/memory.stat");
-    std::string key;
+  auto stat = [](const std::string& path, const std::string& key) -> int64_t {
+    std::ifstream in(path);
+    std::string k;
     int64_t v = 0;
-    while (in >> key >> v) {
-      if (key == "inactive_file" && used2 > v) used2 -= v;
+    while (in >> k >> v) {
+      if (k == key) return v;
     }
-  }
-  const int64_t limit1 = read_number("/sys/fs/cgroup/memory/memory.limit_in_bytes");
-  const int64_t used1 = read_number("/sys/fs/cgroup/memory/memory.usage_in_bytes");
-  for (const auto& [limit, used] : {std::pair{limit2, used2}, std::pair{limit1, used1}}) {
-    if (limit > 0 && used >= 0 && limit < (int64_t{1} << 60)) {
-      avail = avail < 0 ? limit - used : std::min(avail, limit - used);
+    return 0;
+  };
+  struct Cg {
+    int64_t limit, used, cache;
+  };
+  for (const Cg& c : {Cg{read_number(v2 + "/memory.max"), read_number(v2 + "/memory.current"),
+                         stat(v2 + "/memory.stat", "file")},
+                      Cg{read_number(v1 + "/memory.limit_in_bytes"),
+                         read_number(v1 + "/memory.usage_in_bytes"),
+                         stat(v1 + "/memory.stat", "total_cache")}}) {
+    if (c.limit > 0 && c.used >= 0 && c.limit < (int64_t{1} << 60)) {
+      const int64_t free = c.limit - std::max<int64_t>(0, c.used - c.cache);
+      avail = avail < 0 ? free : std::min(avail, free);
     }
   }
   return std::max<int64_t>(0, avail);

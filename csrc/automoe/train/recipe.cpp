@@ -355,9 +355,9 @@ void parse_optimizer(const json& root, const std::string& origin, int64_t grad_a
   optimizer.weight_decay = o.number("weight_decay", 0.0, 0.0, 1.0);
   optimizer.max_grad_norm = o.number("max_grad_norm", 1.0, 0.0, 1e12);
   optimizer.master_weights =
-      o.str("master_weights", optimizer.master_weights, {"float32", "remainders", "none"});
+      o.str("master_weights", optimizer.master_weights, {"auto", "float32", "remainders", "none"});
   optimizer.state_dtype =
-      o.str("state_dtype", optimizer.state_dtype, {"float32", "bfloat16", "8bit"});
+      o.str("state_dtype", optimizer.state_dtype, {"auto", "float32", "bfloat16", "8bit"});
   optimizer.in_backward = o.boolean("in_backward", false);
   if (optimizer.in_backward) {
     // The update of the first tensor whose gradient is complete cannot wait for the others'.
@@ -481,7 +481,7 @@ void check_across_sections(const Recipe& r, const std::string& origin) {
   for (const auto& [key, value, def] :
        {std::tuple{"master_weights", r.optimizer.master_weights, "float32"},
         std::tuple{"state_dtype", r.optimizer.state_dtype, "float32"}}) {
-    if (value == def) continue;
+    if (value == def || value == "auto") continue;
     AUTOMOE_CHECK(r.model.dtype == "bfloat16", origin, ": optimizer.", key, ": \"", value,
                   "\" is for bf16 weights; model.dtype is ", r.model.dtype,
                   " (float32 weights are their own float32 masters): remove the key");
@@ -496,6 +496,21 @@ void check_across_sections(const Recipe& r, const std::string& origin) {
 }
 
 }  // namespace
+
+OptimizerSection resolve_precision(const Recipe& rc, int64_t world,
+                                   const std::string& resumed_masters,
+                                   const std::string& resumed_state) {
+  OptimizerSection o = rc.optimizer;
+  const bool lean = rc.model.dtype == "bfloat16" && !rc.peft.enabled &&
+                    (world <= 1 || rc.parallel.zero == 0);
+  if (o.master_weights == "auto") {
+    o.master_weights = !resumed_masters.empty() ? resumed_masters : lean ? "remainders" : "float32";
+  }
+  if (o.state_dtype == "auto") {
+    o.state_dtype = !resumed_state.empty() ? resumed_state : lean ? "8bit" : "float32";
+  }
+  return o;
+}
 
 Recipe Recipe::parse(const std::string& json_text, const std::string& origin) {
   const json root = parse_root(json_text, origin);

@@ -76,13 +76,14 @@ struct OptimizerSection {
   double eps = 1e-8;
   double weight_decay = 0.0;  // not applied to 1-D parameters (norms, biases)
   double max_grad_norm = 1.0;  // 0 = no clipping
-  // With model.dtype bfloat16 (docs/recipes.md#optimizer-precision): where the float32 master
+  // With model.dtype bfloat16 (docs/recipes.md#precision-and-the-optimizer): where the float32 master
   // weights live — "float32" (a float32 copy beside the bf16 weights), "remainders" (the bf16
   // weights plus the lower 16 bits of each float32 master: the same masters in 4 bytes, as
   // TransformerEngine's FusedAdam(store_param_remainders=True)) or "none" (the bf16 weights are the
-  // masters: updates round to bf16, as a Transformers bf16 model with torch.optim.AdamW trains).
-  std::string master_weights = "float32";
-  std::string state_dtype = "float32";  // AdamW's moments: float32 | bfloat16 | 8bit (block-wise)
+  // masters: updates round to bf16, as a Transformers bf16 model with torch.optim.AdamW trains);
+  // "auto": see resolve_precision.
+  std::string master_weights = "auto";
+  std::string state_dtype = "auto";  // AdamW's moments: float32 | bfloat16 | 8bit (block-wise) | auto
   // Each tensor's update runs in the backward, as soon as its gradient is complete, and the
   // gradient is freed at once (torchtune's optimizer_in_bwd): no gradient is ever held for the
   // whole model. Needs max_grad_norm 0 (no global norm before the first update), one micro-batch
@@ -166,6 +167,16 @@ struct Recipe {
   // Every key, defaults filled in, as JSON text (what the run directory records).
   std::string to_json() const;
 };
+
+// optimizer.master_weights / state_dtype "auto" made concrete for a run of `world` processes: bf16
+// full fine-tuning without ZeRO (one process, or parallel.zero 0) keeps its float32 masters as
+// remainders (the same masters) with 8-bit moments — as little memory as Transformers' own bf16
+// training (docs/recipes.md#precision-and-the-optimizer has the evidence); every other run float32
+// (ZeRO shards float32 state, float32 weights are their own masters, LoRA's adapters are float32).
+// A resumed run keeps what its checkpoint was written with (`resumed_*`, "" when starting afresh).
+OptimizerSection resolve_precision(const Recipe& rc, int64_t world,
+                                   const std::string& resumed_masters = "",
+                                   const std::string& resumed_state = "");
 
 // Learning rate at optimizer step `step` (0-based) of `total` steps.
 double learning_rate(const OptimizerSection& opt, const ScheduleSection& sched, int64_t step,

@@ -2,9 +2,10 @@
 
 #include <ATen/Parallel.h>
 #include <sched.h>
+#include <unistd.h>
 #include <torch/cuda.h>
 
-#include <cstdlib>
+#include <algorithm>
 #include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,7 @@
 #include "automoe/core/error.h"
 #include "automoe/model/config.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
+#include "automoe/io/safetensors.h"
 #include "automoe/train/plan.h"
 #include "automoe/train/run_dir.h"
 #include "automoe/train/state.h"
@@ -166,62 +168,109 @@ RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device de
                   p.run.string(),
                   complete.empty() ? " (it holds none)" : "; complete ones:" + complete);
   }
+  // "auto" precision: a resumed run keeps what its checkpoint was written with (checkpoints from
+  // before the setting: float32); an unreadable state is the resume's to report.
+  std::string masters, state;
+  if (!p.resume_name.empty()) {
+    std::ifstream in(p.run / p.resume_name / "trainer_state.json");
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+    if (j.is_object()) {
+      const nlohmann::json prec = j.value("optimizer_precision", nlohmann::json::object());
+      masters = prec.is_object() ? prec.value("master_weights", "float32") : "float32";
+      state = prec.is_object() ? prec.value("state_dtype", "float32") : "float32";
+    }
+  }
+  p.optimizer = resolve_precision(rc, world.mesh.world, masters, state);
   return p;
 }
 
 void check_memory(const Recipe& rc, const parallel::World& world, int64_t available,
                   RunPlace& place) {
-  const LoadedConfig config = load_config(rc.model.path);
-  const int64_t ranks = world.mesh.world;
-  // The node's ranks share its memory (torchrun's LOCAL_WORLD_SIZE; one rank per node otherwise).
-  int64_t local = 1;
-  if (const char* v = std::getenv("LOCAL_WORLD_SIZE"); v && available < 0) {
-    local = std::max<int64_t>(1, std::atoll(v));
-  }
-  if (available < 0) available = available_cpu_memory() / local;
   const bool cuda = place.dev.is_cuda();
-  PlanTarget target;
-  target.nproc_per_node = local;
-  target.nnodes = std::max<int64_t>(1, ranks / local);
-  target.device = cuda ? "cuda" : "cpu";
-  target.rank_memory_bytes = static_cast<double>(available);
-  target.peak_tflops = rc.log.peak_tflops;
-  RankPlan mine = plan_rank(config.spec, rc, ranks, available, cuda);
-  place.planned_peak_bytes = mine.peak_bytes;
-  // Every rank stops, or none: the ranks' verdicts are shared.
-  int64_t short_ranks = mine.fits ? 0 : 1;
+  const int64_t ranks = world.mesh.world;
+  // The ranks on one machine share its memory: counted by host name (whatever the launcher).
+  int64_t local = 1;
   if (place.dist) {
-    for (int64_t v : parallel::all_gather_ints(world.world, {short_ranks}, world.device,
-                                               "memory plan")) {
-      short_ranks += v;
+    char host[256] = {0};
+    ::gethostname(host, sizeof host - 1);
+    const auto hosts = parallel::all_gather_strings(world.world, host, world.device, "host names");
+    local = std::count(hosts.begin(), hosts.end(), std::string(host));
+  }
+  // This rank's memory (a malformed AUTOMOE_AVAILABLE_MEMORY stops every rank with its message,
+  // never leaving the others waiting in a collective) and plan. A recipe the plan cannot be made
+  // for (a LoRA target matching nothing, a bad config) is the engine's set-up to report, in its
+  // own words: the check is then skipped.
+  std::string error;
+  try {
+    if (available < 0) available = available_cpu_memory() / local;
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  if (place.dist) parallel::agree(world.world, error, world.device, "the memory available");
+  if (!error.empty()) fail(error);
+  std::optional<LoadedConfig> config;
+  RankPlan mine;
+  Recipe planned = rc;  // with the precision this run resolved
+  planned.optimizer = place.optimizer;
+  try {
+    config = load_config(rc.model.path);
+    mine = plan_rank(config->spec, planned, ranks, 0, cuda);  // memory only: the engine checks the rest
+  } catch (const std::exception&) {
+    config.reset();
+    mine = RankPlan();
+  }
+  place.planned_peak_bytes = mine.peak_bytes;
+  // Every rank stops, or none: which ranks are short, and whether every rank was told to start
+  // anyway, are shared.
+  const bool short_here = available > 0 && mine.peak_bytes > static_cast<double>(available);
+  std::vector<int64_t> short_ranks;
+  bool forced = rc.train.force;
+  if (place.dist) {
+    const auto all = parallel::all_gather_ints(
+        world.world, {short_here ? 1 : 0, rc.train.force ? 1 : 0}, world.device, "memory plan");
+    for (int64_t r = 0; r < ranks; ++r) {
+      if (all[2 * r] != 0) short_ranks.push_back(r);
+      forced = forced && all[2 * r + 1] != 0;
     }
-    short_ranks -= mine.fits ? 0 : 1;
+  } else if (short_here) {
+    short_ranks.push_back(0);
   }
-  const bool fits = short_ranks == 0;
-  // The whole plan (with suggestions) only where someone reads it.
+  // The whole plan, with suggestions when it does not fit, on rank 0 (who writes and prints it).
   std::optional<Plan> plan;
-  if (place.lead || !fits) plan = make_plan(config.spec, rc, target, fits ? 0 : 5);
-  if (place.lead) {
-    std::ofstream(place.run / "plan.json") << plan->to_json() << "\n";
+  if (place.lead && config) {
+    PlanTarget target;
+    target.nproc_per_node = local;
+    target.nnodes = std::max<int64_t>(1, (ranks + local - 1) / local);
+    target.device = cuda ? "cuda" : "cpu";
+    target.rank_memory_bytes = static_cast<double>(available);
+    target.peak_tflops = rc.log.peak_tflops;
+    plan = make_plan(config->spec, planned, target, short_ranks.empty() ? 0 : 5);
+    write_file_atomic((place.run / "plan.json").string(), plan->to_json() + "\n");
   }
-  if (fits) return;
-  if (rc.train.force) {
+  if (short_ranks.empty()) return;
+  if (place.lead && !plan) plan.emplace();  // (another rank's plan: rank 0 could not make its own)
+  std::string which;
+  for (int64_t r : short_ranks) which += (which.empty() ? "" : ", ") + std::to_string(r);
+  char buf[240];
+  std::snprintf(buf, sizeof buf, "%.2f GiB per rank, and %s has %.2f GiB available%s",
+                mine.peak_bytes / double(1 << 30), cuda ? "the GPU" : "this machine",
+                static_cast<double>(available) / double(1 << 30),
+                place.dist ? (" (short: rank " + which + ")").c_str() : "");
+  if (forced) {
     if (place.lead) {
-      std::cerr << "automoe train: warning: the memory plan needs " << mine.peak_bytes / (1 << 30)
-                << " GiB per rank and " << available / double(1 << 30)
-                << " GiB are available; starting anyway (train.force)\n";
+      std::cerr << "automoe train: warning: not enough memory: the run's plan needs " << buf
+                << "; starting anyway (train.force)\n";
     }
     return;
   }
-  char buf[200];
-  std::snprintf(buf, sizeof buf, "%.2f GiB per rank, and %s has %.2f GiB available",
-                mine.peak_bytes / double(1 << 30), cuda ? "the GPU" : "this machine",
-                static_cast<double>(available) / double(1 << 30));
+  if (!place.lead) fail("not enough memory (rank ", which, "): rank 0 prints the plan");
   fail("not enough memory: the run's plan needs ", buf,
        " (it would be killed by the out-of-memory killer, or fail mid-run); nothing was "
        "loaded.\n",
        plan->to_text(),
-       "Change the recipe to one of these, or start anyway with --force (train.force: true). "
+       plan->suggestions.empty() ? "Nothing searched fits; start anyway with --force (train.force: true). "
+                                 : "Change the recipe to one of these, or start anyway with --force "
+                                   "(train.force: true). ",
        "The plan is in ", (place.run / "plan.json").string());
 }
 
@@ -264,8 +313,8 @@ std::unique_ptr<TrainModel> load_train_model(const Recipe& rc, const TrainData& 
   // ZeRO-1 makes the moments and gradient accumulators slice-sized below: not allocated here.
   // (LoRA: the adapters are small; every rank keeps their whole state.)
   const bool zero = place.dist && rc.parallel.zero >= 1 && !m->lora;
-  m->ts =
-      make_train_state(*m->pm.decoder, place.compute, place.dev, m->lora_sites, zero, rc.optimizer);
+  m->ts = make_train_state(*m->pm.decoder, place.compute, place.dev, m->lora_sites, zero,
+                           place.optimizer);
   AdamW& opt = m->ts.opt;
   m->bias_balance.emplace(*m->pm.decoder, rc.router.bias_update_rate);
   AUTOMOE_CHECK(

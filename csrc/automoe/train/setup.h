@@ -39,6 +39,9 @@ struct RunPlace {
   bool lead = true;                       // rank 0: owns the run directory, writes the logs
   bool dist = false;                      // more than one process
   std::string resume_name;                // the checkpoint to resume from; "" starts afresh
+  // The optimizer's precision for this run: optimizer.master_weights / state_dtype with "auto"
+  // resolved (recipe.h resolve_precision; a resumed run keeps its checkpoint's).
+  OptimizerSection optimizer;
   // The pre-flight check's plan (check_memory): this rank's predicted peak above the process's
   // memory when the run started (`memory_baseline`, the resident bytes then).
   double planned_peak_bytes = 0;
@@ -47,11 +50,12 @@ struct RunPlace {
 
 // Rank 0 claims checkpoint.dir (marker, lock, a killed save's leftovers removed); every rank then
 // sees it as rank 0 left it, and learns which checkpoint to resume from — the one `latest` names,
-// or checkpoint.resume_from. A directory holding a run is refused unless checkpoint.resume is set.
+// or checkpoint.resume_from — and the optimizer precision the run keeps. A directory holding a run is refused unless checkpoint.resume is set.
 RunPlace open_run(const Recipe& rc, const parallel::World& world, c10::Device dev);
 
 // The pre-flight check: this rank's memory plan (train/plan.h) for the recipe's model and mesh
-// against the memory it has (`available` bytes; < 0: the CPU's, shared by LOCAL_WORLD_SIZE ranks),
+// against the memory it has (`available` bytes; < 0: the CPU's, shared by LOCAL_WORLD_SIZE ranks;
+// 0: unknown, nothing compared),
 // before any weight is read. A plan that does not fit stops every rank with the plan and what would
 // fit, unless train.force; rank 0 writes the plan to <checkpoint.dir>/plan.json either way.
 void check_memory(const Recipe& rc, const parallel::World& world, int64_t available,

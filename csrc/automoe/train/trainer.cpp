@@ -544,7 +544,10 @@ int run_training(const Recipe& rc, const TrainData& data, const TrainerHooks& ho
   RunPlace place = open_run(rc, world, dev);
   place.memory_baseline = baseline;
   // Before any weight is read: does the plan fit the memory this rank has?
-  check_memory(rc, world, hooks.available_memory_bytes ? hooks.available_memory_bytes() : -1,
+  check_memory(rc, world,
+               hooks.available_memory_bytes ? hooks.available_memory_bytes()
+               : dev.is_cuda()              ? 0
+                                            : -1,
                place);
   const std::unique_ptr<TrainModel> model = load_train_model(rc, data, world, place);
   const TrainInputs inputs = open_inputs(rc, data, model->spec());

@@ -24,8 +24,9 @@ struct TrainData {
 struct TrainerHooks {
   std::function<int64_t()> peak_memory_bytes;
   std::function<void()> reset_peak_memory;
-  // The device memory this rank may still allocate (cudaMemGetInfo's free bytes on a GPU); unset:
-  // the CPU's (train/plan.h available_cpu_memory, shared by the node's ranks).
+  // The device memory this rank may still allocate (cudaMemGetInfo's free bytes on a GPU; 0:
+  // unknown, the pre-flight check is skipped); unset: the CPU's (train/plan.h
+  // available_cpu_memory, shared by the node's ranks) — on a GPU without it, no check.
   std::function<int64_t()> available_memory_bytes;
 };
 
