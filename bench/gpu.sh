@@ -88,7 +88,7 @@ timeout 150 $PY bench/compare_hf.py --config bench/configs/nemotron_h-nano-L4.js
 AUTOMOE_CUDA_KERNELS=all timeout 60 $PY bench/ops_bench.py --preset nemotron-3-nano --dtype bf16 --device "$DEVICE" \
   --no-layer-refs --reps 2 --json "$OUT/ops-nemotron-3-nano.json" --markdown "$OUT/ops-nemotron-3-nano.md" \
   || echo "ops_bench (nemotron-3-nano: the SSD scan) failed or ran out of time"
-step "trainer: examples/chat.yaml on $DEVICE, bf16 compute + fp32 masters, 60 steps"
+step "trainer: examples/chat.yaml on $DEVICE, bf16 compute, the default precision (remainders + 8-bit moments), 60 steps"
 # The demo's tiny model and tokenizer, then a short packed chat fine-tune with metrics and export.
 $PY - "$OUT/train-model" <<'PYEOF' || echo "trainer model build failed"
 import sys
