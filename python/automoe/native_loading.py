@@ -250,14 +250,12 @@ def _check_weights_fit(path: str, config, dtype: str | None, ep: int, device) ->
     name = dtype or str(getattr(config, "dtype", None) or "float32").replace("torch.", "")
     width = {"float32": 4.0, "float64": 8.0}.get(name, 2.0)
     text = config.to_json_string(use_diff=False)
-    need, cpu = _C.plan_weights(text, ep, width)
+    need, cpu, experts = _C.plan_weights(text, ep, width)
     # (the processes a launcher started on this machine each load their copy)
     ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
     places = [("this machine", cpu / ranks)]
     if device is not None and device.type == "cuda":
         places.append((str(device), float(torch.cuda.mem_get_info(device)[0])))
-    experts = next((getattr(config, k) for k in ("num_experts", "n_routed_experts", "num_local_experts")
-                    if isinstance(getattr(config, k, None), int)), 0)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     for where, have in places:
         if need <= have:

@@ -122,6 +122,7 @@ TEST(Progress, CountsAndTimesAreShortAndHonestAboutUnknowns) {
   EXPECT_EQ(human_count(12), "12");
   EXPECT_EQ(human_count(4321), "4.3k");
   EXPECT_EQ(human_count(1234567), "1.23M");
+  EXPECT_EQ(human_count(30.53e9), "30.53B");
   EXPECT_EQ(human_time(59.6), "1:00");
   EXPECT_EQ(human_time(3725), "1:02:05");
   EXPECT_EQ(human_time(NAN), "?");

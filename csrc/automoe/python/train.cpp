@@ -55,11 +55,11 @@ void bind_train(py::module_& m) {
       [](const std::string& config_json, int64_t ep, double bytes) {
         const LoadedConfig config = parse_config(config_json, "config.json");
         return py::make_tuple(train::weight_bytes(config.spec, ep, bytes),
-                              train::available_cpu_memory());
+                              train::available_cpu_memory(), config.spec.moe.num_experts);
       },
       py::arg("config_json"), py::arg("ep"), py::arg("bytes"),
       "(one rank's weight bytes under expert parallelism ep, the CPU memory available to this "
-      "process) for the drop-in's pre-flight check.");
+      "process, the routed experts) for the drop-in's pre-flight check.");
   m.def(
       "train",
       [](const std::string& recipe_text, const std::string& origin, const std::string& train_data,

@@ -13,6 +13,8 @@
 #include "automoe/model/components.h"
 #include "automoe/model/lora.h"
 #include "automoe/train/flops.h"
+#include "automoe/train/progress.h"
+#include "automoe/train/setup.h"
 
 namespace automoe::train {
 namespace {
@@ -90,10 +92,6 @@ double speed(const RankPlan& p) {
   return p.tokens_per_s > 0 ? p.tokens_per_s : p.tokens_per_step / (p.flops_per_step + 1);
 }
 
-double spec_bytes(c10::ScalarType t) {
-  return t == c10::kFloat ? 4 : t == c10::kDouble ? 8 : 2;
-}
-
 int precision_loss(const std::string& masters, const std::string& state) {
   const int m = masters == "none" ? 3 : 0;
   const int s = state == "bfloat16" ? 1 : state == "8bit" ? 2 : 0;
@@ -103,15 +101,6 @@ int precision_loss(const std::string& masters, const std::string& state) {
 std::string gib(double b) {
   char buf[32];
   std::snprintf(buf, sizeof buf, b >= 100 * kGiB ? "%.0f" : "%.2f", b / kGiB);
-  return buf;
-}
-
-std::string count_text(double n) {
-  char buf[32];
-  if (n >= 1e12) std::snprintf(buf, sizeof buf, "%.2f T", n / 1e12);
-  else if (n >= 1e9) std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
-  else if (n >= 1e6) std::snprintf(buf, sizeof buf, "%.1f M", n / 1e6);
-  else std::snprintf(buf, sizeof buf, "%.0f", n);
   return buf;
 }
 
@@ -152,13 +141,7 @@ struct ModelFacts {
   double adapters_of(int64_t ep) {
     auto it = adapters.find(ep);
     if (it != adapters.end()) return it->second;
-    LoraConfig lc;
-    lc.r = rc.peft.r;
-    lc.lora_alpha = rc.peft.lora_alpha;
-    lc.target_modules = rc.peft.target_modules;
-    lc.target_modules_regex = rc.peft.target_modules_regex;
-    lc.target_parameters = rc.peft.target_parameters;
-    lc.moe_rank_scaling = rc.peft.moe_rank_scaling;
+    const LoraConfig lc = lora_config_of(rc.peft);
     double n = 0, inputs = 0;
     const double K = static_cast<double>(std::max<int64_t>(1, full.moe.top_k));
     for (const LoraSite& s : plan_lora(spec(ep), parameter_layout(spec(ep)), lc, /*strict=*/false)) {
@@ -221,7 +204,7 @@ Gradients training_state(RankPlan& p, ModelFacts& facts, const Config& c) {
   if (rc.peft.enabled) {  // the base frozen in the compute dtype; the adapters train in float32
     item("weights", cd * P, std::string("frozen base, ") + (bf16 ? "bfloat16" : "float32"));
     const double adapters = facts.adapters_of(c.ep);
-    item("adapters", 4 * adapters, count_text(adapters) + " float32 adapter parameters");
+    item("adapters", 4 * adapters, human_count(adapters) + " float32 adapter parameters");
     item("optimizer moments", 8 * adapters, "float32 exp_avg + exp_avg_sq of the adapters");
     item("gradients", 4 * adapters, "float32, the adapters'");
     return g;
@@ -325,7 +308,7 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   }
   // Loading: the checkpoint's tensors are held until the training state is built from them; under
   // ZeRO the full float32 masters (and bf16 compute copies) exist until they are sliced.
-  const double stored = spec_bytes(facts.full.dtype), P = n.trained();
+  const double stored = static_cast<double>(c10::elementSize(facts.full.dtype)), P = n.trained();
   double loading = p.static_bytes - 4 * n.buffers;
   if (lora) {
     loading += stored * (P + n.buffers);
@@ -470,8 +453,8 @@ Plan make_plan(const ModelSpec& spec_in, const Recipe& rc, const PlanTarget& t,
   const Counts all = count(spec);
   plan.parameters = all.trained() + all.buffers;
   plan.active_parameters = forward_flops_per_token(spec, 1) / 2;
-  plan.model = spec.model_type + ", " + count_text(plan.parameters) + " parameters (" +
-               count_text(plan.active_parameters) + " active per token)";
+  plan.model = spec.model_type + ", " + human_count(plan.parameters) + " parameters (" +
+               human_count(plan.active_parameters) + " active per token)";
   const double memory = local_memory(t);
   const bool bf16 = rc.model.dtype == "bfloat16";
   plan.peak_tflops = t.peak_tflops;

@@ -9,7 +9,11 @@ namespace automoe::train {
 
 std::string human_count(double v) {
   char buf[32];
-  if (v >= 1e6)
+  if (v >= 1e12)
+    std::snprintf(buf, sizeof buf, "%.2fT", v / 1e12);
+  else if (v >= 1e9)
+    std::snprintf(buf, sizeof buf, "%.2fB", v / 1e9);
+  else if (v >= 1e6)
     std::snprintf(buf, sizeof buf, "%.2fM", v / 1e6);
   else if (v >= 1e3)
     std::snprintf(buf, sizeof buf, "%.1fk", v / 1e3);

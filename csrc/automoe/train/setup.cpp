@@ -24,18 +24,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-LoraConfig lora_config_of(const PeftSection& p) {
-  LoraConfig c;
-  c.r = p.r;
-  c.lora_alpha = p.lora_alpha;
-  c.lora_dropout = p.lora_dropout;
-  c.use_rslora = p.use_rslora;
-  c.target_modules = p.target_modules;
-  c.target_modules_regex = p.target_modules_regex;
-  c.target_parameters = p.target_parameters;
-  c.moe_rank_scaling = p.moe_rank_scaling;
-  return c;
-}
 
 // Every rank must run the same recipe on the same checkpoint and data: compared before any weight
 // is read (a rank started with other settings would meet its peers in the wrong collectives, or
@@ -115,6 +103,19 @@ std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::
 }
 
 }  // namespace
+
+LoraConfig lora_config_of(const PeftSection& p) {
+  LoraConfig c;
+  c.r = p.r;
+  c.lora_alpha = p.lora_alpha;
+  c.lora_dropout = p.lora_dropout;
+  c.use_rslora = p.use_rslora;
+  c.target_modules = p.target_modules;
+  c.target_modules_regex = p.target_modules_regex;
+  c.target_parameters = p.target_parameters;
+  c.moe_rank_scaling = p.moe_rank_scaling;
+  return c;
+}
 
 void use_threads(int64_t threads) {
   if (threads <= 0) return;

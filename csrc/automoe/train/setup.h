@@ -25,6 +25,9 @@
 
 namespace automoe::train {
 
+// The recipe's peft: section as the LoRA planner's config (PEFT's LoraConfig names).
+LoraConfig lora_config_of(const PeftSection& p);
+
 // train.threads: the intra-op threads (0: all); refuses more than the CPUs this process may use.
 void use_threads(int64_t threads);
 
