@@ -1,6 +1,7 @@
 """What the native and the Transformers paths share about Transformers' arguments: the error they
 raise (`AutoMoEError`), dtype names, the experts_implementation names and the engine's experts
-backends they stand for, and the one warning that names arguments with no effect."""
+backends they stand for, the one warning that names arguments with no effect, and the device a
+`device_map` names."""
 
 from __future__ import annotations
 
@@ -41,3 +42,26 @@ def warn_ignored(where: str, ignored: dict[str, str]) -> None:
         warnings.warn(f"{where}: arguments with no effect: "
                       + "; ".join(f"{k} ({why})" for k, why in ignored.items()), stacklevel=3)
 
+
+def device_of(device_map: Any, ep_size: int | None = None) -> torch.device | None:
+    """The one device a `device_map` names (under expert parallelism "auto" is each rank's current
+    GPU); splitting the model across devices is refused."""
+    if device_map is None:
+        return None
+    if isinstance(device_map, dict):
+        devices = set(device_map.values())
+        if len(devices) != 1:
+            raise ValueError(
+                f"device_map={device_map!r}: AutoMoE keeps a model on one device (splitting it across "
+                "devices is expert parallelism's job, not device_map's)"
+            )
+        device_map = devices.pop()
+    if device_map == "auto":
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        return torch.device("cuda", torch.cuda.current_device() if ep_size not in (None, 1) else 0)
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    if device_map in ("balanced", "balanced_low_0", "sequential"):
+        raise ValueError(f"device_map={device_map!r}: AutoMoE keeps a model on one device")
+    return torch.device(device_map)

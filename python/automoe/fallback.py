@@ -1,14 +1,12 @@
 """Transformers' own model, with AutoMoE's kernels: the path for MoE types the engine does not
 implement natively (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GraniteMoE, ...).
 
-- Experts: AutoMoE's fused experts (router output -> permute -> grouped GEMM -> SwiGLU, or relu2
-  for experts without a gate projection such as Nemotron-H's -> grouped GEMM -> weighted
-  unpermute, `torch.ops.automoe.moe_experts`) registered in Transformers' `ExpertsInterface` as
+- Experts: `automoe.experts.forward` (permute -> grouped GEMM -> the gate or activation ->
+  grouped GEMM -> weighted unpermute, on AutoMoE's kernels, whatever the experts' layout: gated or
+  not, transposed, biased, any activation) registered in Transformers' `ExpertsInterface` as
   "automoe" and selected through `experts_implementation`, so every v5 MoE model whose experts use
-  that interface runs them without any change to its modeling file. Experts modules our kernel
-  does not cover (biases, transposed or interleaved weights, a custom gate such as GPT-OSS's
-  clamped SwiGLU, another activation) run Transformers' own `grouped_mm` path; the load report
-  says which.
+  that interface runs them without any change to its modeling file; the load report says which
+  layouts and activations ran.
 - RMSNorm: modules whose forward is exactly Transformers' standard RMSNorm (float32 statistics,
   `weight * normed.to(input dtype)`) run AutoMoE's fused kernel (`torch.ops.automoe.rmsnorm`).
 - Everything else (attention, router, dense MLPs, loss) is Transformers' code.
@@ -17,15 +15,12 @@ implement natively (Mixtral, OLMoE, Qwen2-MoE, DeepSeek-V3, GLM-4.5, GraniteMoE,
 from __future__ import annotations
 
 import functools
-import inspect
 import logging
-import textwrap
-from typing import Any
 
 import torch
 from torch import nn
 
-from automoe import _engine
+from automoe import _engine, experts
 from automoe.arguments import AutoMoEError
 from automoe.backend import BackendConfig
 
@@ -35,89 +30,26 @@ logger = logging.getLogger("automoe")
 EXPERTS_IMPLEMENTATION = "automoe"
 
 
-def _is_silu(act: Any) -> bool:
-    from transformers.activations import SiLUActivation
-
-    return isinstance(act, (SiLUActivation, nn.SiLU)) or act is torch.nn.functional.silu
-
-
-def _is_relu2(act: Any) -> bool:
-    from transformers.activations import ReLUSquaredActivation
-
-    return isinstance(act, ReLUSquaredActivation)
-
-
-def experts_supported(experts: nn.Module) -> str | None:
-    """None when AutoMoE's fused experts compute exactly what `experts` computes; else why not."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    if not getattr(experts, "has_gate", False):  # up_proj [E, I, H] then act then down_proj
-        if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
-            return "experts without a gate projection, with biases or transposed weights"
-        if not _is_relu2(getattr(experts, "act_fn", None)):
-            return (f"experts without a gate projection and activation "
-                    f"{type(getattr(experts, 'act_fn', None)).__name__} (the fused one is relu2)")
-        return None
-    if getattr(experts, "has_bias", False):
-        return "experts with biases"
-    if getattr(experts, "is_transposed", False) or not getattr(experts, "is_concatenated", True):
-        return "transposed or interleaved expert weights"
-    if type(experts)._apply_gate is not _default_apply_gate:
-        return f"a custom gate ({type(experts).__name__}._apply_gate)"
-    if not _is_silu(getattr(experts, "act_fn", None)):
-        return f"activation {type(getattr(experts, 'act_fn', None)).__name__} (the fused SwiGLU is SiLU)"
-    return None
-
-
-def automoe_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                            top_k_weights: torch.Tensor) -> torch.Tensor:
-    """Transformers' experts interface: hidden_states [T, H], top_k_index / top_k_weights [T, K]."""
-    if experts_supported(self) is not None:
-        from transformers.integrations.moe import grouped_mm_experts_forward
-
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    gated = self.has_gate
-    x, w_gate_up, w_down = hidden_states, self.gate_up_proj if gated else self.up_proj, self.down_proj
-    device = x.device.type
-    if torch.is_autocast_enabled(device):  # the GEMMs in autocast's dtype, as F.linear would run
-        dtype = torch.get_autocast_dtype(device)
-        x, w_gate_up, w_down = x.to(dtype), w_gate_up.to(dtype), w_down.to(dtype)
-    weights = top_k_weights if top_k_weights.dtype == x.dtype else top_k_weights.float()
-    out = torch.ops.automoe.moe_experts(x, top_k_index, weights, w_gate_up, w_down, "grouped",
-                                        activation="swiglu" if gated else "relu2")
-    return out.to(hidden_states.dtype)
-
-
 @functools.cache
 def register() -> None:
     """Makes experts_implementation="automoe" available to every Transformers model."""
     from transformers.integrations.moe import ExpertsInterface
 
-    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, automoe_experts_forward)
-
-
-def _forward_body(cls: type) -> str | None:
-    try:
-        src = textwrap.dedent(inspect.getsource(cls.forward))
-    except (OSError, TypeError):
-        return None
-    lines = src.strip().splitlines()
-    body = [line.strip() for line in lines[1:] if line.strip() and not line.strip().startswith("#")]
-    return "\n".join(body)
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, experts.forward)
 
 
 @functools.cache
 def _standard_rmsnorm_body() -> str:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    return _forward_body(LlamaRMSNorm)
+    return experts.source_body(LlamaRMSNorm.forward)
 
 
 @functools.cache
 def _fused_rmsnorm_class(cls: type) -> type | None:
     """A subclass of `cls` (same name) whose forward is AutoMoE's fused RMSNorm, when `cls.forward`
     is Transformers' standard RMSNorm; None otherwise."""
-    if _forward_body(cls) != _standard_rmsnorm_body():
+    if experts.source_body(cls.forward) != _standard_rmsnorm_body():
         return None
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -143,13 +75,20 @@ def fuse_rmsnorms(model: nn.Module) -> int:
     return count
 
 
-def _experts_kwargs(cfg: BackendConfig, kwargs: dict, explicit_backend: bool) -> None:
+def _experts_kwargs(cfg: BackendConfig, kwargs: dict, explicit_backend: bool, ep_size: int = 1) -> None:
     """Transformers' loader arguments for what `cfg` chooses; refuses choices it cannot honour."""
     if cfg.loss != "torch":
         raise ValueError(f"backend loss={cfg.loss!r}: on Transformers' model (no native AutoMoE model for "
                          "this type) the loss is Transformers' own; use loss='torch'")
-    if cfg.dispatcher not in ("auto", "local"):
-        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: expert parallelism is not available")
+    if cfg.dispatcher not in ("auto", "local") and ep_size == 1:
+        raise ValueError(f"backend dispatcher={cfg.dispatcher!r}: this model runs every expert in this process; "
+                         "the dispatchers that exchange tokens between ranks need from_pretrained(..., ep_size=N) "
+                         "under torch.distributed (docs/parallelism.md)")
+    if ep_size > 1 and (cfg.experts != "grouped" or kwargs.get("experts_implementation") not in
+                        (None, EXPERTS_IMPLEMENTATION)):
+        raise ValueError(f"from_pretrained(ep_size={ep_size}): expert parallelism runs the experts on AutoMoE's "
+                         f"kernels (experts_implementation={EXPERTS_IMPLEMENTATION!r}, backend experts='grouped'), "
+                         f"not {kwargs.get('experts_implementation') or cfg.experts!r}")
     if cfg.fake_balanced_gate:
         raise ValueError("backend fake_balanced_gate=True needs AutoMoE's native engine")
     if "experts_implementation" not in kwargs:
@@ -161,17 +100,15 @@ def _experts_kwargs(cfg: BackendConfig, kwargs: dict, explicit_backend: bool) ->
 
 def _finish(model, cfg: BackendConfig, source: str):
     rmsnorms = fuse_rmsnorms(model) if cfg.rms_norm == "fused" else 0
-    experts = [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]
+    modules = [m for m in model.modules() if experts.is_experts_module(m)]
     impl = getattr(model.config, "_experts_implementation", None)
-    reasons = sorted({r for m in experts if (r := experts_supported(m)) is not None})
-    if not experts:
+    if not modules:
         experts_note = "Transformers' (no experts module uses the ExpertsInterface)"
     elif impl != EXPERTS_IMPLEMENTATION:
         experts_note = f"Transformers' {impl}"
-    elif reasons:
-        experts_note = f"Transformers' grouped_mm ({'; '.join(reasons)})"
     else:
-        experts_note = f"AutoMoE fused experts ({len(experts)} modules)"
+        layouts = sorted({experts.layout_of(m).describe() for m in modules})
+        experts_note = f"AutoMoE grouped GEMMs ({len(modules)} modules: {'; '.join(layouts)})"
     model.automoe_path = "transformers"
     model.automoe_accelerated = {
         "experts": experts_note,
@@ -186,18 +123,31 @@ def _finish(model, cfg: BackendConfig, source: str):
 
 
 def load(pretrained_model_name_or_path, *model_args, backend: BackendConfig | dict | None = None,
-         force_transformers: bool = False, **kwargs):
-    """Transformers' from_pretrained with AutoMoE's experts and RMSNorm."""
+         force_transformers: bool = False, ep_size: int | None = None, **kwargs):
+    """Transformers' from_pretrained with AutoMoE's experts and RMSNorm; with ep_size, this rank's
+    share of the experts (automoe.fallback_parallel)."""
     import transformers
 
     register()
     cfg = BackendConfig.coerce(backend)
-    _experts_kwargs(cfg, kwargs, explicit_backend=backend is not None)
+    ep = ep_size if isinstance(ep_size, int) and not isinstance(ep_size, bool) and ep_size > 1 else 1
+    _experts_kwargs(cfg, kwargs, explicit_backend=backend is not None, ep_size=ep)
     want_info = kwargs.pop("output_loading_info", False)
     # (A type Transformers does not implement either fails here with Transformers' ValueError;
     # automoe.modeling, which chose this path, says so naming both.)
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
+    if ep_size not in (None, 1):
+        from transformers.models.auto.auto_factory import _get_model_class
+
+        from automoe import fallback_parallel
+
+        config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(
+            pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
+        model_cls = _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+        model, info = fallback_parallel.load(model_cls, pretrained_model_name_or_path, *model_args,
+                                             ep_size=ep_size, dispatcher=cfg.dispatcher, **kwargs)
+    else:
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)
     # Transformers initialises missing weights at random and only warns; AutoMoE refuses instead.
     problems = {k: v for k in ("missing_keys", "mismatched_keys", "unexpected_keys") if (v := info.get(k))}
     if problems:
@@ -213,6 +163,9 @@ def from_config(config, *, backend: BackendConfig | dict | None = None, **kwargs
     import transformers
 
     register()
+    if kwargs.pop("ep_size", None) not in (None, 1):
+        raise ValueError("from_config(ep_size=...): expert parallelism loads a checkpoint; save the fresh model "
+                         "and load it with from_pretrained(path, ep_size=...)")
     cfg = BackendConfig.coerce(backend)
     _experts_kwargs(cfg, kwargs, explicit_backend=backend is not None)
     model = transformers.AutoModelForCausalLM.from_config(config, **kwargs)

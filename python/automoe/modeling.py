@@ -70,12 +70,6 @@ class AutoModelForCausalLM:
         if model_type in NATIVE_CLASSES and not force_transformers:
             return load_native(NATIVE_CLASSES[model_type], pretrained_model_name_or_path, *model_args,
                                backend=backend, **kwargs)
-        if kwargs.get("ep_size") not in (None, 1):
-            raise ValueError(
-                f"from_pretrained(ep_size={kwargs['ep_size']}): expert parallelism runs in AutoMoE's engine, "
-                + ("not in Transformers' model (force_transformers=True)" if force_transformers else
-                   f"which does not implement {model_type!r}; it implements {sorted(NATIVE_CLASSES)}"))
-        kwargs.pop("ep_size", None)
         from automoe import fallback
 
         try:

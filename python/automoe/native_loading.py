@@ -9,13 +9,13 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any
 
 import torch
 
 from automoe import _engine
-from automoe.arguments import EXPERTS_IMPLEMENTATIONS, AutoMoEError, dtype_name, warn_ignored
+from automoe.arguments import EXPERTS_IMPLEMENTATIONS, AutoMoEError, device_of, dtype_name, warn_ignored
 from automoe.backend import BackendConfig
+from automoe.native_parallel import expert_parallel_world
 
 _C = _engine.load()
 logger = logging.getLogger("automoe")
@@ -35,27 +35,6 @@ def _local_dir(path: str | os.PathLike, subfolder: str = "") -> str:
             "directories; download with `huggingface-cli download` first)"
         )
     return path
-
-
-def _device(device_map: Any) -> torch.device | None:
-    """The one device a `device_map` names; splitting the model across devices is refused."""
-    if device_map is None:
-        return None
-    if isinstance(device_map, dict):
-        devices = set(device_map.values())
-        if len(devices) != 1:
-            raise ValueError(
-                f"device_map={device_map!r}: AutoMoE keeps a model on one device (splitting it across "
-                "devices is expert parallelism's job, not device_map's)"
-            )
-        device_map = devices.pop()
-    if device_map == "auto":
-        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if isinstance(device_map, int):
-        return torch.device("cuda", device_map)
-    if device_map in ("balanced", "balanced_low_0", "sequential"):
-        raise ValueError(f"device_map={device_map!r}: AutoMoE keeps a model on one device")
-    return torch.device(device_map)
 
 
 def _native_config(cls, path: str, config, kwargs: dict):
@@ -98,51 +77,6 @@ def _initialize_as_transformers(model) -> None:
             del model.is_custom_code
 
 
-def _expert_parallel(ep_size, device: torch.device | None):
-    """from_pretrained(ep_size=N): this rank's place in the mesh world = dp x ep over the
-    torch.distributed world the user initialised, as the engine's arguments (None: one process
-    holds every expert)."""
-    if ep_size is None:
-        return None
-    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
-        raise ValueError(f"from_pretrained(ep_size={ep_size!r}): expected a positive integer")
-    if ep_size == 1:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        raise AutoMoEError(
-            f"from_pretrained(ep_size={ep_size}): expert parallelism needs torch.distributed initialised "
-            "first: launch with torchrun and call torch.distributed.init_process_group() before "
-            "from_pretrained (as for DistributedDataParallel); see docs/parallelism.md")
-    world = dist.get_world_size()
-    if world % ep_size:
-        raise ValueError(f"from_pretrained(ep_size={ep_size}): does not divide the {world} processes of "
-                         "torch.distributed's world (world = data-parallel replicas x ep_size)")
-    backend = dist.get_backend()
-    if backend == "nccl":
-        current = torch.cuda.current_device()
-        if device is None or device.type != "cuda" or device.index not in (None, current):
-            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is NCCL, whose "
-                             f"collectives run on this rank's current GPU (cuda:{current}): load with "
-                             "device_map='cuda' or 'auto' after torch.cuda.set_device(LOCAL_RANK), "
-                             f"not {device}")
-        collective = f"cuda:{current}"
-    else:
-        if device is not None and device.type != "cpu":
-            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is {backend}; "
-                             f"expert parallelism on {device} needs NCCL")
-        collective = "cpu"
-    from automoe import distributed
-
-    ep_group, dp_group = distributed.mesh_groups(ep_size)
-    return {"world_group": dist.group.WORLD.group_name,
-            "ep_group": ep_group.group_name if ep_group else "",
-            "dp_group": dp_group.group_name if dp_group else "",
-            "world_size": str(world), "ep": str(ep_size), "device": collective,
-            "_groups": (ep_group, dp_group)}
-
-
 def _common_arguments(cls, kwargs: dict, backend, attn_implementation,
                       experts_implementation, expert_parallel: bool = False) -> BackendConfig:
     """Transformers' attn_implementation / experts_implementation folded into a BackendConfig.
@@ -178,9 +112,12 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                 low_cpu_mem_usage=None, trust_remote_code=None, use_safetensors=None,
                 force_transformers: bool = False, ep_size: int | None = None, **kwargs):
     """from_pretrained for an engine-backed class (see AutoModelForCausalLM.from_pretrained)."""
-    if force_transformers and ep_size not in (None, 1):
-        raise ValueError(f"from_pretrained(ep_size={ep_size}, force_transformers=True): expert parallelism "
-                         "runs in AutoMoE's engine, not in Transformers' model")
+    if ep_size not in (None, 1) and cls.config_class.model_type == "gpt_oss" and not force_transformers:
+        # The engine's dispatchers do not take GPT-OSS's biased, transposed experts yet;
+        # Transformers' model with its experts sharded does (automoe.fallback_parallel).
+        logger.info("automoe: gpt_oss with ep_size=%s runs as Transformers' model (the engine's expert "
+                    "parallelism does not take GPT-OSS's experts yet)", ep_size)
+        force_transformers = True
     if force_transformers:  # (Qwen3MoeForCausalLM.from_pretrained(..., force_transformers=True))
         from automoe import fallback
 
@@ -189,7 +126,7 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
                      subfolder=subfolder or None, output_loading_info=output_loading_info or None,
                      low_cpu_mem_usage=low_cpu_mem_usage, trust_remote_code=trust_remote_code,
                      use_safetensors=use_safetensors)
-        return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend,
+        return fallback.load(pretrained_model_name_or_path, *model_args, backend=backend, ep_size=ep_size,
                              **{k: v for k, v in given.items() if v is not None}, **kwargs)
     if model_args:
         raise TypeError("from_pretrained(): positional model arguments are not supported by AutoMoE")
@@ -213,10 +150,8 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
         raise ValueError("from_pretrained(ignore_mismatched_sizes=True): AutoMoE refuses checkpoints "
                          "whose tensors do not match their config")
     warn_ignored("from_pretrained()", ignored)
-    device = _device(device_map)
-    if ep_size not in (None, 1) and device_map == "auto" and device is not None and device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())  # each rank its own GPU
-    parallel = _expert_parallel(ep_size, device)
+    device = device_of(device_map, ep_size)
+    parallel = expert_parallel_world(ep_size, device)
     cfg = _common_arguments(cls, kwargs, backend, attn_implementation, experts_implementation,
                             expert_parallel=parallel is not None)
     config = _native_config(cls, path, config, kwargs)

@@ -1,4 +1,5 @@
-"""Expert parallelism on the drop-in (from_pretrained(ep_size=N)): `_ExpertParallel`, the ranks a
+"""Expert parallelism on the drop-in (from_pretrained(ep_size=N)): `expert_parallel_world`, this
+rank's place in the mesh over torch.distributed's world; `_ExpertParallel`, the ranks a
 model's experts are spread over (the experts' gradient hook, DDP's ignore list, the collective
 save's handshake), and `_ExpertParallelModel`, the causal LM's methods that change under it
 (`automoe_parallel`, `clip_grad_norm_`, `generate`)."""
@@ -12,6 +13,51 @@ from datetime import timedelta
 import torch
 
 from automoe.arguments import AutoMoEError
+
+
+def expert_parallel_world(ep_size, device: torch.device | None):
+    """from_pretrained(ep_size=N): this rank's place in the mesh world = dp x ep over the
+    torch.distributed world the user initialised, as the engine's arguments (None: one process
+    holds every expert)."""
+    if ep_size is None:
+        return None
+    if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+        raise ValueError(f"from_pretrained(ep_size={ep_size!r}): expected a positive integer")
+    if ep_size == 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise AutoMoEError(
+            f"from_pretrained(ep_size={ep_size}): expert parallelism needs torch.distributed initialised "
+            "first: launch with torchrun and call torch.distributed.init_process_group() before "
+            "from_pretrained (as for DistributedDataParallel); see docs/parallelism.md")
+    world = dist.get_world_size()
+    if world % ep_size:
+        raise ValueError(f"from_pretrained(ep_size={ep_size}): does not divide the {world} processes of "
+                         "torch.distributed's world (world = data-parallel replicas x ep_size)")
+    backend = dist.get_backend()
+    if backend == "nccl":
+        current = torch.cuda.current_device()
+        if device is None or device.type != "cuda" or device.index not in (None, current):
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is NCCL, whose "
+                             f"collectives run on this rank's current GPU (cuda:{current}): load with "
+                             "device_map='cuda' or 'auto' after torch.cuda.set_device(LOCAL_RANK), "
+                             f"not {device}")
+        collective = f"cuda:{current}"
+    else:
+        if device is not None and device.type != "cpu":
+            raise ValueError(f"from_pretrained(ep_size={ep_size}): the process group is {backend}; "
+                             f"expert parallelism on {device} needs NCCL")
+        collective = "cpu"
+    from automoe import distributed
+
+    ep_group, dp_group = distributed.mesh_groups(ep_size)
+    return {"world_group": dist.group.WORLD.group_name,
+            "ep_group": ep_group.group_name if ep_group else "",
+            "dp_group": dp_group.group_name if dp_group else "",
+            "world_size": str(world), "ep": str(ep_size), "device": collective,
+            "_groups": (ep_group, dp_group)}
 
 
 class _ExpertParallel:
@@ -40,12 +86,13 @@ class _ExpertParallel:
     def attach(self, model, names: list[str]) -> None:
         """Makes the causal LM `model` (and its backbone) run on these ranks: DDP's ignore list and
         the gradient hook on this rank's experts."""
-        model._automoe_ep = model.model._automoe_ep = self
+        base, prefix = model.base_model, model.base_model_prefix + "."
+        model._automoe_ep = base._automoe_ep = self
         # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
         # each rank's experts are its own, their gradients are averaged by the hook below.
         model._ddp_params_and_buffers_to_ignore = sorted(self.routed)
-        model.model._ddp_params_and_buffers_to_ignore = sorted(
-            n[len("model."):] for n in self.routed if n.startswith("model."))
+        base._ddp_params_and_buffers_to_ignore = sorted(
+            n[len(prefix):] for n in self.routed if n.startswith(prefix))
         self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
 
     def meet_to_save(self, directory: str) -> None:
@@ -119,8 +166,16 @@ class _ExpertParallel:
         if self.dp_group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(grad, group=self.dp_group)
+            dist.all_reduce(_local(grad), group=self.dp_group)
         return grad
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard (Transformers' model under expert
+    parallelism holds its experts as DTensors), else the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 class _ExpertParallelModel:
@@ -130,7 +185,7 @@ class _ExpertParallelModel:
     def automoe_parallel(self) -> dict | None:
         """Expert parallelism (from_pretrained(ep_size=N)): this rank, the mesh and the experts
         it holds; None when one process holds every expert."""
-        return None if self._automoe_ep is None else dict(self._automoe_engine.parallel)
+        return None if self._automoe_ep is None else dict(self._automoe_ep.info)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over this model's parameters; returns the total norm.
@@ -157,7 +212,7 @@ class _ExpertParallelModel:
         def squares(grads):  # float64 sum of squares, on the collectives' device
             out = torch.zeros((), dtype=torch.float64, device=device)
             for g in grads:
-                out += torch.linalg.vector_norm(g.detach(), dtype=torch.float64).to(device) ** 2
+                out += torch.linalg.vector_norm(_local(g.detach()), dtype=torch.float64).to(device) ** 2
             return out
 
         sq_experts = squares(experts)
@@ -166,7 +221,7 @@ class _ExpertParallelModel:
         total = (squares(dense) + sq_experts).sqrt().float()
         coef = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for p in params:
-            p.grad.detach().mul_(coef.to(p.grad.device))
+            _local(p.grad.detach()).mul_(coef.to(p.grad.device))
         return total
 
     def generate(self, *args, **kwargs):

@@ -100,7 +100,7 @@ def test_compare_hf_runs_a_fallback_type_through_the_drop_in(tmp_path):
     assert proc.returncode == 0, proc.stderr
     sides = {r["side"]: r for r in json.loads((out / "results.json").read_text())["sides"]}
     assert sides["automoe"]["error"] is None and sides["transformers"]["error"] is None
-    assert "AutoMoE fused experts (2 modules)" in sides["automoe"]["impl"]
+    assert "AutoMoE grouped GEMMs (2 modules" in sides["automoe"]["impl"]
     assert sides["automoe"]["num_parameters"] == sides["transformers"]["num_parameters"]
     assert sides["automoe"]["tokens_per_s"] > 0 and sides["automoe"]["tflops"] is None
 

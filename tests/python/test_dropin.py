@@ -221,8 +221,8 @@ def test_load_logs_the_path_taken(checkpoint_factory, capfd):
         automoe.AutoModelForCausalLM.from_pretrained(path)
         assert "runs natively in the AutoMoE engine" in capfd.readouterr().err
         automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=True)
-        assert ("runs as Transformers' Qwen3MoeForCausalLM with AutoMoE kernels: experts: AutoMoE fused "
-                "experts") in capfd.readouterr().err
+        assert ("runs as Transformers' Qwen3MoeForCausalLM with AutoMoE kernels: experts: AutoMoE grouped "
+                "GEMMs (2 modules: gated, fused SwiGLU)") in capfd.readouterr().err
     finally:
         logger.setLevel(level)
 

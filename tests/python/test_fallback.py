@@ -40,20 +40,19 @@ FAMILIES = {
                        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2, chunk_size=4,
                        n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=12,
                        moe_shared_expert_intermediate_size=16),
-    # biased, transposed, interleaved experts with a clamped gate: Transformers' grouped_mm runs them
+    # biased, transposed, interleaved experts with a clamped gate (AutoMoE's fused GPT-OSS SwiGLU)
     "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, head_dim=8, sliding_window=4,
                     layer_types=["sliding_attention", "full_attention"]),
 }
-OWN_EXPERTS = {"gpt_oss"}  # families whose experts AutoMoE's kernel does not cover
 # Families the engine runs natively take the fallback path when asked (force_transformers=True).
 NATIVE = {"deepseek_v3", "glm4_moe", "gpt_oss", "mixtral", "nemotron_h", "olmoe", "qwen2_moe"}
 
 
-def write_family_checkpoint(path, model_type: str):
+def write_family_checkpoint(path, model_type: str, **overrides):
     from transformers import AutoConfig
     from transformers import AutoModelForCausalLM as HFModel
 
-    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type], **overrides})
     torch.manual_seed(0)
     model = HFModel.from_config(config)
     with torch.no_grad():  # spread wider than Transformers' init: decisive routing, signal everywhere
@@ -75,11 +74,8 @@ def test_fallback_matches_transformers_logits_and_gradients(tmp_path, model_type
     ours = automoe.AutoModelForCausalLM.from_pretrained(path, force_transformers=model_type in NATIVE)
     assert type(ours) is type(ref) and ours.automoe_path == "transformers"
     report = ours.automoe_accelerated
-    if model_type in OWN_EXPERTS:
-        assert report["experts"].startswith("Transformers' grouped_mm (")
-    else:
-        assert report["experts"].startswith("AutoMoE fused experts")
-        assert ours.config._experts_implementation == "automoe"
+    assert report["experts"].startswith("AutoMoE grouped GEMMs"), report["experts"]
+    assert ours.config._experts_implementation == "automoe"
 
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 61, (2, 9), generator=g)
@@ -96,9 +92,8 @@ def test_fallback_matches_transformers_logits_and_gradients(tmp_path, model_type
     # AutoMoE's kernels really ran: their backward nodes are in the graph
     ran = {n.split("::")[-1].rstrip(">") for n in autograd_node_names(got.loss) if "automoe::ops" in n}
     expected = {"RmsNormFn"} if "AutoMoE fused (" in report["rms_norm"] else set()
-    if model_type not in OWN_EXPERTS:
-        expected |= {"PermuteFn", "GroupedGemmFn", "UnpermuteFn"}
-        expected |= set() if model_type == "nemotron_h" else {"SwigluFn"}  # relu2 runs in ATen
+    expected |= {"PermuteFn", "GroupedGemmFn", "UnpermuteFn"}
+    expected |= set() if model_type == "nemotron_h" else {"SwigluFn"}  # relu2 runs in ATen
     assert ran == expected
     got.loss.backward()
     want.loss.backward()
