@@ -97,8 +97,31 @@ def _activation_of(module: nn.Module) -> str:
     return "module"
 
 
-def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(first projection, down projection, their biases) as the module stores them."""
+class _AverageOverReplicas(torch.autograd.Function):
+    """Identity forward; the backward divides the gradient by the world size and sums it over the
+    data-parallel replicas holding the same experts — the expert-parallel gradient rule
+    (automoe.native_parallel._ExpertParallel), inside the graph, so that it survives what replaces
+    a parameter's tensor (Module.to / accelerate swap DTensor parameters, dropping their hooks)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, world: int, dp_group) -> torch.Tensor:
+        ctx.world, ctx.dp_group = world, dp_group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad / ctx.world
+        if ctx.dp_group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(grad, group=ctx.dp_group)
+        return grad, None, None
+
+
+def _weights(module: nn.Module, compute: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(first projection, down projection, their biases) as the module stores them; `compute`:
+    as the forward uses them (under expert parallelism with the gradient rule attached)."""
     first = "gate_up_proj" if module.has_gate else "up_proj"
     names = [first, "down_proj"] + ([f"{first}_bias", "down_proj_bias"] if module.has_bias else [])
     missing = [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
@@ -108,6 +131,9 @@ def _weights(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     # Under expert parallelism the weights are DTensors sharded on the expert dimension: this rank's
     # experts, differentiably (their gradients come back as DTensors).
     got = [t.to_local() if isinstance(t, DTensor) else t for t in (getattr(module, n) for n in names)]
+    average = getattr(module, "_automoe_grad_average", None) if compute else None
+    if average is not None and torch.is_grad_enabled():
+        got = [_AverageOverReplicas.apply(t, *average) if t.requires_grad else t for t in got]
     return got[0], got[1], (got[2] if module.has_bias else None), (got[3] if module.has_bias else None)
 
 
@@ -133,7 +159,7 @@ def experts_on_rows(module: nn.Module, layout: ExpertsLayout, x_NH: torch.Tensor
                     offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The experts of `module` on rows grouped by expert: rows [offsets[e], offsets[e+1]) run
     expert e. Unweighted outputs [N, H]. `dtype`: the GEMMs' (autocast's), default x's."""
-    w_first, w_down, b_first, b_down = _weights(module)
+    w_first, w_down, b_first, b_down = _weights(module, compute=True)
     mm = dtype or x_NH.dtype
     if layout.transposed:  # our grouped GEMM takes [E, out, in]: the transposed view, read in place
         w_first, w_down = w_first.transpose(1, 2), w_down.transpose(1, 2)

@@ -12,7 +12,9 @@ natively, and native ones with force_transformers=True).
   `alltoall` / `alltoall_overlap` / `allgather` exchanges the native path uses) with this rank's
   experts on AutoMoE's kernels (`automoe.experts.experts_on_rows`) as the local step.
 - Gradients: as on the native path (`automoe.native_parallel._ExpertParallel`): DDP ignores the
-  experts, whose gradients are averaged over the world by a hook; `clip_grad_norm_` and the
+  experts, whose gradients are averaged over the world — inside the forward's graph
+  (`experts._AverageOverReplicas`), not by a hook on the parameter, which Module.to or accelerate
+  may replace; `clip_grad_norm_` and the
   Transformers Trainer's own clipping of DTensor gradients (`_mixed_mesh_grad_norm`) take the norm
   of the whole model, the same on every rank.
 - save_pretrained: collective (every rank calls it; a rank that does not is reported by name
@@ -134,5 +136,8 @@ def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, di
     count = num // ep_size
     info.update(expert_begin=(info["rank"] % ep_size) * count, expert_count=count)
     parallel = _ExpertParallel(info, routed, (ep_group, dp_group))
-    parallel.attach(model, [n for n, _ in model.named_parameters()])
+    parallel.attach(model, [n for n, _ in model.named_parameters()], hook=False)
+    for m in model.modules():  # the gradient rule, in the experts' forward (experts.py)
+        if experts.is_experts_module(m):
+            m._automoe_grad_average = (info["world_size"], dp_group)
     return model, info_

@@ -83,9 +83,9 @@ class _ExpertParallel:
     def __deepcopy__(self, memo):
         return self  # a copy of the model shares the ranks and their groups
 
-    def attach(self, model, names: list[str]) -> None:
+    def attach(self, model, names: list[str], hook: bool = True) -> None:
         """Makes the causal LM `model` (and its backbone) run on these ranks: DDP's ignore list and
-        the gradient hook on this rank's experts."""
+        (`hook`) the gradient hook on this rank's experts."""
         base, prefix = model.base_model, model.base_model_prefix + "."
         model._automoe_ep = base._automoe_ep = self
         # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
@@ -93,7 +93,8 @@ class _ExpertParallel:
         model._ddp_params_and_buffers_to_ignore = sorted(self.routed)
         base._ddp_params_and_buffers_to_ignore = sorted(
             n[len(prefix):] for n in self.routed if n.startswith(prefix))
-        self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
+        if hook:
+            self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
 
     def meet_to_save(self, directory: str) -> None:
         """Every rank must call save_pretrained: they meet through torch.distributed's store (not
@@ -166,7 +167,7 @@ class _ExpertParallel:
         if self.dp_group is not None:
             import torch.distributed as dist
 
-            dist.all_reduce(_local(grad), group=self.dp_group)
+            dist.all_reduce(grad, group=self.dp_group)
         return grad
 
 

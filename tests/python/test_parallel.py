@@ -514,6 +514,29 @@ def test_transformers_model_under_expert_parallelism_matches_one_process(tmp_pat
     assert proc.stdout.count(": ok") == nproc
 
 
+@pytest.mark.parametrize("family", ["granitemoe", "dots1"])
+def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tmp_path, family):
+    """The Trainer, unchanged, on Transformers' model with ep_size=2 × DDP 2 (4 processes, a batch
+    of 1 each) against one process (a batch of 4): 10 steps with gradient clipping (the Trainer
+    takes the global norm of the DTensor experts itself), the same losses and gradient norms."""
+    from test_fallback import write_family_checkpoint
+
+    experts = {"granitemoe": {"num_local_experts": 8}, "dots1": {}}[family]
+    ckpt = write_family_checkpoint(tmp_path / family, family, **experts)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "one"), "1"],
+                   check=True, capture_output=True, env=env, timeout=600)
+    proc = torchrun(4, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "ep"), "2", check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    ref = json.loads((tmp_path / "one" / "log.json").read_text())
+    got = json.loads((tmp_path / "ep" / "log.json").read_text())
+    assert [h["step"] for h in got] == [h["step"] for h in ref] == list(range(1, 11))
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
+        assert b["grad_norm"] > 0.5  # (the clipping at 0.5 acts at every step)
+
+
 def test_the_drop_in_refuses_what_expert_parallelism_cannot_do(model_dir):
     import automoe
     from transformers import AutoConfig

@@ -1,0 +1,47 @@
+"""The Transformers Trainer, unchanged, on the drop-in: run in one process (ep 1) and under torchrun
+with ep_size (from test_parallel.py). The same 40 fixed-length examples in order, 4 per step in
+all (one process: a batch of 4; N ranks: 4 / N each), AdamW, gradient clipping at a norm the
+gradients exceed; rank 0 writes the Trainer's log history (losses, gradient norms) as JSON.
+
+argv: checkpoint directory, output directory, ep_size."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    model_dir, out, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    from transformers import Trainer, TrainingArguments
+
+    from automoe import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 **({"ep_size": ep} if ep > 1 else {}))
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, vocab, (40, 12), generator=gen)]
+    args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=4 // world, max_steps=10,
+                             max_grad_norm=0.5, learning_rate=2e-3, save_strategy="no", report_to=[],
+                             use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
+                             train_sampling_strategy="sequential")
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    if trainer.args.process_index == 0:
+        steps = [h for h in trainer.state.log_history if "loss" in h]
+        (out / "log.json").write_text(json.dumps(steps))
+    print(f"rank {trainer.args.process_index}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
