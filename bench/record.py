@@ -41,6 +41,7 @@ BENCHMARKS = {
     "train_vs_hf": "Fine-tuning loop against Transformers",
     "ops_bench": "Fused ops against their references",
     "parallel": "Expert and data parallelism",
+    "dropin_ep_memory": "The drop-in under expert parallelism: memory per rank",
 }
 NOT_MEASURED = "Not measured yet."
 
