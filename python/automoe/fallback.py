@@ -108,7 +108,7 @@ def _finish(model, cfg: BackendConfig, source: str):
         experts_note = f"Transformers' {impl}"
     else:
         layouts = sorted({experts.layout_of(m).describe() for m in modules})
-        experts_note = f"AutoMoE grouped GEMMs ({len(modules)} modules: {'; '.join(layouts)})"
+        experts_note = f"AutoMoE grouped GEMMs ({len(modules)} module{'s' if len(modules) > 1 else ''}: {'; '.join(layouts)})"
     model.automoe_path = "transformers"
     model.automoe_accelerated = {
         "experts": experts_note,
