@@ -91,10 +91,28 @@ def _activation_of(module: nn.Module) -> str:
     gate = type(module)._apply_gate
     if gate is _default_apply_gate and _is_silu(getattr(module, "act_fn", None)):
         return "swiglu"
-    if (source_body(gate) == _gpt_oss_gate_body() and isinstance(getattr(module, "alpha", None), float)
+    if (_is_gpt_oss_gate(gate) and isinstance(getattr(module, "alpha", None), float)
             and isinstance(getattr(module, "limit", None), float)):
         return "gpt_oss"
     return "module"
+
+
+@functools.cache
+def _is_gpt_oss_gate(gate: Any) -> bool:
+    """Whether an `_apply_gate` is GPT-OSS's (its source read once per function)."""
+    return source_body(gate) == _gpt_oss_gate_body()
+
+
+class ExpertParallelRuntime:
+    """What an experts module under expert parallelism (automoe.fallback_parallel) runs with: the
+    engine's dispatcher over its EP group, the world size and the data-parallel group of the
+    gradient rule. A copy of the model (copy.deepcopy: TRL's reference model) shares it."""
+
+    def __init__(self, dispatcher, world: int, dp_group):
+        self.dispatcher, self.world, self.dp_group = dispatcher, world, dp_group
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 class _AverageOverReplicas(torch.autograd.Function):
@@ -118,28 +136,43 @@ class _AverageOverReplicas(torch.autograd.Function):
         return grad, None, None
 
 
-def _weights(module: nn.Module, compute: bool = False
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """(first projection, down projection, their biases) as the module stores them; `compute`:
-    as the forward uses them (under expert parallelism with the gradient rule attached)."""
+def _stored(module: nn.Module) -> list:
+    """[first projection, down projection, their biases (None without)] as the module stores them."""
     first = "gate_up_proj" if module.has_gate else "up_proj"
     names = [first, "down_proj"] + ([f"{first}_bias", "down_proj_bias"] if module.has_bias else [])
     missing = [n for n in names if not isinstance(getattr(module, n, None), torch.Tensor)]
     if missing:
         raise AutoMoEError(f"{type(module).__name__}: an experts module (Transformers' experts interface, "
                            f"has_gate={module.has_gate}, has_bias={module.has_bias}) without {missing}")
-    # Under expert parallelism the weights are DTensors sharded on the expert dimension: this rank's
-    # experts, differentiably (their gradients come back as DTensors).
-    got = [t.to_local() if isinstance(t, DTensor) else t for t in (getattr(module, n) for n in names)]
-    average = getattr(module, "_automoe_grad_average", None) if compute else None
-    if average is not None and torch.is_grad_enabled():
-        got = [_AverageOverReplicas.apply(t, *average) if t.requires_grad else t for t in got]
-    return got[0], got[1], (got[2] if module.has_bias else None), (got[3] if module.has_bias else None)
+    got = [getattr(module, n) for n in names]
+    return got + [None] * (4 - len(got))
+
+
+def _weights(module: nn.Module, layout: ExpertsLayout, dtype: torch.dtype) -> tuple:
+    """The weights as the GEMMs take them: this rank's experts (a DTensor's local shard, with the
+    expert-parallel gradient rule attached), [E, out, in] (a transposed store through its view),
+    in the GEMMs' dtype; the biases as stored."""
+    runtime = getattr(module, "_automoe_ep_runtime", None)
+    got = []
+    for t in _stored(module):
+        if isinstance(t, DTensor):
+            if runtime is None:
+                raise AutoMoEError(f"{type(module).__name__}: experts sharded by Transformers' own tensor / expert "
+                                   "parallelism (tp_plan, distributed_config) do not run on AutoMoE's experts; "
+                                   "load with from_pretrained(..., ep_size=N) instead")
+            t = t.to_local()
+            if t.requires_grad and torch.is_grad_enabled():
+                t = _AverageOverReplicas.apply(t, runtime.world, runtime.dp_group)
+        got.append(t)
+    w_first, w_down, b_first, b_down = got
+    if layout.transposed:  # our grouped GEMM takes [E, out, in]: the transposed view, read in place
+        w_first, w_down = w_first.transpose(1, 2), w_down.transpose(1, 2)
+    return w_first.to(dtype), w_down.to(dtype), b_first, b_down
 
 
 def layout_of(module: nn.Module) -> ExpertsLayout:
     """The layout of an experts module; AutoMoEError when its weights are not the interface's."""
-    w_first, w_down, _, _ = _weights(module)
+    w_first, w_down = _stored(module)[:2]
     if w_first.dim() != 3 or w_down.dim() != 3 or w_first.shape[0] != w_down.shape[0]:
         raise AutoMoEError(f"{type(module).__name__}: expert weights of shapes {tuple(w_first.shape)} and "
                            f"{tuple(w_down.shape)}, not [E, out, in] / [E, in, out]")
@@ -155,25 +188,20 @@ def _activate(module: nn.Module, layout: ExpertsLayout, h: torch.Tensor) -> torc
     return module._apply_gate(h) if layout.gated else module.act_fn(h)
 
 
-def experts_on_rows(module: nn.Module, layout: ExpertsLayout, x_NH: torch.Tensor,
-                    offsets: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def experts_on_rows(module: nn.Module, layout: ExpertsLayout, weights: tuple, x_NH: torch.Tensor,
+                    offsets: torch.Tensor) -> torch.Tensor:
     """The experts of `module` on rows grouped by expert: rows [offsets[e], offsets[e+1]) run
-    expert e. Unweighted outputs [N, H]. `dtype`: the GEMMs' (autocast's), default x's."""
-    w_first, w_down, b_first, b_down = _weights(module, compute=True)
-    mm = dtype or x_NH.dtype
-    if layout.transposed:  # our grouped GEMM takes [E, out, in]: the transposed view, read in place
-        w_first, w_down = w_first.transpose(1, 2), w_down.transpose(1, 2)
-    w_first, w_down = w_first.to(mm), w_down.to(mm)
-    experts = w_first.shape[0]
+    expert e, with `weights` from `_weights` (the GEMMs in their dtype). Unweighted outputs [N, H]."""
+    w_first, w_down, b_first, b_down = weights
     if b_first is not None:  # the expert of each row
         counts = offsets[1:] - offsets[:-1]
-        expert_N = torch.repeat_interleave(torch.arange(experts, device=offsets.device), counts,
+        expert_N = torch.repeat_interleave(torch.arange(w_first.shape[0], device=offsets.device), counts,
                                            output_size=x_NH.shape[0])
-    h = OPS.grouped_gemm(x_NH.to(mm), w_first, offsets)
+    h = OPS.grouped_gemm(x_NH.to(w_first.dtype), w_first, offsets)
     if b_first is not None:
         h = h + b_first.index_select(0, expert_N)
     h = _activate(module, layout, h)
-    y = OPS.grouped_gemm(h.to(mm), w_down, offsets)
+    y = OPS.grouped_gemm(h.to(w_down.dtype), w_down, offsets)
     if b_down is not None:
         y = y + b_down.index_select(0, expert_N)
     return y
@@ -190,15 +218,15 @@ def forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.T
     device = x.device.type
     mm = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
     x = x.to(mm)  # under autocast the GEMMs run in its dtype, as F.linear would run them
-    dispatcher = getattr(module, "_automoe_dispatcher", None)
-    if dispatcher is not None:
-        weights = top_k_weights if top_k_weights.dtype == mm else top_k_weights.float()
-        out = dispatcher.run(x, top_k_index, weights,
-                             lambda x_NH, offsets: experts_on_rows(module, layout, x_NH, offsets, mm).to(mm))
+    weights = _weights(module, layout, mm)  # (once, however many pieces the dispatcher runs)
+    runtime = getattr(module, "_automoe_ep_runtime", None)
+    if runtime is not None:
+        routing = top_k_weights if top_k_weights.dtype == mm else top_k_weights.float()
+        out = runtime.dispatcher.run(x, top_k_index, routing, lambda x_NH, offsets: experts_on_rows(
+            module, layout, weights, x_NH, offsets).to(mm))
         return out.to(hidden_states.dtype)
-    num = (module.gate_up_proj if layout.gated else module.up_proj).shape[0]
-    offsets, slot_pos, src_token = OPS.moe_permute_plan(top_k_index, num)
-    y = experts_on_rows(module, layout, OPS.permute(x, offsets, slot_pos, src_token), offsets, mm)
-    weights = top_k_weights if top_k_weights.dtype == y.dtype else top_k_weights.float()
-    out = OPS.unpermute(y, offsets, slot_pos, src_token, weights)
+    offsets, slot_pos, src_token = OPS.moe_permute_plan(top_k_index, weights[0].shape[0])
+    y = experts_on_rows(module, layout, weights, OPS.permute(x, offsets, slot_pos, src_token), offsets)
+    routing = top_k_weights if top_k_weights.dtype == y.dtype else top_k_weights.float()
+    out = OPS.unpermute(y, offsets, slot_pos, src_token, routing)
     return out.to(hidden_states.dtype)

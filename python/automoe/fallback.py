@@ -108,7 +108,8 @@ def _finish(model, cfg: BackendConfig, source: str):
         experts_note = f"Transformers' {impl}"
     else:
         layouts = sorted({experts.layout_of(m).describe() for m in modules})
-        experts_note = f"AutoMoE grouped GEMMs ({len(modules)} module{'s' if len(modules) > 1 else ''}: {'; '.join(layouts)})"
+        count = f"{len(modules)} module{'s' if len(modules) > 1 else ''}"
+        experts_note = f"AutoMoE grouped GEMMs ({count}: {'; '.join(layouts)})"
     model.automoe_path = "transformers"
     model.automoe_accelerated = {
         "experts": experts_note,
@@ -130,21 +131,26 @@ def load(pretrained_model_name_or_path, *model_args, backend: BackendConfig | di
 
     register()
     cfg = BackendConfig.coerce(backend)
-    ep = ep_size if isinstance(ep_size, int) and not isinstance(ep_size, bool) and ep_size > 1 else 1
+    if ep_size is not None and (isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1):
+        raise ValueError(f"from_pretrained(ep_size={ep_size!r}): expected a positive integer")
+    ep = ep_size or 1
     _experts_kwargs(cfg, kwargs, explicit_backend=backend is not None, ep_size=ep)
     want_info = kwargs.pop("output_loading_info", False)
     # (A type Transformers does not implement either fails here with Transformers' ValueError;
     # automoe.modeling, which chose this path, says so naming both.)
-    if ep_size not in (None, 1):
-        from transformers.models.auto.auto_factory import _get_model_class
-
+    if ep > 1:
         from automoe import fallback_parallel
 
         config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(
-            pretrained_model_name_or_path, trust_remote_code=kwargs.get("trust_remote_code"))
-        model_cls = _get_model_class(config, transformers.AutoModelForCausalLM._model_mapping)
+            pretrained_model_name_or_path, **{k: kwargs[k] for k in ("subfolder", "trust_remote_code", "revision")
+                                              if k in kwargs})
+        mapping = transformers.AutoModelForCausalLM._model_mapping
+        if type(config) not in mapping:
+            raise AutoMoEError(f"from_pretrained(ep_size={ep}): {config.model_type!r} has no causal-LM class in "
+                               "Transformers (remote code is not sharded by AutoMoE's expert parallelism)")
+        model_cls = mapping[type(config)]
         model, info = fallback_parallel.load(model_cls, pretrained_model_name_or_path, *model_args,
-                                             ep_size=ep_size, dispatcher=cfg.dispatcher, **kwargs)
+                                             ep_size=ep, dispatcher=cfg.dispatcher, **kwargs)
     else:
         model, info = transformers.AutoModelForCausalLM.from_pretrained(
             pretrained_model_name_or_path, *model_args, output_loading_info=True, **kwargs)

@@ -37,9 +37,10 @@ from automoe.native_parallel import _ExpertParallel, _ExpertParallelModel, exper
 _C = _engine.load()
 
 
-def _shard_experts(model: nn.Module, mesh, dispatcher_kind: str, ep: int) -> list[str]:
+def _shard_experts(model: nn.Module, mesh, dispatcher_kind: str, ep: int, world: int, dp_group) -> list[str]:
     """Turns every experts module's parameters into DTensors sharded over `mesh` on dim 0 and
-    gives the module its dispatcher; returns the sharded parameters' names."""
+    gives the module what it runs with (experts.ExpertParallelRuntime); returns the sharded
+    parameters' names."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     group = mesh.get_group().group_name
@@ -60,7 +61,7 @@ def _shard_experts(model: nn.Module, mesh, dispatcher_kind: str, ep: int) -> lis
             names.append(f"{module_name}.{pname}")
         if num not in dispatchers:
             dispatchers[num] = _C.ExpertDispatcher(dispatcher_kind, group, num)
-        module._automoe_dispatcher = dispatchers[num]
+        module._automoe_ep_runtime = experts.ExpertParallelRuntime(dispatchers[num], world, dp_group)
     if not names:
         raise AutoMoEError(f"from_pretrained(ep_size={ep}): {type(model).__name__} ({model.config.model_type}) has "
                            "no experts module that uses Transformers' experts interface; expert parallelism "
@@ -73,6 +74,21 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
     named as Transformers' class)."""
 
     _automoe_ep: _ExpertParallel | None = None
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy (TRL's reference model): torch cannot copy a DTensor parameter, so each
+        expert parameter is copied as a DTensor of a copy of its local shard; the rest as usual.
+        The copy runs on the same ranks, groups and dispatchers."""
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        for p in self.parameters():
+            if isinstance(p, DTensor) and id(p) not in memo:
+                local = DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements,
+                                           run_check=False, shape=p.shape, stride=p.stride())
+                memo[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
+        return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Collective: every rank calls it. The experts are gathered (one tensor at a time) and rank 0
@@ -89,8 +105,8 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
         state = {}
         for name, t in self.state_dict().items():
             full = t.full_tensor() if isinstance(t, DTensor) else t
-            if writer:
-                state[name] = full
+            if writer:  # (on the CPU: a GPU holds one gathered tensor at a time)
+                state[name] = full.cpu() if isinstance(t, DTensor) else full
         error = None
         if writer:
             try:
@@ -109,6 +125,14 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
 def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, dispatcher: str,
          device_map=None, **kwargs):
     """Transformers' `model_cls.from_pretrained` with this rank's share of the experts."""
+    for key in ("tp_plan", "tp_size", "distributed_config", "device_mesh"):
+        if kwargs.get(key) is not None:
+            raise ValueError(f"from_pretrained(ep_size={ep_size}, {key}=...): AutoMoE's expert parallelism "
+                             "shards the experts itself; Transformers' tensor / expert parallelism is not combined "
+                             "with it")
+    if dispatcher == "local":
+        raise ValueError(f"from_pretrained(ep_size={ep_size}): backend dispatcher 'local' runs every expert in "
+                         "this process; use 'auto', 'alltoall', 'alltoall_overlap' or 'allgather'")
     device = device_of(device_map, ep_size)
     info = expert_parallel_world(ep_size, device)
     ep_group, dp_group = info.pop("_groups")
@@ -118,11 +142,11 @@ def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, di
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = DeviceMesh.from_group(ep_group, "cuda" if info["device"].startswith("cuda") else "cpu")
-    kind = "alltoall" if dispatcher in ("auto", "local") else dispatcher
+    kind = "alltoall" if dispatcher == "auto" else dispatcher
     routed: list[str] = []
 
     def maybe_distribute_model(cls, model, distributed_config, device_mesh):
-        routed.extend(_shard_experts(model, mesh, kind, ep_size))
+        routed.extend(_shard_experts(model, mesh, kind, ep_size, world, dp_group))
         return model
 
     sub = type(model_cls.__name__, (_ExpertParallelTransformersModel, model_cls),
@@ -136,8 +160,6 @@ def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, di
     count = num // ep_size
     info.update(expert_begin=(info["rank"] % ep_size) * count, expert_count=count)
     parallel = _ExpertParallel(info, routed, (ep_group, dp_group))
+    # (the gradient rule runs in the experts' forward: experts._AverageOverReplicas)
     parallel.attach(model, [n for n, _ in model.named_parameters()], hook=False)
-    for m in model.modules():  # the gradient rule, in the experts' forward (experts.py)
-        if experts.is_experts_module(m):
-            m._automoe_grad_average = (info["world_size"], dp_group)
     return model, info_

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import time
-from datetime import timedelta
 
 import torch
 
@@ -129,10 +128,12 @@ class _ExpertParallel:
         timeout = float(os.environ.get("AUTOMOE_EP_SAVE_TIMEOUT_S", "300"))
         went = False
         if n < gave_up:  # nobody had given up when this rank arrived
-            try:
-                store.wait([key + "go"], timedelta(seconds=timeout))
-                went = True
-            except Exception:  # the store's timeout (its error types differ between backends)
+            # Polled, not store.wait(timeout): a wait that times out leaves its request pending in
+            # the store's server, and a process went down with std::terminate after one did.
+            deadline = time.monotonic() + timeout
+            while not (went := store.check([key + "go"])) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not went:
                 r = store.add(key + "count", gave_up)
                 next_round()
                 if r % gave_up == world:  # everyone had come: the last arrival has decided

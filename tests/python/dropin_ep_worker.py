@@ -53,6 +53,14 @@ def main() -> None:
 
     for name, p in model.named_parameters():
         close(p.detach(), rows(name, ref.get_parameter(name).detach()), f"loaded {name}")
+    # A copy (TRL's reference model) runs on the same ranks: its forward is the model's.
+    import copy
+
+    twin = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        probe = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(9))
+        close(twin(probe).logits, model.eval()(probe).logits, "a deepcopy's logits")
+    del twin
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
