@@ -90,6 +90,17 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
                 memo[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
         return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
 
+    def set_experts_implementation(self, experts_implementation):
+        """Only "automoe" (fallback.EXPERTS_IMPLEMENTATION): under expert parallelism the experts run
+        AutoMoE's forward, whose dispatcher exchanges the tokens."""
+        values = (experts_implementation.values() if isinstance(experts_implementation, dict)
+                  else [experts_implementation])
+        if any(v != "automoe" for v in values):
+            raise ValueError(f"set_experts_implementation({experts_implementation!r}): under expert parallelism "
+                             "(ep_size) the experts run AutoMoE's experts with the engine's dispatcher; load "
+                             "without ep_size to switch them")
+        return super().set_experts_implementation(experts_implementation)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Collective: every rank calls it. The experts are gathered (one tensor at a time) and rank 0
         writes the whole checkpoint with Transformers' writer; every rank returns once it is written."""

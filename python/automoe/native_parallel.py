@@ -189,6 +189,29 @@ class _ExpertParallelModel:
         it holds; None when one process holds every expert."""
         return None if self._automoe_ep is None else dict(self._automoe_ep.info)
 
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Module.load_state_dict, also from a one-process state dict (the Trainer's
+        load_best_model_at_end, a checkpoint read back): under expert parallelism an expert tensor
+        of the full [E, ...] shape is cut to this rank's experts."""
+        if self._automoe_ep is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.distributed.tensor import DTensor
+
+        info, own = self._automoe_ep.info, self.state_dict(keep_vars=True)
+        begin, count = info["expert_begin"], info["expert_count"]
+        cut = {}
+        for name, value in state_dict.items():
+            param = own.get(name)
+            full = (name in self._automoe_ep.routed and param is not None and not isinstance(value, DTensor)
+                    and value.dim() > 0 and value.shape[0] == count * info["ep"])
+            if full:
+                value = value[begin:begin + count]
+                if isinstance(param, DTensor):  # (Transformers' model: the experts are DTensors)
+                    value = DTensor.from_local(value.to(param.dtype), param.device_mesh, param.placements,
+                                               run_check=False, shape=param.shape, stride=param.stride())
+            cut[name] = value
+        return super().load_state_dict(cut, strict=strict, assign=assign)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """torch.nn.utils.clip_grad_norm_ over this model's parameters; returns the total norm.
         Under expert parallelism it is the norm of the whole model's gradient — each rank's

@@ -61,6 +61,17 @@ def main() -> None:
         probe = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(9))
         close(twin(probe).logits, model.eval()(probe).logits, "a deepcopy's logits")
     del twin
+    if model.automoe_path == "transformers":  # its experts stay AutoMoE's under ep_size
+        try:
+            model.set_experts_implementation("grouped_mm")
+        except ValueError as e:
+            assert "under expert parallelism" in str(e), e
+        else:
+            raise AssertionError("set_experts_implementation('grouped_mm') under ep_size was accepted")
+    # A one-process state dict loads into it (each rank keeps its experts' rows).
+    model.load_state_dict(ref.state_dict())
+    for name, p in model.named_parameters():
+        close(p.detach(), rows(name, ref.get_parameter(name).detach()), f"reloaded {name}")
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(1)
