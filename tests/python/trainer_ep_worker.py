@@ -40,7 +40,16 @@ def main() -> None:
     if trainer.args.process_index == 0:
         steps = [h for h in trainer.state.log_history if "loss" in h]
         (out / "log.json").write_text(json.dumps(steps))
-    print(f"rank {trainer.args.process_index}: ok", flush=True)
+    rank = trainer.args.process_index
+    del trainer, model
+    if world > 1:  # (PyTorch's rule: a rank that exits with its groups alive may abort in Gloo's teardown)
+        import gc
+
+        import torch.distributed as dist
+
+        gc.collect()
+        dist.destroy_process_group()
+    print(f"rank {rank}: ok", flush=True)
 
 
 if __name__ == "__main__":
