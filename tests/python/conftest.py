@@ -174,6 +174,17 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
+def assert_grads_close(ours: torch.nn.Module, ref: torch.nn.Module, tol: float = 1e-4) -> None:
+    """Every parameter's gradient of `ours` within `tol` (rel_err) of `ref`'s, by name; None where
+    `ref`'s is None."""
+    ref_params = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        if ref_params[name].grad is None:
+            assert p.grad is None, name
+            continue
+        assert rel_err(p.grad, ref_params[name].grad) <= tol, name
+
+
 def autograd_node_names(loss: torch.Tensor) -> set[str]:
     """Names of the autograd nodes behind `loss` (which kernels really ran)."""
     seen, stack, names = set(), [loss.grad_fn], set()

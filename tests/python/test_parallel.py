@@ -537,6 +537,24 @@ def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tm
         assert b["grad_norm"] > 0.5  # (the clipping at 0.5 acts at every step)
 
 
+def test_transformers_model_refuses_what_its_expert_parallelism_cannot_do(tmp_path):
+    import automoe
+    from test_fallback import write_family_checkpoint
+
+    path = write_family_checkpoint(tmp_path / "granitemoe", "granitemoe", num_local_experts=8)
+    load = automoe.AutoModelForCausalLM.from_pretrained
+    with pytest.raises(ValueError, match=r"ep_size=True\): expected a positive integer"):
+        load(path, ep_size=True)
+    with pytest.raises(ValueError, match="dispatcher 'local' runs every expert in this process"):
+        load(path, ep_size=2, backend={"dispatcher": "local"})
+    with pytest.raises(ValueError, match=r"ep_size=2, tp_plan=...\): AutoMoE's expert parallelism"):
+        load(path, ep_size=2, tp_plan="auto")
+    with pytest.raises(ValueError, match="runs the experts on AutoMoE's kernels"):
+        load(path, ep_size=2, experts_implementation="grouped_mm")
+    with pytest.raises(ValueError, match=r"from_config\(ep_size=...\): expert parallelism loads a checkpoint"):
+        automoe.AutoModelForCausalLM.from_config(load(path).config, ep_size=2)
+
+
 def test_the_drop_in_refuses_what_expert_parallelism_cannot_do(model_dir):
     import automoe
     from transformers import AutoConfig
