@@ -18,6 +18,8 @@ AutoMoEError = _engine.load().AutoMoEError
 # Under torchrun, torch.distributed's env:// rendezvous (init_process_group, accelerate, the
 # Trainer) gets a namespace of its own per restart attempt (automoe/elastic.py).
 _importlib.import_module("automoe.elastic").install()
+# ... and the Trainer's resume on several CPU processes can read its optimizer.pt (elastic.py).
+_importlib.import_module("automoe.elastic").accept_indexed_cpu_locations()
 _LAZY = {"AutoModelForCausalLM": "automoe.modeling", "EngineCache": "automoe.cache", "plan": "automoe.planning"}
 
 __all__ = ["AutoModelForCausalLM", "AutoMoEError", "BackendConfig", "EngineCache", "plan"]

@@ -102,6 +102,25 @@ def warn_if_a_lost_node_cannot_rejoin() -> None:
             "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun on every node (docs/parallelism.md, Faults and restarts)")
 
 
+def accept_indexed_cpu_locations() -> None:
+    """torch.load(map_location=torch.device("cpu", i)): the Transformers Trainer resumes a
+    multi-process run on CPUs with map_location=args.device, which accelerate names "cpu:<local
+    rank>", and torch's deserializer accepts only "cpu" (every rank's resume fails). Storages
+    restored to "cpu:<i>" stay on the CPU."""
+    import re
+
+    import torch.serialization
+
+    indexed = re.compile(r"cpu:\d+")
+
+    def deserialize(obj, location):
+        return obj if indexed.fullmatch(location) else None
+
+    if not getattr(torch.serialization, "_automoe_indexed_cpu", False):
+        torch.serialization.register_package(11, lambda obj: None, deserialize)
+        torch.serialization._automoe_indexed_cpu = True
+
+
 def install() -> bool:
     """Puts the attempt scoping in front of torch.distributed's env:// rendezvous when torchrun's
     agent shares its store with the workers. Idempotent; returns whether it is in place."""

@@ -17,9 +17,9 @@ natively, and native ones with force_transformers=True).
   may replace; `clip_grad_norm_` and the
   Transformers Trainer's own clipping of DTensor gradients (`_mixed_mesh_grad_norm`) take the norm
   of the whole model, the same on every rank.
-- save_pretrained: collective (every rank calls it; a rank that does not is reported by name
-  instead of a hang); the experts are gathered and rank 0 writes with Transformers' own writer,
-  so the checkpoint is the one a single process writes.
+- save_pretrained: rank 0 writes with Transformers' own writer, the other ranks' experts gathered
+  by the save service (automoe.ep_checkpoint), so the checkpoint is the one a single process
+  writes; the Transformers Trainer, which saves from rank 0 alone, works unchanged.
 """
 
 from __future__ import annotations
@@ -88,7 +88,33 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
                 local = DTensor.from_local(p.to_local().detach().clone(), p.device_mesh, p.placements,
                                            run_check=False, shape=p.shape, stride=p.stride())
                 memo[id(p)] = nn.Parameter(local, requires_grad=p.requires_grad)
-        return copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        clone = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        self._automoe_ep.service.add_model(clone)  # (every rank copies it, in the same order)
+        return clone
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Module.load_state_dict; also of a state dict named as on disk (what the Trainer's
+        resume_from_checkpoint reads back from the files save_pretrained wrote, where Transformers
+        reverted its weight conversions): those go through Transformers' own conversions and
+        loader, which reads this rank's experts of each tensor."""
+        own = self.state_dict(keep_vars=True)
+        if all(k in own for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        from torch.nn.modules.module import _IncompatibleKeys
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        config = LoadStateDictConfig(weight_mapping=get_model_conversion_mapping(self), dtype=self.dtype)
+        info, _ = convert_and_load_state_dict_in_model(self, dict(state_dict), config)
+        keys = _IncompatibleKeys(sorted(info.missing_keys), sorted(info.unexpected_keys))
+        problems = {**({"missing": keys.missing_keys} if keys.missing_keys else {}),
+                    **({"unexpected": keys.unexpected_keys} if keys.unexpected_keys else {}),
+                    **({"mismatched": sorted(map(str, info.mismatched_keys))} if info.mismatched_keys else {}),
+                    **({"conversion errors": sorted(info.conversion_errors)} if info.conversion_errors else {})}
+        if strict and problems:
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(self).__name__}: {problems}")
+        return keys
 
     def set_experts_implementation(self, experts_implementation):
         """Only "automoe" (fallback.EXPERTS_IMPLEMENTATION): under expert parallelism the experts run
@@ -102,35 +128,29 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
         return super().set_experts_implementation(experts_implementation)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Collective: every rank calls it. The experts are gathered (one tensor at a time) and rank 0
-        writes the whole checkpoint with Transformers' writer; every rank returns once it is written."""
-        import torch.distributed as dist
+        """Rank 0 writes the whole checkpoint with Transformers' writer, the other ranks' experts
+        gathered through the save service (automoe.ep_checkpoint), so the files equal a one-process
+        save. Rank 0 alone may call it (the Transformers Trainer does); another rank's call returns
+        once rank 0 has written the directory."""
         from torch.distributed.tensor import DTensor
 
-        ep = self._automoe_ep
-        ep.meet_to_save(os.fspath(save_directory))
-        if kwargs.get("state_dict") is not None:
+        if kwargs.pop("state_dict", None) is not None:
             raise ValueError("save_pretrained(state_dict=...) under expert parallelism: the model gathers its "
                              "own experts; save without state_dict")
-        writer = ep.info["rank"] == 0
-        state = {}
-        for name, t in self.state_dict().items():
-            full = t.full_tensor() if isinstance(t, DTensor) else t
-            if writer:  # (on the CPU: a GPU holds one gathered tensor at a time)
-                state[name] = full.cpu() if isinstance(t, DTensor) else full
-        error = None
-        if writer:
-            try:
-                super().save_pretrained(save_directory, *args, state_dict=state, **kwargs)
-            except Exception as e:  # every rank fails alike
-                error = e
-        failed = [error is not None]
-        dist.broadcast_object_list(failed, src=0)
-        if error is not None:
-            raise error
-        if failed[0]:
-            raise AutoMoEError(f"save_pretrained({os.fspath(save_directory)!r}): rank 0 failed to write the "
-                               "checkpoint (its error is in its log)")
+        service = self._automoe_ep.service
+        directory = os.fspath(save_directory)
+        if service.rank != 0:
+            service.wait_saved(directory)
+            return
+        try:
+            state = self.state_dict()
+            full = service.gather_model(self, [n for n, t in state.items() if isinstance(t, DTensor)])
+            state = {n: full.get(n, t) for n, t in state.items()}
+            super().save_pretrained(save_directory, *args, state_dict=state, **kwargs)
+        except Exception as e:  # the other ranks' calls fail alike
+            service.saved(directory, f"{type(e).__name__}: {e}")
+            raise
+        service.saved(directory)
 
 
 def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, dispatcher: str,

@@ -68,23 +68,41 @@ class _EngineCheckpoint:
         warn_ignored("save_pretrained()", ignored)
         if not is_main_process and self._automoe_ep is None:
             return  # as Transformers: only the main process writes
-        # Under expert parallelism the save is collective whatever is_main_process says: every
-        # rank writes its experts' rows into the shard files, rank 0 the rest.
-        if self._automoe_ep is not None:
-            self._automoe_ep.meet_to_save(os.fspath(save_directory))
+        directory = os.fspath(save_directory)
+        # Under expert parallelism rank 0 writes the whole checkpoint, the other ranks' experts
+        # gathered by the save service (automoe.ep_checkpoint), whatever is_main_process says; a
+        # call on another rank returns once rank 0 has written the directory.
+        service = None if self._automoe_ep is None else self._automoe_ep.service
+        if service is not None:
+            if state_dict is not None:
+                raise ValueError("save_pretrained(state_dict=...) under expert parallelism: the model gathers "
+                                 "its own experts; save without state_dict")
+            if service.rank != 0:
+                service.wait_saved(directory)
+                return
         if layout is None and save_original_format is not None:
             layout = "per-expert" if save_original_format else "fused"
-        self._automoe_sync()
-        tensors = None
-        if state_dict is not None:
-            tensors = [(k, v) for k, v in state_dict.items()]
-        # As Transformers' save_pretrained: the config records the dtype and the class.
-        self.config.dtype = str(self.dtype).split(".")[1]
-        self.config.architectures = [type(self).__name__]
-        extra = {}
-        if self.can_generate() and self.generation_config is not None:
-            extra["generation_config.json"] = self.generation_config.to_json_string(use_diff=True)
-        self._automoe_engine.save_pretrained(
-            os.fspath(save_directory), layout, _parse_size(max_shard_size),
-            config_json=self.config.to_json_string(use_diff=True), extra_files=extra,
-            tensors=tensors)
+        try:
+            engine = self._automoe_sync()
+            tensors = None
+            if state_dict is not None:
+                tensors = [(k, v) for k, v in state_dict.items()]
+            elif service is not None:
+                names = [n for n, _ in engine.named_parameters()]
+                full = service.gather_model(self, [n for n in names if n in self._automoe_ep.routed])
+                tensors = [(n, full.get(n, t)) for n, t in engine.named_parameters()]
+            # As Transformers' save_pretrained: the config records the dtype and the class.
+            self.config.dtype = str(self.dtype).split(".")[1]
+            self.config.architectures = [type(self).__name__]
+            extra = {}
+            if self.can_generate() and self.generation_config is not None:
+                extra["generation_config.json"] = self.generation_config.to_json_string(use_diff=True)
+            engine.save_pretrained(directory, layout, _parse_size(max_shard_size),
+                                   config_json=self.config.to_json_string(use_diff=True), extra_files=extra,
+                                   tensors=tensors, gathered=service is not None)
+        except Exception as e:  # the other ranks' calls fail alike
+            if service is not None:
+                service.saved(directory, f"{type(e).__name__}: {e}")
+            raise
+        if service is not None:
+            service.saved(directory)

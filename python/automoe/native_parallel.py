@@ -1,7 +1,7 @@
 """Expert parallelism on the drop-in (from_pretrained(ep_size=N)): `expert_parallel_world`, this
 rank's place in the mesh over torch.distributed's world; `_ExpertParallel`, the ranks a
-model's experts are spread over (the experts' gradient hook, DDP's ignore list, the collective
-save's handshake), and `_ExpertParallelModel`, the causal LM's methods that change under it
+model's experts are spread over (the experts' gradient hook, DDP's ignore list, the save
+service), and `_ExpertParallelModel`, the causal LM's methods that change under it
 (`automoe_parallel`, `clip_grad_norm_`, `generate`)."""
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ class _ExpertParallel:
         self.ep_group, self.dp_group = groups
         _ExpertParallel.loaded += 1
         self.serial = _ExpertParallel.loaded
+        from automoe.ep_checkpoint import SaveService
+
+        self.service = SaveService(self)  # (collective: every rank loads the model)
 
     def __deepcopy__(self, memo):
         return self  # a copy of the model shares the ranks and their groups
@@ -87,6 +90,7 @@ class _ExpertParallel:
         (`hook`) the gradient hook on this rank's experts."""
         base, prefix = model.base_model, model.base_model_prefix + "."
         model._automoe_ep = base._automoe_ep = self
+        self.service.add_model(model)
         # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
         # each rank's experts are its own, their gradients are averaged by the hook below.
         model._ddp_params_and_buffers_to_ignore = sorted(self.routed)
@@ -94,66 +98,6 @@ class _ExpertParallel:
             n[len(prefix):] for n in self.routed if n.startswith(prefix))
         if hook:
             self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
-
-    def meet_to_save(self, directory: str) -> None:
-        """Every rank must call save_pretrained: they meet through torch.distributed's store (not
-        a collective, so a rank that never comes fails the others with a message instead of
-        leaving them in a collective that never completes).
-
-        Each save is a round (its number in the store, advanced once per round, whether it
-        succeeded or was abandoned, so that a failed save does not desynchronise later ones).
-        One counter decides a round: the rank whose arrival brings it exactly to the world size
-        sets "go"; a rank that gives up adds a large number first, after which "go" can no longer
-        be set (the last arrival then sets "abort"). A rank goes on only once "go" is set, so
-        either every rank writes or every rank fails."""
-        import torch.distributed as dist
-
-        store = dist.distributed_c10d._get_default_store()
-        rank, world = self.info["rank"], self.info["world_size"]
-        base = f"automoe/save/{self.serial}/"
-        number = store.add(base + "round", 0)
-        key = f"{base}{number}/"
-        gave_up = 1 << 40
-
-        def next_round():  # once per round, by whichever rank ends it first
-            store.compare_set(base + "round", str(number), str(number + 1))
-
-        store.set(key + f"dir{rank}", directory)
-        n = store.add(key + "count", 1)
-        if n == world:
-            store.set(key + "go", "1")
-            next_round()
-        elif n % gave_up == world:
-            store.set(key + "abort", "1")
-        timeout = float(os.environ.get("AUTOMOE_EP_SAVE_TIMEOUT_S", "300"))
-        went = False
-        if n < gave_up:  # nobody had given up when this rank arrived
-            # Polled, not store.wait(timeout): a wait that times out leaves its request pending in
-            # the store's server, and a process went down with std::terminate after one did.
-            deadline = time.monotonic() + timeout
-            while not (went := store.check([key + "go"])) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            if not went:
-                r = store.add(key + "count", gave_up)
-                next_round()
-                if r % gave_up == world:  # everyone had come: the last arrival has decided
-                    deadline = time.monotonic() + 60
-                    while not went and time.monotonic() < deadline:
-                        went = store.check([key + "go"])
-                        if not went and store.check([key + "abort"]):
-                            break
-                        time.sleep(0.05)
-        if not went:
-            missing = [r for r in range(world) if not store.check([key + f"dir{r}"])]
-            raise AutoMoEError(
-                f"save_pretrained({directory!r}) under expert parallelism (ep_size={self.info['ep']}) is "
-                f"collective: every rank writes its experts, but rank(s) {missing or '(late)'} did not call it "
-                f"within {timeout:.0f} s (AUTOMOE_EP_SAVE_TIMEOUT_S). Call save_pretrained on every rank (the "
-                "Transformers Trainer saves from rank 0 only: see docs/parallelism.md)")
-        dirs = {store.get(key + f"dir{r}").decode() for r in range(world)}
-        if len(dirs) > 1:
-            raise AutoMoEError(f"save_pretrained under expert parallelism: the ranks name different "
-                               f"directories {sorted(dirs)}; they write one checkpoint together")
 
     def hook(self, names: list[str], params: list) -> None:
         for name, p in zip(names, params):

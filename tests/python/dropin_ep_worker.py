@@ -119,8 +119,9 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
 
-    # 3. save_pretrained is collective: one checkpoint, the one-process save's files and tensors,
-    # which Transformers loads with the one-process model's logits.
+    # 3. save_pretrained on every rank: one checkpoint (rank 0 writes it, the others' experts
+    # gathered), the one-process save's files and tensors, which Transformers loads with the
+    # one-process model's logits.
     model.save_pretrained(out / "ep")
     if rank == 0:
         ref.save_pretrained(out / "ref")
@@ -177,21 +178,25 @@ def main() -> None:
             close(total / world, p.detach(), f"Trainer: {n} on every rank")
     assert moved > len(routed), moved
 
-    # 6. A save that one rank alone calls (the Trainer saves from rank 0 only) fails with a message.
-    os.environ["AUTOMOE_EP_SAVE_TIMEOUT_S"] = "3"
+    # 6. A save that rank 0 alone calls (as the Transformers Trainer does) writes the files a save
+    # on every rank writes, byte for byte, while the other ranks wait in a collective (here a
+    # barrier); a rank whose save rank 0 never writes fails with a message.
+    model.save_pretrained(out / "every")
     if rank == 0:
-        try:
-            model.save_pretrained(out / "alone")
-        except AutoMoEError as e:
-            assert "did not call it" in str(e) and "rank(s) [1" in str(e), e
-        else:
-            raise AssertionError("a save called by rank 0 alone succeeded")
+        model.save_pretrained(out / "alone")
     dist.barrier()
-    # ... and the next save, which every rank calls, works (the abandoned round is over).
-    model.save_pretrained(out / "after")
     if rank == 0:
-        names = sorted(p.name for p in (out / "after").iterdir())
-        assert names == sorted(p.name for p in (out / "ep").iterdir()), names
+        for f in sorted((out / "every").iterdir()):
+            assert f.read_bytes() == (out / "alone" / f.name).read_bytes(), f.name
+    os.environ["AUTOMOE_EP_SAVE_TIMEOUT_S"] = "2"
+    if rank == 1:
+        try:
+            model.save_pretrained(out / "never")
+        except AutoMoEError as e:
+            assert "rank 0 writes the checkpoint, and it did not write this directory" in str(e), e
+        else:
+            raise AssertionError("a save that rank 0 never wrote returned")
+    dist.barrier()
     import gc
 
     del model, ref

@@ -28,8 +28,11 @@ def torchrun(nproc: int, *args: str, timeout: int = 600, check: bool = True, **p
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    if proc.returncode != 0:  # the workers' own tracebacks first, torchrun's summary hides them
+        ranks = [line for line in proc.stderr.splitlines() if line.startswith("[rank")]
+        proc.stderr = "\n".join(ranks[-60:]) + "\n" + proc.stderr[-3000:]
+        if check:
+            raise AssertionError(f"torchrun failed ({proc.returncode}):\n{proc.stderr}")
     return proc
 
 
@@ -518,8 +521,13 @@ def test_transformers_model_under_expert_parallelism_matches_one_process(tmp_pat
 def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tmp_path, family):
     """The Trainer, unchanged, on Transformers' model with ep_size=2 × DDP 2 (4 processes, a batch
     of 1 each) against one process (a batch of 4): 10 steps with gradient clipping (the Trainer
-    takes the global norm of the DTensor experts itself), the same losses and gradient norms."""
+    takes the global norm of the DTensor experts itself), the same losses and gradient norms; the
+    checkpoint the Trainer writes at step 5 from rank 0 alone holds every expert and every
+    expert's optimizer moments as one process's does, and a run resumed from it (4 processes)
+    ends on the same curve; save_model's directory loads in plain Transformers with the EP model's
+    logits."""
     from test_fallback import write_family_checkpoint
+    from transformers import AutoModelForCausalLM
 
     experts = {"granitemoe": {"num_local_experts": 8}, "dots1": {}}[family]
     ckpt = write_family_checkpoint(tmp_path / family, family, **experts)
@@ -528,13 +536,30 @@ def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tm
                    check=True, capture_output=True, env=env, timeout=600)
     proc = torchrun(4, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "ep"), "2", check=False)
     assert proc.returncode == 0, proc.stderr[-6000:]
+    step5 = tmp_path / "ep" / "trainer" / "checkpoint-5"
+    proc = torchrun(4, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "resumed"), "2", str(step5),
+                    check=False)
+    assert proc.returncode == 0, proc.stderr[-6000:]
     ref = json.loads((tmp_path / "one" / "log.json").read_text())
-    got = json.loads((tmp_path / "ep" / "log.json").read_text())
-    assert [h["step"] for h in got] == [h["step"] for h in ref] == list(range(1, 11))
-    for a, b in zip(got, ref):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
-        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), a["step"]
-        assert b["grad_norm"] > 0.5  # (the clipping at 0.5 acts at every step)
+    for run in ("ep", "resumed"):
+        got = json.loads((tmp_path / run / "log.json").read_text())
+        assert [h["step"] for h in got] == [h["step"] for h in ref] == list(range(1, 11))
+        for a, b in zip(got, ref):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (run, a["step"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (run, a["step"])
+            assert b["grad_norm"] > 0.5  # (the clipping at 0.5 acts at every step)
+    mine = torch.load(step5 / "optimizer.pt", weights_only=True)["state"]
+    theirs = torch.load(tmp_path / "one" / "trainer" / "checkpoint-5" / "optimizer.pt", weights_only=True)["state"]
+    assert mine.keys() == theirs.keys()
+    for i in theirs:
+        for key, value in theirs[i].items():
+            assert mine[i][key].shape == value.shape, (i, key)
+            torch.testing.assert_close(mine[i][key], value, rtol=1e-4, atol=1e-7)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ep" / "final", dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.load(tmp_path / "ep" / "logits.pt", weights_only=True)
+        data_ids = torch.randint(3, plain.config.vocab_size, (40, 12), generator=torch.Generator().manual_seed(5))[0]
+        torch.testing.assert_close(plain(data_ids[None]).logits, ids, rtol=1e-5, atol=1e-5)
 
 
 def test_transformers_model_refuses_what_its_expert_parallelism_cannot_do(tmp_path):

@@ -1,9 +1,11 @@
 """The Transformers Trainer, unchanged, on the drop-in: run in one process (ep 1) and under torchrun
 with ep_size (from test_parallel.py). The same 40 fixed-length examples in order, 4 per step in
 all (one process: a batch of 4; N ranks: 4 / N each), AdamW, gradient clipping at a norm the
-gradients exceed; rank 0 writes the Trainer's log history (losses, gradient norms) as JSON.
+gradients exceed; a checkpoint every 5 steps (the Trainer writes it from rank 0 alone);
+`trainer.save_model` at the end, on every rank. Rank 0 writes the Trainer's log history (losses,
+gradient norms) as JSON and the final model's logits on a fixed batch.
 
-argv: checkpoint directory, output directory, ep_size."""
+argv: checkpoint directory, output directory, ep_size[, the checkpoint to resume from]."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 def main() -> None:
     model_dir, out, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
+    resume = sys.argv[4] if len(sys.argv) > 4 else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         import torch.distributed as dist
@@ -32,14 +35,20 @@ def main() -> None:
     gen = torch.Generator().manual_seed(5)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, vocab, (40, 12), generator=gen)]
     args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=4 // world, max_steps=10,
-                             max_grad_norm=0.5, learning_rate=2e-3, save_strategy="no", report_to=[],
+                             max_grad_norm=0.5, learning_rate=2e-3, save_strategy="steps", save_steps=5,
+                             report_to=[],
                              use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
                              train_sampling_strategy="sequential")
     trainer = Trainer(model=model, args=args, train_dataset=data)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(out / "final"))
+    model.eval()
+    with torch.no_grad():  # (a collective forward under ep_size: every rank runs it)
+        logits = model(data[0]["input_ids"][None]).logits
     if trainer.args.process_index == 0:
         steps = [h for h in trainer.state.log_history if "loss" in h]
         (out / "log.json").write_text(json.dumps(steps))
+        torch.save(logits, out / "logits.pt")
     rank = trainer.args.process_index
     del trainer, model
     if world > 1:  # (PyTorch's rule: a rank that exits with its groups alive may abort in Gloo's teardown)

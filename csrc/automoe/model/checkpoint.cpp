@@ -341,10 +341,16 @@ namespace {
 // The tensors to save in parameter_layout order: the model's own, or `given` after checking that
 // it holds exactly those names and shapes (a tied LM head may be listed; it is the embedding).
 NamedTensors tensors_to_save(const PretrainedModel& model,
-                             const std::optional<NamedTensors>& given) {
+                             const std::optional<NamedTensors>& given, bool gathered = false) {
   const NamedTensors& params = model.decoder->named_parameters();
   if (!given) return params;
   const ModelSpec& spec = model.decoder->spec();
+  std::set<std::string> routed;
+  if (gathered) {
+    for (const auto& d : parameter_layout(spec)) {
+      if (d.routed_expert) routed.insert(d.name);
+    }
+  }
   std::map<std::string, at::Tensor> by_name;
   for (const auto& [name, t] : *given) {
     AUTOMOE_CHECK(by_name.emplace(name, t).second, "state_dict: ", name, " is listed twice");
@@ -354,8 +360,10 @@ NamedTensors tensors_to_save(const PretrainedModel& model,
     auto it = by_name.find(name);
     AUTOMOE_CHECK(it != by_name.end(), "state_dict: missing ", name,
                   " (save_pretrained writes a whole checkpoint; every parameter is needed)");
-    AUTOMOE_CHECK(it->second.sizes() == own.sizes(), "state_dict: ", name, ": expected shape ",
-                  own.sizes(), ", got ", it->second.sizes());
+    std::vector<int64_t> shape = own.sizes().vec();
+    if (routed.count(name)) shape[0] = spec.moe.num_experts;  // every expert, gathered
+    AUTOMOE_CHECK(it->second.sizes() == at::IntArrayRef(shape), "state_dict: ", name,
+                  ": expected shape ", at::IntArrayRef(shape), ", got ", it->second.sizes());
     AUTOMOE_CHECK(at::isFloatingType(it->second.scalar_type()), "state_dict: ", name,
                   ": expected a floating-point tensor, got ", it->second.scalar_type());
     out.emplace_back(name, it->second.detach());  // the writer moves each to the CPU in turn
@@ -516,6 +524,15 @@ void save_pretrained(const PretrainedModel& model, const std::string& dir,
                      const SaveOptions& options) {
   const parallel::World* world = model.world.get();
   NamedTensors params;
+  if (options.gathered) {  // every expert given: written here alone, as by one process
+    AUTOMOE_CHECK(options.tensors, "save_pretrained(gathered): the gathered tensors are missing");
+    ModelSpec whole = model.decoder->spec();
+    whole.moe.expert_begin = 0;
+    whole.moe.expert_count = 0;
+    write_pretrained(model.config, options.layout.value_or(model.layout), model.source_dir, whole,
+                     tensors_to_save(model, options.tensors, true), dir, options, nullptr);
+    return;
+  }
   if (world && world->distributed()) {  // a rank's bad state_dict fails the save on every rank
     std::string error;
     try {

@@ -79,6 +79,10 @@ struct SaveOptions {
   // save_pretrained(state_dict=)): exactly the parameters' in-memory names and shapes, in any
   // order.
   std::optional<NamedTensors> tensors;
+  // Under expert parallelism: `tensors` hold every expert (this rank's with the rest of its EP
+  // group's, gathered by the caller: the drop-in's save service) and this process writes the
+  // whole checkpoint alone, as one process holding every expert would.
+  bool gathered = false;
 };
 
 // Writes config.json, the weights in the chosen layout, sharded at `max_shard_bytes`, and copies

@@ -212,8 +212,9 @@ void bind_model(py::module_& m) {
              const std::optional<std::string>& layout, uint64_t max_shard_bytes,
              const std::optional<std::string>& config_json,
              const std::map<std::string, std::string>& extra_files,
-             const std::optional<NamedTensors>& tensors) {
+             const std::optional<NamedTensors>& tensors, bool gathered) {
             SaveOptions o;
+            o.gathered = gathered;
             if (layout) o.layout = layout_from_string(*layout, "layout");
             o.max_shard_bytes = max_shard_bytes;
             o.config_json = config_json;
@@ -225,7 +226,7 @@ void bind_model(py::module_& m) {
           py::arg("dir"), py::arg("layout") = py::none(), py::arg("max_shard_bytes") = 5ull << 30,
           py::arg("config_json") = py::none(),
           py::arg("extra_files") = std::map<std::string, std::string>{},
-          py::arg("tensors") = py::none());
+          py::arg("tensors") = py::none(), py::arg("gathered") = false);
 }
 
 }  // namespace automoe::bindings
