@@ -18,7 +18,7 @@ from torch import nn
 
 from automoe import _engine
 from automoe.arguments import ENGINE_EXPERTS, EXPERTS_IMPLEMENTATIONS, AutoMoEError
-from automoe.native_parallel import _ExpertParallel
+from automoe.native_parallel import _ExpertParallel, sharded_parameter
 
 _C = _engine.load()
 
@@ -83,6 +83,22 @@ class _EngineBinding:
                 )
             out.append(param)
         return out
+
+    def _automoe_bound(self) -> tuple[list, list]:
+        """The engine's tensors (what _automoe_params holds, a DTensor expert's local shard in its
+        place, its requires_grad following the DTensor's) and what the module holds."""
+        from torch.distributed.tensor import DTensor
+
+        held = self._automoe_params()
+        bound = []
+        for p in held:
+            if isinstance(p, DTensor):
+                local = p._local_tensor
+                if local.requires_grad != p.requires_grad:
+                    local.requires_grad_(p.requires_grad)
+                p = local
+            bound.append(p)
+        return bound, held
 
     def _automoe_adapters(self) -> list[tuple]:
         """PEFT's LoRA adapters on this module tree, as the engine runs them: (base weight name, A,
@@ -186,7 +202,7 @@ class _EngineBinding:
                                "concurrently; launch one process per device (torchrun / accelerate "
                                "launch, as Transformers recommends) instead")
         engine = self._automoe_engine
-        params = self._automoe_params()
+        params, held = self._automoe_bound()
         engine.rebind(params)
         adapters = self._automoe_adapters()
         if adapters or getattr(self, "_automoe_has_adapters", False):
@@ -196,7 +212,7 @@ class _EngineBinding:
             engine.set_adapters(adapters)
             self._automoe_has_adapters = bool(adapters)
         if self._automoe_ep is not None:
-            self._automoe_ep.hook(self._automoe_names, params)
+            self._automoe_ep.hook(self._automoe_names, held)
         backend = engine.backend()
         wanted = dict(backend)
         attn = self.config._attn_implementation or "sdpa"
@@ -241,6 +257,15 @@ class _EngineBuild:
         model.model._automoe_engine = engine
         names = [name for name, _ in params]
         model._automoe_names = model.model._automoe_names = names
+        mesh, routed = None, set()
+        if engine.parallel is not None and groups is not None and groups[0] is not None:
+            # Under expert parallelism each routed expert tensor is a DTensor over the EP group
+            # whose local shard is the engine's tensor (native_parallel.sharded_parameter).
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device = engine.parallel["device"]
+            mesh = DeviceMesh.from_group(groups[0], "cuda" if device.startswith("cuda") else "cpu")
+            routed = set(engine.routed_expert_names)
         for name, tensor in params:
             *path, leaf = name.split(".")
             module = model.get_submodule(".".join(path))
@@ -256,7 +281,7 @@ class _EngineBuild:
             # the forward uses (and autograd fills .grad of) exactly this object.
             param = nn.Parameter(tensor, requires_grad=True)
             engine.set_parameter(name, param)
-            module._parameters[leaf] = param
+            module._parameters[leaf] = sharded_parameter(param, mesh) if name in routed else param
         _materialize_buffers(model)
         if spec["tie_word_embeddings"]:
             model.lm_head._parameters["weight"] = model.model.embed_tokens._parameters["weight"]

@@ -6,8 +6,7 @@ service), and `_ExpertParallelModel`, the causal LM's methods that change under 
 
 from __future__ import annotations
 
-import os
-import time
+import functools
 
 import torch
 
@@ -100,12 +99,21 @@ class _ExpertParallel:
             self.hook(names, [model.get_parameter(n) if n in self.routed else None for n in names])
 
     def hook(self, names: list[str], params: list) -> None:
+        """The gradient rule on each of this rank's experts; a DTensor expert (the engine's tensor is
+        its local shard) also gets the gradient the engine accumulates into that shard as its own
+        (DTensor) gradient."""
+        from torch.distributed.tensor import DTensor
+
         for name, p in zip(names, params):
-            if p is None or name not in self.routed or getattr(p, "_automoe_ep_hooked", False):
+            if p is None or name not in self.routed:
                 continue
-            if p.requires_grad:  # (a frozen expert is hooked once it requires gradients)
-                p.register_hook(self._average)
-                p._automoe_ep_hooked = True
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            if getattr(local, "_automoe_ep_hooked", False) or not local.requires_grad:
+                continue  # (a frozen expert is hooked once it requires gradients)
+            local.register_hook(self._average)
+            if local is not p:
+                local.register_post_accumulate_grad_hook(functools.partial(_grad_to_dtensor, p))
+            local._automoe_ep_hooked = True
 
     def _average(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad / self.info["world_size"]
@@ -114,6 +122,39 @@ class _ExpertParallel:
 
             dist.all_reduce(grad, group=self.dp_group)
         return grad
+
+
+def sharded_parameter(local: torch.Tensor, mesh) -> torch.Tensor:
+    """A DTensor parameter sharded on dim 0 over `mesh` (the EP group) whose local shard is the
+    tensor `local` itself (the engine's, which its forward reads and its backward fills): so the
+    Transformers Trainer's clipping, optimizers and torch's DTensor-aware code see the experts as
+    the parts of one [E, ...] tensor, as on Transformers' model under ep_size."""
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Shard
+
+    shape = (local.shape[0] * mesh.size(), *local.shape[1:])
+    stride = torch.empty(shape, device="meta").stride()
+    param = nn.Parameter(DTensor.from_local(local.detach(), mesh, [Shard(0)], run_check=False, shape=shape,
+                                            stride=stride), requires_grad=local.requires_grad)
+    param._local_tensor = local
+    return param
+
+
+def _grad_to_dtensor(param, local: torch.Tensor) -> None:
+    """After the backward accumulated into an expert's local shard: that gradient becomes (is added
+    to) the DTensor parameter's. (The parameter is held strongly: torch.utils.swap_tensors, which
+    Module.to uses on DTensor parameters, refuses a tensor that has weak references.)"""
+    from torch.distributed.tensor import DTensor
+
+    grad = local.grad
+    local.grad = None
+    if grad is None:
+        return
+    if param.grad is None:
+        param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+    else:
+        param.grad._local_tensor.add_(grad)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -126,6 +167,23 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class _ExpertParallelModel:
     """The causal LM's methods that expert parallelism changes."""
+
+    def __deepcopy__(self, memo):
+        """copy.deepcopy (TRL's reference model): torch cannot copy a DTensor parameter, so each
+        expert is copied as a DTensor over a copy of its local shard; the rest as usual. The copy
+        runs on the same ranks and groups."""
+        import copy
+
+        from torch.distributed.tensor import DTensor
+
+        for p in self.parameters():
+            if isinstance(p, DTensor) and id(p) not in memo:
+                local = torch.nn.Parameter(p._local_tensor.detach().clone(), requires_grad=p.requires_grad)
+                memo[id(p)] = sharded_parameter(local, p.device_mesh)
+        clone = copy._reconstruct(self, memo, *self.__reduce_ex__(4))
+        if self._automoe_ep is not None:
+            self._automoe_ep.service.add_model(clone)  # (every rank copies it, in the same order)
+        return clone
 
     @property
     def automoe_parallel(self) -> dict | None:

@@ -517,11 +517,12 @@ def test_transformers_model_under_expert_parallelism_matches_one_process(tmp_pat
     assert proc.stdout.count(": ok") == nproc
 
 
-@pytest.mark.parametrize("family", ["granitemoe", "dots1"])
+@pytest.mark.parametrize("family", ["mixtral", "granitemoe", "dots1"])
 def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tmp_path, family):
-    """The Trainer, unchanged, on Transformers' model with ep_size=2 × DDP 2 (4 processes, a batch
-    of 1 each) against one process (a batch of 4): 10 steps with gradient clipping (the Trainer
-    takes the global norm of the DTensor experts itself), the same losses and gradient norms; the
+    """The Trainer, unchanged, with ep_size=2 × DDP 2 (4 processes, a batch of 1 each) against one
+    process (a batch of 4), on the engine's model (Mixtral) and on Transformers' (GraniteMoE,
+    dots1): 10 steps with gradient clipping (the Trainer takes the global norm of the DTensor
+    experts itself), the same losses and gradient norms; the
     checkpoint the Trainer writes at step 5 from rank 0 alone holds every expert and every
     expert's optimizer moments as one process's does, and a run resumed from it (4 processes)
     ends on the same curve; save_model's directory loads in plain Transformers with the EP model's
@@ -529,7 +530,7 @@ def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tm
     from test_fallback import write_family_checkpoint
     from transformers import AutoModelForCausalLM
 
-    experts = {"granitemoe": {"num_local_experts": 8}, "dots1": {}}[family]
+    experts = {"mixtral": {"num_local_experts": 4}, "granitemoe": {"num_local_experts": 8}, "dots1": {}}[family]
     ckpt = write_family_checkpoint(tmp_path / family, family, **experts)
     env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
     subprocess.run([sys.executable, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "one"), "1"],
