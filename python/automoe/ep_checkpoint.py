@@ -15,7 +15,12 @@ other ranks of its EP group for theirs:
   run's, and `Optimizer.load_state_dict` of such a state on any rank keeps this rank's experts.
 
 Every other rank's `save_pretrained` returns once rank 0 has written that directory (or raises
-its error), so a script that saves on every rank works as one that saves on rank 0 only."""
+its error), so a script that saves on every rank works as one that saves on rank 0 only.
+
+A script's last save (`trainer.save_model()` at the end) is rank 0's alone while the other ranks
+run on to their exit: so a serving rank keeps its models (held from load to exit) and, at exit,
+goes on answering until rank 0 has exited (or let its models go), and its answers use the Gloo
+group's own methods, which work after `destroy_process_group()`."""
 
 from __future__ import annotations
 
@@ -31,6 +36,9 @@ import torch
 from automoe.arguments import AutoMoEError
 
 _STEP_LOCK = threading.RLock()  # held by the main thread during every optimizer step
+_SERVING: "set[SaveService]" = set()  # a serving rank's services, kept (with their models) until exit
+_STEP_DONE = None  # on a GPU: an event recorded after the last optimizer step's kernels
+_POLL_S = 0.1  # how often a service thread looks for a request
 _SERVICES: "weakref.WeakSet[SaveService]" = weakref.WeakSet()
 _OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its EP params
 _hooks_installed = False
@@ -62,20 +70,23 @@ class SaveService:
         self.store = dist.distributed_c10d._get_default_store()
         self.base = f"automoe/ep-save/{parallel.serial}/"
         self.routed = parallel.routed
-        self.models: list[weakref.ref] = []  # in the order attached: the same on every rank
+        self.models: list = []  # in the order attached (the same on every rank): weakly on rank 0
         self.optimizers: list[weakref.ref] = []  # in the order of their first step: the same on every rank
         self.requests = 0
         self.calls: dict[str, int] = {}
         self._stop = threading.Event()
         _install_hooks()
         _SERVICES.add(self)
-        if 0 < self.rank < self.ep:
-            # The thread holds the service weakly: the service (and its Gloo group) goes when the
-            # model does, in the thread that drops the model, never in this one.
+        self.serving = 0 < self.rank < self.ep
+        if self.serving:
+            _SERVING.add(self)  # (released at exit, in the main thread: _stop_services)
+            # The thread holds the service weakly: the service (and its Gloo group) is never freed
+            # in the thread.
             self._thread = threading.Thread(target=_serve, args=(weakref.ref(self), self._stop),
                                             name=f"automoe-ep-save-{parallel.serial}", daemon=True)
             self._thread.start()
-            weakref.finalize(self, self._stop.set)
+        elif self.rank == 0:  # rank 0 can no longer save once its service is gone
+            weakref.finalize(self, _finished, self.store, self.base)
 
     def stop(self) -> None:
         """Ends the service thread (at exit: a thread still inside the store's client while the
@@ -85,8 +96,18 @@ class SaveService:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
 
+    def linger(self) -> None:
+        """At a serving rank's exit: answer rank 0 until it is finished (exited or let its models
+        go), the store is gone, or AUTOMOE_EP_SAVE_TIMEOUT_S has passed."""
+        deadline = time.monotonic() + _timeout_s()
+        try:
+            while not self.store.check([self.base + "finished"]) and time.monotonic() < deadline:
+                time.sleep(_POLL_S)
+        except Exception:  # the store is gone: so is rank 0
+            pass
+
     def add_model(self, model) -> None:
-        self.models.append(weakref.ref(model))
+        self.models.append(model if self.serving else weakref.ref(model))
 
     # -- rank 0 --------------------------------------------------------------------------------
     def gather_model(self, model, names: list[str]) -> dict[str, torch.Tensor]:
@@ -102,18 +123,32 @@ class SaveService:
         return self._gather({"kind": "optimizer", "index": index, "items": items},
                             _optimizer_tensors(optimizer, items))
 
-    def _gather(self, request: dict, own: list[torch.Tensor]) -> list[torch.Tensor]:
+    # The group's own methods (not torch.distributed's functions, which look the group up in a
+    # registry that destroy_process_group empties): rank 0 of the group is global rank 0.
+    def _gather_to_0(self, t: torch.Tensor, parts: list[torch.Tensor] | None = None) -> None:
         import torch.distributed as dist
 
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
+        self.group.gather([parts] if parts is not None else [], [t], opts).wait()
+
+    def _broadcast_from_0(self, t: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.group.broadcast([t], opts).wait()
+
+    def _gather(self, request: dict, own: list[torch.Tensor]) -> list[torch.Tensor]:
         self.requests += 1
         n = self.requests
         self.store.set(f"{self.base}req{n}", pickle.dumps(request))
         what = f"the experts of ranks 1..{self.ep - 1} ({request['kind']})"
         try:
             status = [torch.zeros(1, dtype=torch.int64) for _ in range(self.ep)]
-            dist.gather(torch.zeros(1, dtype=torch.int64), status, dst=0, group=self.group)
+            self._gather_to_0(torch.zeros(1, dtype=torch.int64), status)
             failed = [r for r, s in enumerate(status) if s.item()]
-            dist.broadcast(torch.tensor([len(failed)]), src=0, group=self.group)
+            self._broadcast_from_0(torch.tensor([len(failed)]))
             if failed:
                 errors = "; ".join(f"rank {r}: {self.store.get(f'{self.base}err{n}/{r}').decode()}" for r in failed)
                 raise AutoMoEError(f"saving under expert parallelism: {errors}")
@@ -121,7 +156,7 @@ class SaveService:
             for t in own:
                 t = t.detach().cpu().contiguous()
                 parts = [torch.empty_like(t) for _ in range(self.ep)]
-                dist.gather(t, parts, dst=0, group=self.group)
+                self._gather_to_0(t, parts)
                 out.append(torch.cat(parts, 0))
             return out
         except RuntimeError as e:  # Gloo's timeout: a rank that is gone or stuck
@@ -153,8 +188,6 @@ class SaveService:
             raise AutoMoEError(f"save_pretrained({directory!r}): rank 0 failed to write it: {error}")
 
     def _answer(self, n: int, request: dict) -> None:
-        import torch.distributed as dist
-
         if not _STEP_LOCK.acquire(timeout=_timeout_s()):
             tensors, error = [], "its optimizer step did not finish"
         else:
@@ -166,22 +199,22 @@ class SaveService:
                 _STEP_LOCK.release()
         if error:
             self.store.set(f"{self.base}err{n}/{self.rank}", error)
-        dist.gather(torch.tensor([1 if error else 0]), None, dst=0, group=self.group)
+        self._gather_to_0(torch.tensor([1 if error else 0]))
         failed = torch.zeros(1, dtype=torch.int64)
-        dist.broadcast(failed, src=0, group=self.group)
+        self._broadcast_from_0(failed)
         if error:
             return
         try:
             if failed.item():
                 return
             for t in tensors:
-                dist.gather(t.detach().cpu().contiguous(), None, dst=0, group=self.group)
+                self._gather_to_0(_to_cpu(t))
         finally:
             _STEP_LOCK.release()
 
     def _tensors(self, request: dict) -> list[torch.Tensor]:
         refs = self.models if request["kind"] == "model" else self.optimizers
-        target = refs[request["index"]]() if request["index"] < len(refs) else None
+        target = _deref(refs[request["index"]]) if request["index"] < len(refs) else None
         if target is None:
             raise AutoMoEError(f"{request['kind']} #{request['index']} does not exist on this rank")
         if request["kind"] == "model":
@@ -191,18 +224,28 @@ class SaveService:
     @staticmethod
     def _index(refs: list, obj, what: str) -> int:
         for i, r in enumerate(refs):
-            if r() is obj:
+            if _deref(r) is obj:
                 return i
         raise AutoMoEError(f"this {what} is not known to AutoMoE's expert parallelism on rank 0")
 
 
-def _serve(ref: "weakref.ref[SaveService]", stop: threading.Event) -> None:
-    """The service thread: answers rank 0's requests in order until the service is gone, the
-    process group is destroyed or the process exits."""
-    import torch.distributed as dist
+def _deref(r):
+    return r() if isinstance(r, weakref.ref) else r
 
+
+def _finished(store, base: str) -> None:
+    """Rank 0 will not save this service's models any more: the serving ranks may exit."""
+    try:
+        store.set(base + "finished", "1")
+    except Exception:  # the store is gone: nobody waits for the key
+        pass
+
+
+def _serve(ref: "weakref.ref[SaveService]", stop: threading.Event) -> None:
+    """The service thread: answers rank 0's requests in order until the service is stopped (at
+    exit) or the store is gone."""
     n = 0
-    while not stop.is_set() and dist.is_initialized():
+    while not stop.is_set():
         service = ref()
         if service is None:
             return
@@ -213,7 +256,7 @@ def _serve(ref: "weakref.ref[SaveService]", stop: threading.Event) -> None:
             return
         if request is None:
             del service
-            time.sleep(0.02)
+            time.sleep(_POLL_S)
             continue
         n += 1
         try:
@@ -221,6 +264,20 @@ def _serve(ref: "weakref.ref[SaveService]", stop: threading.Event) -> None:
         except Exception:  # rank 0 reports the failure (its gather times out)
             return
         del service
+
+
+def _to_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A copy on the CPU, read in the service thread. On a GPU the copy runs on a stream of its own
+    after the last optimizer step's kernels: the default stream may hold the next step's work,
+    which waits for a collective that rank 0, busy saving, has not joined."""
+    t = t.detach()
+    if t.device.type != "cuda":
+        return t.contiguous()
+    stream = torch.cuda.Stream(device=t.device)
+    with torch.cuda.stream(stream):
+        if _STEP_DONE is not None:
+            stream.wait_event(_STEP_DONE)
+        return t.to("cpu").contiguous()
 
 
 def _params(optimizer) -> list:
@@ -254,8 +311,18 @@ def _install_hooks() -> None:
 
 
 def _stop_services() -> None:
+    """At exit: rank 0 says it is finished; a serving rank answers until rank 0 is, then stops
+    its thread and lets its models go (here, while the interpreter is whole)."""
+    import gc
+
     for service in list(_SERVICES):
+        if service.rank == 0:
+            _finished(service.store, service.base)
+    for service in list(_SERVING):
+        service.linger()
         service.stop()
+    _SERVING.clear()
+    gc.collect()
 
 
 def _before_step(optimizer, args, kwargs) -> None:
@@ -265,6 +332,10 @@ def _before_step(optimizer, args, kwargs) -> None:
 
 
 def _after_step(optimizer, args, kwargs) -> None:
+    global _STEP_DONE
+    if any(p.is_cuda for p in _params(optimizer)[:1]):
+        _STEP_DONE = torch.cuda.Event()
+        _STEP_DONE.record()
     _STEP_LOCK.release()
 
 
@@ -274,7 +345,7 @@ def _experts_of(optimizer) -> dict[int, SaveService]:
     owners = {}
     for service in list(_SERVICES):
         for ref in service.models:
-            model = ref()
+            model = _deref(ref)
             if model is not None:
                 for name, p in model.named_parameters():
                     if name in service.routed:

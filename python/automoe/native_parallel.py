@@ -110,9 +110,13 @@ class _ExpertParallel:
             local = p._local_tensor if isinstance(p, DTensor) else p
             if getattr(local, "_automoe_ep_hooked", False) or not local.requires_grad:
                 continue  # (a frozen expert is hooked once it requires gradients)
-            local.register_hook(self._average)
             if local is not p:
-                local.register_post_accumulate_grad_hook(functools.partial(_grad_to_dtensor, p))
+                # After each accumulation, not on the gradient on its way (a tensor hook): under
+                # gradient checkpointing the engine's recomputation takes the experts' gradients
+                # with autograd.grad, whose captured gradients pass the tensor hooks too.
+                local.register_post_accumulate_grad_hook(functools.partial(_grad_to_dtensor, p, self._average))
+            else:
+                local.register_hook(self._average)
             local._automoe_ep_hooked = True
 
     def _average(self, grad: torch.Tensor) -> torch.Tensor:
@@ -140,16 +144,18 @@ def sharded_parameter(local: torch.Tensor, mesh) -> torch.Tensor:
     return param
 
 
-def _grad_to_dtensor(param, local: torch.Tensor) -> None:
-    """After the backward accumulated into an expert's local shard: that gradient becomes (is added
-    to) the DTensor parameter's. (The parameter is held strongly: torch.utils.swap_tensors, which
-    Module.to uses on DTensor parameters, refuses a tensor that has weak references.)"""
+def _grad_to_dtensor(param, average, local: torch.Tensor) -> None:
+    """After the backward accumulated into an expert's local shard: that gradient, under the
+    experts' rule (`average`), becomes (is added to) the DTensor parameter's. (The parameter is
+    held strongly: torch.utils.swap_tensors, which Module.to uses on DTensor parameters, refuses
+    a tensor that has weak references.)"""
     from torch.distributed.tensor import DTensor
 
     grad = local.grad
     local.grad = None
     if grad is None:
         return
+    grad = average(grad)
     if param.grad is None:
         param.grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                                         shape=param.shape, stride=param.stride())

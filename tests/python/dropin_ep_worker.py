@@ -94,6 +94,18 @@ def main() -> None:
     compare_grads("same batch")
     model.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
+    # ... and under gradient checkpointing (TRL's SFTTrainer turns it on), whose recomputation the
+    # experts' gradient rule must not count twice.
+    if model.supports_gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        ref.gradient_checkpointing_enable()
+        model(input_ids=ids, labels=ids).loss.backward()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        compare_grads("gradient checkpointing")
+        model.gradient_checkpointing_disable()
+        ref.gradient_checkpointing_disable()
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
 
     # 2. DDP, each rank its own batch (as the Trainer runs it): the gradients of the mean loss,
     # clipped by the global norm.

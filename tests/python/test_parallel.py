@@ -563,6 +563,37 @@ def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tm
         torch.testing.assert_close(plain(data_ids[None]).logits, ids, rtol=1e-5, atol=1e-5)
 
 
+def test_trl_sft_trainer_under_expert_parallelism_equals_data_parallelism(tmp_path, tokenizer):
+    """TRL's SFTTrainer, unchanged (gradient checkpointing on, its default), on chat conversations
+    with ep_size=2 × DDP 2: the losses and clipped gradient norms of plain DDP over the same 4
+    processes (5e-5: the sums' order differs), and of one process (1e-3: its batch of 4 is padded);
+    resumed from its step-2 checkpoint (written by rank 0 alone), the curve of one process resumed
+    from its own (TRL's resume does not repeat the uninterrupted curve here, on Transformers' own
+    model either)."""
+    from automoe.demo import build_checkpoint
+
+    ckpt = build_checkpoint(tmp_path / "qwen3-moe-chat", tokenizer, hidden_size=32, intermediate_size=48,
+                            moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=8, num_experts=4, mlp_only_layers=[])
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1")
+    subprocess.run([sys.executable, str(HERE / "sft_ep_worker.py"), str(ckpt), str(tmp_path / "one"), "1"],
+                   check=True, capture_output=True, env=env, timeout=600)
+    torchrun(4, str(HERE / "sft_ep_worker.py"), str(ckpt), str(tmp_path / "ddp"), "1")
+    torchrun(4, str(HERE / "sft_ep_worker.py"), str(ckpt), str(tmp_path / "ep"), "2")
+    torchrun(4, str(HERE / "sft_ep_worker.py"), str(ckpt), str(tmp_path / "resumed"), "2",
+             str(tmp_path / "ep" / "sft" / "checkpoint-2"))
+    subprocess.run([sys.executable, str(HERE / "sft_ep_worker.py"), str(ckpt), str(tmp_path / "one-resumed"), "1",
+                    str(tmp_path / "one" / "sft" / "checkpoint-2")], check=True, capture_output=True, env=env, timeout=600)
+    runs = ("one", "ddp", "ep", "resumed", "one-resumed")
+    log = {run: json.loads((tmp_path / run / "log.json").read_text()) for run in runs}
+    for run, ref, tol in (("ep", "ddp", 5e-5), ("ep", "one", 1e-3), ("resumed", "one-resumed", 1e-3)):
+        assert [h["step"] for h in log[run]] == [h["step"] for h in log[ref]] == [1, 2, 3, 4]
+        for a, b in zip(log[run], log[ref]):
+            assert a["loss"] == pytest.approx(b["loss"], rel=tol), (run, ref, a["step"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=tol), (run, ref, a["step"])
+            assert b["grad_norm"] > 0.5  # (the clipping acts)
+
+
 def test_transformers_model_refuses_what_its_expert_parallelism_cannot_do(tmp_path):
     import automoe
     from test_fallback import write_family_checkpoint

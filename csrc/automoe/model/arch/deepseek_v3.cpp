@@ -30,9 +30,13 @@ ModelSpec parse_deepseek_v3(const ConfigReader& cfg) {
   a.num_heads = arch::positive(cfg, "num_attention_heads");
   a.num_kv_heads = arch::positive(cfg, "num_key_value_heads", a.num_heads);
   if (a.num_kv_heads != a.num_heads) {
-    // kv_b_proj makes one key/value head per query head; Transformers' attention cannot group them.
-    cfg.fail_key("num_key_value_heads", "num_attention_heads (" + std::to_string(a.num_heads) +
-                                            "; latent attention has one kv head per query head)");
+    // kv_b_proj makes one key/value head per query head. Transformers 5.17 loads such a config
+    // but its attention still repeats the heads num_attention_heads / num_key_value_heads times
+    // and its forward fails (a shape mismatch, sdpa and eager alike): refused here, at load.
+    cfg.fail_key("num_key_value_heads",
+                 "num_attention_heads (" + std::to_string(a.num_heads) +
+                     "; latent attention has one kv head per query head, and Transformers' "
+                     "DeepseekV3Attention fails in its forward with any other value)");
   }
   // q_lora_rank: null means a plain q_proj; absent means DeepseekV3Config's 1536.
   a.q_lora_rank = cfg.is_null("q_lora_rank") ? 0 : arch::positive(cfg, "q_lora_rank", 1536);
