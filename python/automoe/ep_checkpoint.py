@@ -18,9 +18,9 @@ Every other rank's `save_pretrained` returns once rank 0 has written that direct
 its error), so a script that saves on every rank works as one that saves on rank 0 only.
 
 A script's last save (`trainer.save_model()` at the end) is rank 0's alone while the other ranks
-run on to their exit: so a serving rank keeps its models (held from load to exit) and, at exit,
-goes on answering until rank 0 has exited (or let its models go), and its answers use the Gloo
-group's own methods, which work after `destroy_process_group()`."""
+run on to their exit: so a serving rank keeps its models until rank 0 has let its own go (seen
+when the next model loads, or at exit, where it goes on answering until then), and its answers
+use the Gloo group's own methods, which work after `destroy_process_group()`."""
 
 from __future__ import annotations
 
@@ -62,6 +62,7 @@ class SaveService:
     def __init__(self, parallel) -> None:
         import torch.distributed as dist
 
+        _release_finished()
         info = parallel.info
         self.rank, self.ep = int(info["rank"]), int(info["ep"])
         self.begin, self.count = int(info["expert_begin"]), int(info["expert_count"])
@@ -308,6 +309,19 @@ def _install_hooks() -> None:
     register_optimizer_step_post_hook(_after_step)
     atexit.register(_stop_services)
     _hooks_installed = True
+
+
+def _release_finished() -> None:
+    """Lets a serving rank's earlier models go once rank 0 has let its own go (called as the next
+    model loads, in the main thread, so that their groups are freed here)."""
+    for service in list(_SERVING):
+        try:
+            done = service.store.check([service.base + "finished"])
+        except Exception:
+            done = True
+        if done:
+            service.stop()
+            _SERVING.discard(service)
 
 
 def _stop_services() -> None:

@@ -20,16 +20,17 @@ def main() -> None:
     model_dir, out, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo")
     import datasets
     from conftest import chat_rows
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     from automoe import AutoModelForCausalLM
+
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  **({"ep_size": ep} if ep > 1 else {}))

@@ -230,6 +230,34 @@ def test_a_worker_killed_and_restarted_by_torchrun_ends_as_the_uninterrupted_run
     assert_same_run(run, ref, what)
 
 
+def test_the_trainer_on_an_expert_parallel_drop_in_resumes_after_torchrun_restarts_it(tmp_path):
+    """The Transformers Trainer, unchanged, on the drop-in with ep_size=2 (Mixtral, native) under
+    torchrun --max-restarts 1: rank 1 SIGKILLed as step 7 begins, after the step-5 checkpoint
+    that rank 0 wrote alone; torchrun restarts the group, whose workers resume from that checkpoint
+    (resume_from_checkpoint=True) and end with the uninterrupted one-process run's losses."""
+    from test_fallback import write_family_checkpoint
+
+    ckpt = write_family_checkpoint(tmp_path / "mixtral", "mixtral", num_local_experts=4)
+    worker = str(HERE / "trainer_ep_worker.py")
+    subprocess.run([sys.executable, worker, str(ckpt), str(tmp_path / "one"), "1"], check=True,
+                   capture_output=True, env=env(), timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           worker, str(ckpt), str(tmp_path / "ep"), "2", "last"]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env(AUTOMOE_TEST_KILL_AT_STEP="7"))
+    try:
+        _, err = agent.communicate(timeout=300)
+    finally:
+        kill_tree(agent)
+    assert agent.returncode == 0, err[-6000:]
+    assert "exitcode: -9" in err, err[-3000:]  # (rank 1 was killed, and torchrun restarted the group)
+    ref = json.loads((tmp_path / "one" / "log.json").read_text())
+    got = json.loads((tmp_path / "ep" / "log.json").read_text())
+    assert [h["step"] for h in got] == [h["step"] for h in ref] == list(range(1, 11))
+    for a, b in zip(got, ref):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), a["step"]
+
+
 def test_each_attempt_forms_its_groups_in_a_namespace_of_its_own(tmp_path):
     """Attempt 0 forms the world and a subgroup, then rank 1 dies; the restarted ranks agree on a
     new token, their groups' keys are under it, and nothing they use is attempt 0's."""

@@ -5,12 +5,15 @@ gradients exceed; a checkpoint every 5 steps (the Trainer writes it from rank 0 
 `trainer.save_model` at the end, on every rank. Rank 0 writes the Trainer's log history (losses,
 gradient norms) as JSON and the final model's logits on a fixed batch.
 
-argv: checkpoint directory, output directory, ep_size[, the checkpoint to resume from]."""
+argv: checkpoint directory, output directory, ep_size[, the checkpoint to resume from, or "last":
+the output directory's last checkpoint if there is one]. AUTOMOE_TEST_KILL_AT_STEP=N: rank 1 of
+torchrun's first attempt SIGKILLs itself as step N begins."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -21,13 +24,14 @@ def main() -> None:
     model_dir, out, ep = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3])
     resume = sys.argv[4] if len(sys.argv) > 4 else None
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from automoe import AutoModelForCausalLM  # (first: torchrun's restarts then form groups anew)
+
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
-    from transformers import Trainer, TrainingArguments
-
-    from automoe import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  **({"ep_size": ep} if ep > 1 else {}))
@@ -39,7 +43,17 @@ def main() -> None:
                              report_to=[],
                              use_cpu=True, disable_tqdm=True, logging_steps=1, seed=0,
                              train_sampling_strategy="sequential")
-    trainer = Trainer(model=model, args=args, train_dataset=data)
+    kill_at = int(os.environ.get("AUTOMOE_TEST_KILL_AT_STEP", "0"))
+
+    class Kill(TrainerCallback):  # (a crashed or OOM-killed worker)
+        def on_step_begin(self, args, state, control, **kwargs):
+            if (state.global_step + 1 == kill_at and args.process_index == 1
+                    and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[Kill()] if kill_at else None)
+    if resume == "last":
+        resume = True if list((out / "trainer").glob("checkpoint-*")) else None
     trainer.train(resume_from_checkpoint=resume)
     trainer.save_model(str(out / "final"))
     model.eval()
