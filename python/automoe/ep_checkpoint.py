@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import threading
 import time
 import weakref
@@ -35,12 +36,19 @@ import torch
 
 from automoe.arguments import AutoMoEError
 
-_STEP_LOCK = threading.RLock()  # held by the main thread during every optimizer step
+# Optimizer steps: how many are under way (the main thread's) and how many have finished (of
+# optimizers that train experts); a service thread reads tensors only with none under way and at
+# least as many finished as rank 0 had when it asked, holding the condition's lock meanwhile.
+_STEPS = threading.Condition(threading.Lock())
+_stepping = 0
+_stepped = 0
+_crashed = False  # an uncaught exception ends this process: no lingering at exit
 _SERVING: "set[SaveService]" = set()  # a serving rank's services, kept (with their models) until exit
 _STEP_DONE = None  # on a GPU: an event recorded after the last optimizer step's kernels
+_COPY_STREAMS: dict = {}  # device -> the service threads' copy stream (one, made once)
 _POLL_S = 0.1  # how often a service thread looks for a request
 _SERVICES: "weakref.WeakSet[SaveService]" = weakref.WeakSet()
-_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> its EP params
+_OPTIMIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # optimizer -> (#params, its experts)
 _hooks_installed = False
 
 
@@ -141,6 +149,13 @@ class SaveService:
         self.group.broadcast([t], opts).wait()
 
     def _gather(self, request: dict, own: list[torch.Tensor]) -> list[torch.Tensor]:
+        broken = [r for r in range(1, self.ep) if self.store.check([f"{self.base}broken{r}"])]
+        if broken:
+            why = "; ".join(f"rank {r}: {self.store.get(f'{self.base}broken{r}').decode()}" for r in broken)
+            raise AutoMoEError(f"saving under expert parallelism: the save service failed earlier ({why}); "
+                               "this model can no longer be saved by rank 0 alone")
+        with _STEPS:
+            request["steps"] = _stepped  # (the other ranks read their tensors after as many steps)
         self.requests += 1
         n = self.requests
         self.store.set(f"{self.base}req{n}", pickle.dumps(request))
@@ -164,54 +179,62 @@ class SaveService:
             raise AutoMoEError(f"saving under expert parallelism: rank 0 did not receive {what} within "
                                f"{_timeout_s():.0f} s (AUTOMOE_EP_SAVE_TIMEOUT_S): {e}") from e
 
+    def saving(self, directory: str) -> None:
+        """Rank 0 starts writing `directory` (another rank's call for it waits until it is done)."""
+        self.store.set(f"{self.base}saving/{os.path.abspath(directory)}", "1")
+
     def saved(self, directory: str, error: str = "") -> None:
         """Rank 0 has written `directory` (or failed to: `error`): the other ranks' calls return."""
         key = f"{self.base}saved/{os.path.abspath(directory)}"
         k = self.calls[key] = self.calls.get(key, 0) + 1
         self.store.set(f"{key}/{k}", error)
         self.store.add(key, 1)
+        self.store.set(f"{self.base}saving/{os.path.abspath(directory)}", "0")
 
     # -- every other rank ----------------------------------------------------------------------
     def wait_saved(self, directory: str) -> None:
         """save_pretrained on a rank other than 0: returns once rank 0 has written `directory` as
-        many times as this rank asked for it."""
+        many times as this rank asked for it and is not writing it now. (Polled: a store.wait that
+        times out leaves its request pending in the store's server.)"""
         key = f"{self.base}saved/{os.path.abspath(directory)}"
+        busy = f"{self.base}saving/{os.path.abspath(directory)}"
         k = self.calls[key] = self.calls.get(key, 0) + 1
         deadline = time.monotonic() + _timeout_s()
-        while self.store.add(key, 0) < k:  # polled: see _ExpertParallel.meet_to_save
+        while self.store.add(key, 0) < k or (self.store.check([busy]) and self.store.get(busy) == b"1"):
             if time.monotonic() > deadline:
                 raise AutoMoEError(f"save_pretrained({directory!r}) under expert parallelism: rank 0 writes the "
                                    f"checkpoint, and it did not write this directory within {_timeout_s():.0f} s "
                                    "(AUTOMOE_EP_SAVE_TIMEOUT_S); call save_pretrained on rank 0 too")
             time.sleep(0.01)
-        error = self.store.get(f"{key}/{k}").decode()
+        error = self.store.get(f"{key}/{self.store.add(key, 0)}").decode()
         if error:
             raise AutoMoEError(f"save_pretrained({directory!r}): rank 0 failed to write it: {error}")
 
     def _answer(self, n: int, request: dict) -> None:
-        if not _STEP_LOCK.acquire(timeout=_timeout_s()):
-            tensors, error = [], "its optimizer step did not finish"
-        else:
-            try:
-                tensors, error = self._tensors(request), ""
-            except Exception as e:
-                tensors, error = [], f"{type(e).__name__}: {e}"
+        """One request: this rank's tensors once its optimizer has taken as many steps as rank 0's
+        and none is under way (the main thread's next step waits meanwhile); whatever fails, the
+        exchange with rank 0 runs to its end and the condition is released."""
+        with _STEPS:
+            ready = _STEPS.wait_for(lambda: _stepping == 0 and _stepped >= request.get("steps", 0),
+                                    timeout=_timeout_s())
+            tensors, error = [], ""
+            if not ready:
+                error = (f"its optimizer had taken {_stepped} step(s) and rank 0's {request.get('steps', 0)}"
+                         + (" (a step under way did not finish)" if _stepping else ""))
+            else:
+                try:
+                    tensors = self._tensors(request)
+                except Exception as e:
+                    error = f"{type(e).__name__}: {e}"
             if error:
-                _STEP_LOCK.release()
-        if error:
-            self.store.set(f"{self.base}err{n}/{self.rank}", error)
-        self._gather_to_0(torch.tensor([1 if error else 0]))
-        failed = torch.zeros(1, dtype=torch.int64)
-        self._broadcast_from_0(failed)
-        if error:
-            return
-        try:
-            if failed.item():
+                self.store.set(f"{self.base}err{n}/{self.rank}", error)
+            self._gather_to_0(torch.tensor([1 if error else 0]))
+            failed = torch.zeros(1, dtype=torch.int64)
+            self._broadcast_from_0(failed)
+            if error or failed.item():
                 return
             for t in tensors:
                 self._gather_to_0(_to_cpu(t))
-        finally:
-            _STEP_LOCK.release()
 
     def _tensors(self, request: dict) -> list[torch.Tensor]:
         refs = self.models if request["kind"] == "model" else self.optimizers
@@ -262,7 +285,11 @@ def _serve(ref: "weakref.ref[SaveService]", stop: threading.Event) -> None:
         n += 1
         try:
             service._answer(n, request)
-        except Exception:  # rank 0 reports the failure (its gather times out)
+        except Exception as e:  # the exchange broke off: rank 0's next save says so at once
+            try:
+                service.store.set(f"{service.base}broken{service.rank}", f"{type(e).__name__}: {e}")
+            except Exception:
+                pass
             return
         del service
 
@@ -274,7 +301,9 @@ def _to_cpu(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.device.type != "cuda":
         return t.contiguous()
-    stream = torch.cuda.Stream(device=t.device)
+    stream = _COPY_STREAMS.get(t.device)
+    if stream is None:  # (NCCL takes its streams from the low-priority pool)
+        stream = _COPY_STREAMS[t.device] = torch.cuda.Stream(device=t.device, priority=-1)
     with torch.cuda.stream(stream):
         if _STEP_DONE is not None:
             stream.wait_event(_STEP_DONE)
@@ -308,6 +337,14 @@ def _install_hooks() -> None:
     register_optimizer_step_pre_hook(_before_step)
     register_optimizer_step_post_hook(_after_step)
     atexit.register(_stop_services)
+    previous = sys.excepthook
+
+    def excepthook(*args):
+        global _crashed
+        _crashed = True
+        previous(*args)
+
+    sys.excepthook = excepthook
     _hooks_installed = True
 
 
@@ -333,24 +370,32 @@ def _stop_services() -> None:
         if service.rank == 0:
             _finished(service.store, service.base)
     for service in list(_SERVING):
-        service.linger()
+        if not _crashed:  # (a rank that failed exits at once: torchrun then stops the others)
+            service.linger()
         service.stop()
     _SERVING.clear()
     gc.collect()
 
 
 def _before_step(optimizer, args, kwargs) -> None:
-    _STEP_LOCK.acquire()
-    if optimizer not in _OPTIMIZERS:
+    global _stepping
+    with _STEPS:  # (waits while a service thread reads this rank's tensors)
+        _stepping += 1
+    entry = _OPTIMIZERS.get(optimizer)
+    if entry is None or entry[0] != len(_params(optimizer)):
         _adopt(optimizer)
 
 
 def _after_step(optimizer, args, kwargs) -> None:
-    global _STEP_DONE
+    global _STEP_DONE, _stepping, _stepped
     if any(p.is_cuda for p in _params(optimizer)[:1]):
         _STEP_DONE = torch.cuda.Event()
         _STEP_DONE.record()
-    _STEP_LOCK.release()
+    with _STEPS:
+        _stepping = max(0, _stepping - 1)
+        if _experts(optimizer):
+            _stepped += 1
+        _STEPS.notify_all()
 
 
 def _experts_of(optimizer) -> dict[int, SaveService]:
@@ -368,30 +413,39 @@ def _experts_of(optimizer) -> dict[int, SaveService]:
 
 
 def _adopt(optimizer) -> None:
-    """First step of an optimizer: if it trains experts under expert parallelism, its state_dict
-    gathers them on rank 0 and its load_state_dict keeps this rank's part (also of a state loaded
-    before this first step, as the Trainer's resume_from_checkpoint does)."""
+    """An optimizer's first step (or first after add_param_group): if it trains experts under
+    expert parallelism, its state_dict gathers them on rank 0 and its load_state_dict keeps this
+    rank's part (also of a state loaded before this step, as the Trainer's resume does)."""
     experts = _experts_of(optimizer)
-    _OPTIMIZERS[optimizer] = experts
+    known = optimizer in _OPTIMIZERS
+    _OPTIMIZERS[optimizer] = (len(_params(optimizer)), experts)
     if not experts:
         return
     for service in set(experts.values()):
-        service.optimizers.append(weakref.ref(optimizer))
-    optimizer.register_state_dict_post_hook(_full_state)
-    optimizer.register_load_state_dict_post_hook(_own_state)
+        if not any(r() is optimizer for r in service.optimizers):
+            service.optimizers.append(weakref.ref(optimizer))
+    if not (known and getattr(optimizer, "_automoe_ep_hooks", False)):
+        optimizer.register_state_dict_post_hook(_full_state)
+        optimizer.register_load_state_dict_post_hook(_own_state)
+        optimizer._automoe_ep_hooks = True
     _own_state(optimizer)
 
 
+def _experts(optimizer) -> dict:
+    entry = _OPTIMIZERS.get(optimizer)
+    return entry[1] if entry else {}
+
+
 def _full_state(optimizer, state_dict: dict) -> dict:
-    """Optimizer.state_dict on rank 0: each expert moment of the full [E, ...] shape (gathered from
-    the EP group, on the CPU), as one process holding every expert would save it."""
-    experts = _OPTIMIZERS.get(optimizer) or {}
+    """Optimizer.state_dict on rank 0: each expert moment with one row per expert ([E, ...] or
+    [E, ...] of another trailing shape, as Adafactor's factors) gathered from the EP group, on the
+    CPU, as one process holding every expert would save it."""
     by_service: dict[SaveService, list[tuple[int, str]]] = {}
-    for i, service in experts.items():
+    for i, service in _experts(optimizer).items():
         if service.rank != 0:
             continue
         for key, value in state_dict["state"].get(i, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and _local(value).shape[0] == service.count:
                 by_service.setdefault(service, []).append((i, key))
     states = dict(state_dict["state"])
     for service, items in by_service.items():
@@ -401,24 +455,22 @@ def _full_state(optimizer, state_dict: dict) -> dict:
 
 
 def _own_state(optimizer) -> None:
-    """Keeps this rank's experts of every full [E, ...] moment (a state loaded from a checkpoint
-    that rank 0 wrote), laid out as the parameter (a DTensor shard for a DTensor parameter)."""
-    from torch.distributed.tensor import DTensor
+    """Keeps this rank's rows of every expert moment with one row per expert of the model (a state
+    loaded from a checkpoint that rank 0 wrote), a DTensor shard for a DTensor parameter."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    experts = _OPTIMIZERS.get(optimizer) or {}
     params = _params(optimizer)
-    for i, service in experts.items():
+    for i, service in _experts(optimizer).items():
         p = params[i]
         state = optimizer.state.get(p)
         if not state:
             continue
-        local = _local(p)
         for key, value in list(state.items()):
             if (not isinstance(value, torch.Tensor) or isinstance(value, DTensor) or value.dim() == 0
-                    or value.shape[0] != service.count * service.ep or value.shape[1:] != local.shape[1:]):
+                    or value.shape[0] != service.count * service.ep):
                 continue
-            mine = value[service.begin:service.begin + service.count].to(local.device, local.dtype).clone()
+            mine = value[service.begin:service.begin + service.count].to(_local(p).device).clone()
             if isinstance(p, DTensor):
-                mine = DTensor.from_local(mine, p.device_mesh, p.placements, run_check=False,
-                                          shape=p.shape, stride=p.stride())
+                mine = DTensor.from_local(mine, p.device_mesh, [Shard(0)], run_check=False, shape=value.shape,
+                                          stride=value.stride())
             state[key] = mine

@@ -142,6 +142,7 @@ class _ExpertParallelTransformersModel(_ExpertParallelModel):
         if service.rank != 0:
             service.wait_saved(directory)
             return
+        service.saving(directory)
         try:
             state = self.state_dict()
             full = service.gather_model(self, [n for n, t in state.items() if isinstance(t, DTensor)])

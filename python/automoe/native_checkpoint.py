@@ -82,6 +82,8 @@ class _EngineCheckpoint:
                 return
         if layout is None and save_original_format is not None:
             layout = "per-expert" if save_original_format else "fused"
+        if service is not None:
+            service.saving(directory)
         try:
             engine = self._automoe_sync()
             tensors = None

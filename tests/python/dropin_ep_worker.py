@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -200,6 +201,22 @@ def main() -> None:
     if rank == 0:
         for f in sorted((out / "every").iterdir()):
             assert f.read_bytes() == (out / "alone" / f.name).read_bytes(), f.name
+    # A rank whose optimizer step comes later than rank 0's (rank 0 saves right after its own):
+    # rank 0's save waits for it, so the files hold every rank's experts after that step.
+    model.zero_grad(set_to_none=True)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(input_ids=batches[0][0], labels=batches[0][0]).loss.backward()
+    if rank == 0:
+        sgd.step()
+        model.save_pretrained(out / "lagging")
+    else:
+        time.sleep(1.5)
+        sgd.step()
+    dist.barrier()
+    model.save_pretrained(out / "stepped")
+    if rank == 0:
+        for f in sorted((out / "stepped").iterdir()):
+            assert f.read_bytes() == (out / "lagging" / f.name).read_bytes(), f"a lagging rank's step: {f.name}"
     os.environ["AUTOMOE_EP_SAVE_TIMEOUT_S"] = "2"
     if rank == 1:
         try:
