@@ -109,7 +109,7 @@ class _EngineBinding:
             return []
         from peft.tuners.tuners_utils import BaseTunerLayer
 
-        out = []
+        out, expert_sites = [], []
         for name, module in self.named_modules():
             if not isinstance(module, BaseTunerLayer):
                 continue
@@ -165,9 +165,19 @@ class _EngineBinding:
                 # PEFT: lora_A [E·r, in] expert-major, lora_B [out, r·E] rank-major.
                 a = a.view(experts, r, a.shape[-1])
                 b = b.view(b.shape[0], r, experts).permute(2, 0, 1)
+                expert_sites.append(len(out))
             else:
                 base = f"{self._automoe_prefix}{path}.weight"
             out.append((base, a, b, scaling, dropout))
+        if expert_sites and self._automoe_ep is not None:
+            # Under expert parallelism each rank runs its own experts' rows of the (replicated)
+            # expert adapters; the gradient comes back whole (native_parallel.expert_adapter_rows).
+            from automoe.native_parallel import expert_adapter_rows
+
+            factors = [t for i in expert_sites for t in out[i][1:3]]
+            rows = expert_adapter_rows(self._automoe_ep, factors)
+            for k, i in enumerate(expert_sites):
+                out[i] = (out[i][0], rows[2 * k], rows[2 * k + 1], *out[i][3:])
         return out
 
     def _automoe_check_hooks(self) -> bool:
@@ -206,9 +216,6 @@ class _EngineBinding:
         engine.rebind(params)
         adapters = self._automoe_adapters()
         if adapters or getattr(self, "_automoe_has_adapters", False):
-            if adapters and self._automoe_ep is not None:
-                raise AutoMoEError("PEFT adapters on a model loaded with ep_size > 1 are not supported "
-                                   "yet; load it without ep_size")
             engine.set_adapters(adapters)
             self._automoe_has_adapters = bool(adapters)
         if self._automoe_ep is not None:

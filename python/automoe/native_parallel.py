@@ -92,7 +92,8 @@ class _ExpertParallel:
         self.service.add_model(model)
         # DistributedDataParallel (Trainer, accelerate) all-reduces what it does not ignore:
         # each rank's experts are its own, their gradients are averaged by the hook below.
-        model._ddp_params_and_buffers_to_ignore = sorted(self.routed)
+        # (The causal LM's list is _ExpertParallelModel's property: the names as they are when
+        # DDP wraps it, a PEFT model around it included.)
         base._ddp_params_and_buffers_to_ignore = sorted(
             n[len(prefix):] for n in self.routed if n.startswith(prefix))
         if hook:
@@ -126,6 +127,49 @@ class _ExpertParallel:
 
             dist.all_reduce(grad, group=self.dp_group)
         return grad
+
+
+def expert_adapter_rows(ep: _ExpertParallel, factors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """This rank's experts' rows of PEFT's expert adapters under expert parallelism: `factors`
+    ([E, ...] views of the LoRA factors, every rank holding all E — PEFT makes them replicated,
+    dense parameters) cut to [expert_begin, expert_begin + expert_count), for the engine.
+
+    In the backward the rows' gradient returns as the whole factor's: summed over the EP group
+    (each rank filled its own rows) and divided by ep. So under DistributedDataParallel (the
+    Trainer, accelerate), which averages the adapters as dense parameters over the world, an
+    expert's adapter gets the replicas' summed gradient over the world size — the experts' rule —
+    and ranks that all feed the same batch without DDP get the one-process gradient on every rank.
+    One collective per forward, in the backward (where the dispatcher's run)."""
+    info = ep.info
+    return list(_ExpertAdapterRows.apply(ep.ep_group, int(info["expert_begin"]), int(info["expert_count"]),
+                                         int(info["ep"]), *factors))
+
+
+class _ExpertAdapterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, begin, count, ep, *factors):
+        ctx.group, ctx.begin, ctx.count, ctx.ep = group, begin, count, ep
+        ctx.shapes = [(f.shape, f.dtype, f.device) for f in factors]
+        return tuple(f[begin:begin + count] for f in factors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        import torch.distributed as dist
+
+        full = []
+        for g, (shape, dtype, device) in zip(grads, ctx.shapes):
+            t = torch.zeros(shape, dtype=dtype, device=device)
+            if g is not None:
+                t[ctx.begin:ctx.begin + ctx.count] = g
+            full.append(t)
+        flat = torch.cat([t.reshape(-1) for t in full])
+        dist.all_reduce(flat, group=ctx.group)
+        flat /= ctx.ep
+        out, at = [], 0
+        for t in full:
+            out.append(flat[at:at + t.numel()].view(t.shape))
+            at += t.numel()
+        return (None, None, None, None, *out)
 
 
 def sharded_parameter(local: torch.Tensor, mesh) -> torch.Tensor:
@@ -190,6 +234,24 @@ class _ExpertParallelModel:
         if self._automoe_ep is not None:
             self._automoe_ep.service.add_model(clone)  # (every rank copies it, in the same order)
         return clone
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """DistributedDataParallel's ignore list: this rank's experts (its own, averaged by the
+        experts' hook), named as they are now — also inside PEFT's wrappers (`experts.base_layer.`)
+        and from a PeftModel around this model (`base_model.model.`), which DDP reads this
+        attribute through."""
+        names = list(self.__dict__.get("_automoe_ddp_ignore", ()))
+        ep = self.__dict__.get("_automoe_ep")
+        if ep is not None:
+            for name, _ in self.named_parameters(remove_duplicate=False):
+                if name.replace(".base_layer", "") in ep.routed:
+                    names += [name, "base_model.model." + name]
+        return sorted(set(names))
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names) -> None:
+        self.__dict__["_automoe_ddp_ignore"] = list(names)
 
     @property
     def automoe_parallel(self) -> dict | None:

@@ -153,6 +153,91 @@ def test_training_on_a_mesh_equals_one_process(model_dir, single, tmp_path, npro
         assert files == [f"experts-{i:05d}-of-{ep:05d}.safetensors" for i in range(ep)]
 
 
+LORA_EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_ep_recipe(model_dir, tmp, run, **parallel):
+    r = ep_recipe(model_dir, tmp, run, **parallel)
+    r["peft"] = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+                 "target_parameters": LORA_EXPERTS, "export_merged": True}
+    r["optimizer"]["lr"] = 1e-2
+    return r
+
+
+@pytest.fixture(scope="module")
+def lora_single(model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora-single")
+    run_train(lora_ep_recipe(model_dir, tmp, "run"), tmp)
+    return tmp / "run"
+
+
+@pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 4)], ids=["ep2", "ep4"])
+def test_lora_under_expert_parallelism_equals_one_process(model_dir, lora_single, tmp_path, nproc, ep):
+    """Each rank trains the adapters of its own experts beside their weights (drawn as one process
+    draws them), the attention adapters replicated: losses, gradient norms, the expert-adapter
+    metrics (summed over the EP group), the PEFT export (gathered) and the merged export (written
+    collectively) match one process."""
+    run_ranks(lora_ep_recipe(model_dir, tmp_path, "run", ep=ep), tmp_path, nproc)
+    ref, got = metrics(lora_single), metrics(tmp_path / "run")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
+        for g, r in zip(got[step]["expert_lora"], ref[step]["expert_lora"], strict=True):
+            assert {k: g[k] for k in ("layer", "experts_with_grad", "experts")} == \
+                {k: r[k] for k in ("layer", "experts_with_grad", "experts")}, step
+            assert g["update_norm"] == pytest.approx(r["update_norm"], rel=1e-5), step
+    a = load_tensors(lora_single / "export" / "adapter_model.safetensors")
+    b = load_tensors(tmp_path / "run" / "export" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert (tmp_path / "run" / "export" / "adapter_config.json").read_bytes() == \
+        (lora_single / "export" / "adapter_config.json").read_bytes()
+    ma = {}
+    mb = {}
+    for f in (lora_single / "export-merged").glob("*.safetensors"):
+        ma.update(load_tensors(f))
+    for f in (tmp_path / "run" / "export-merged").glob("*.safetensors"):
+        mb.update(load_tensors(f))
+    assert ma.keys() == mb.keys()
+    for k in ma:
+        torch.testing.assert_close(mb[k], ma[k], rtol=1e-5, atol=1e-6, msg=k)
+    # The checkpoint holds each rank's expert adapters in its own shard.
+    files = sorted(p.name for p in (tmp_path / "run" / "step-3").glob("experts-*"))
+    assert files == [f"experts-{i:05d}-of-{ep:05d}.safetensors" for i in range(ep)]
+
+
+def test_lora_exported_under_expert_parallelism_is_the_one_process_export_byte_for_byte(
+        model_dir, lora_single, tmp_path):
+    """The one-process run's last checkpoint, resumed at ep 2 with no step left to train: the
+    gathered PEFT export and the collectively written merged model are the one-process files, byte
+    for byte. Then a run checkpointed at ep 2 and resumed in one process continues it."""
+    run = tmp_path / "run"
+    shutil.copytree(lora_single, run)
+    for d in ("export", "export-merged"):
+        shutil.rmtree(run / d)
+    recipe = lora_ep_recipe(model_dir, tmp_path, "run", ep=2)
+    recipe["checkpoint"]["resume"] = True
+    run_ranks(recipe, tmp_path, 2)
+    for d in ("export", "export-merged"):
+        names = sorted(p.name for p in (lora_single / d).iterdir())
+        assert names == sorted(p.name for p in (run / d).iterdir()), d
+        for n in names:
+            assert (run / d / n).read_bytes() == (lora_single / d / n).read_bytes(), (d, n)
+    # ep 2 for two steps (a checkpoint), then one process for the third: the one-process losses.
+    split = lora_ep_recipe(model_dir, tmp_path, "split", ep=2)
+    split["checkpoint"]["every"] = 1
+    run_ranks(split, tmp_path, 2, "train.max_steps=2")
+    assert sorted(p.name for p in (tmp_path / "split" / "step-2").glob("experts-*")) == [
+        "experts-00000-of-00002.safetensors", "experts-00001-of-00002.safetensors"]
+    split.pop("parallel")
+    split["model"].pop("backend", None)
+    run_train(split, tmp_path)
+    ref, got = metrics(lora_single), metrics(tmp_path / "split")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+
+
 def test_zero1_when_one_ranks_last_micro_batch_has_nothing_to_learn(model_dir, tmp_path):
     """Rank 1's last micro-batch of every step (the 4th document: a prompt longer than seq_len)
     has no loss token and is not run, so rank 1 launches its gradient buckets after the loop
@@ -474,6 +559,35 @@ def test_a_hybrid_recurrent_attention_moe_model_under_ep_equals_one_process(tmp_
         torch.testing.assert_close(b[k], a[k], rtol=5e-5, atol=5e-5, msg=k)
 
 
+@pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
+def test_lora_on_a_hybrid_model_under_ep2_dp2_equals_one_process(tmp_path, tmp_path_factory, tokenizer, family):
+    """LoRA on the recurrent mixers' and attention's projections (replicated, reduced over all four
+    ranks) and on the routed experts (two experts' rows per rank, reduced over the two replicas)."""
+    from test_train_families import tiny_family_checkpoint
+    from test_train_lora import HYBRID_LORA
+
+    ckpt = tiny_family_checkpoint(family, tmp_path_factory, tokenizer)
+    modules, experts = HYBRID_LORA[family]
+
+    def recipe(run, **parallel):
+        r = lora_ep_recipe(ckpt, tmp_path, run, **parallel)
+        r["peft"].update(target_modules=modules, target_parameters=experts, export_merged=False)
+        return r
+
+    run_train(recipe("one"), tmp_path)
+    run_ranks(recipe("ep", ep=2), tmp_path, 4)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "ep")
+    assert got[3]["parallel"]["dp"] == 2
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+        assert got[step]["grad_norm"] == pytest.approx(ref[step]["grad_norm"], rel=1e-6), step
+    a = load_tensors(tmp_path / "one" / "export" / "adapter_model.safetensors")
+    b = load_tensors(tmp_path / "ep" / "export" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
+    for k in a:  # (an element whose Adam step divides rounding-level gradients: 1e-5)
+        torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
 # ---- the drop-in ------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 2)], ids=["ep2", "ep2-dp2"])
@@ -561,6 +675,62 @@ def test_the_transformers_trainer_under_expert_parallelism_equals_one_process(tm
         ids = torch.load(tmp_path / "ep" / "logits.pt", weights_only=True)
         data_ids = torch.randint(3, plain.config.vocab_size, (40, 12), generator=torch.Generator().manual_seed(5))[0]
         torch.testing.assert_close(plain(data_ids[None]).logits, ids, rtol=1e-5, atol=1e-5)
+
+
+def test_peft_lora_under_the_trainer_with_ep_size_equals_one_process(tmp_path):
+    """PEFT's get_peft_model on a drop-in loaded with ep_size=2 (× DDP 2), trained by the Trainer:
+    each rank runs its experts' rows of the expert adapters, the gradients come back whole (the
+    experts' rule through DDP): the one-process losses and gradient norms, optimizer.pt with every
+    adapter's moments, a resumed run on the same curve; the adapter save_model writes loads with
+    PEFT onto plain Transformers' model with the EP model's logits."""
+    from peft import PeftModel
+    from test_fallback import write_family_checkpoint
+    from transformers import AutoModelForCausalLM
+
+    ckpt = write_family_checkpoint(tmp_path / "mixtral", "mixtral", num_local_experts=4)
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), OMP_NUM_THREADS="1", AUTOMOE_TEST_PEFT="1")
+    subprocess.run([sys.executable, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "one"), "1"],
+                   check=True, capture_output=True, env=env, timeout=600)
+    os.environ["AUTOMOE_TEST_PEFT"] = "1"
+    try:
+        proc = torchrun(4, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "ep"), "2", check=False)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+        step5 = tmp_path / "ep" / "trainer" / "checkpoint-5"
+        proc = torchrun(4, str(HERE / "trainer_ep_worker.py"), str(ckpt), str(tmp_path / "resumed"), "2",
+                        str(step5), check=False)
+        assert proc.returncode == 0, proc.stderr[-6000:]
+    finally:
+        del os.environ["AUTOMOE_TEST_PEFT"]
+    ref = json.loads((tmp_path / "one" / "log.json").read_text())
+    for run in ("ep", "resumed"):
+        got = json.loads((tmp_path / run / "log.json").read_text())
+        assert [h["step"] for h in got] == [h["step"] for h in ref] == list(range(1, 11))
+        for a, b in zip(got, ref):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-5), (run, a["step"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (run, a["step"])
+    mine = torch.load(step5 / "optimizer.pt", weights_only=True)["state"]
+    theirs = torch.load(tmp_path / "one" / "trainer" / "checkpoint-5" / "optimizer.pt", weights_only=True)["state"]
+    assert mine.keys() == theirs.keys() and len(theirs) == 2 * 2 * 4  # (2 layers, 4 adapted weights, A and B)
+    for i in theirs:
+        for key, value in theirs[i].items():
+            torch.testing.assert_close(mine[i][key], value, rtol=1e-4, atol=1e-7)
+    final = tmp_path / "ep" / "final"
+
+    def config(d):  # (PEFT writes target_modules from a set: its order follows the hash seed)
+        c = json.loads((d / "adapter_config.json").read_text())
+        return {**c, "target_modules": sorted(c["target_modules"])}
+
+    assert config(final) == config(tmp_path / "one" / "final")
+    a = load_tensors(tmp_path / "one" / "final" / "adapter_model.safetensors")
+    b = load_tensors(final / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any("experts" in k for k in a)
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6, msg=k)
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32), final).eval()
+    with torch.no_grad():
+        want = torch.load(tmp_path / "ep" / "logits.pt", weights_only=True)
+        ids = torch.randint(3, plain.config.vocab_size, (40, 12), generator=torch.Generator().manual_seed(5))[0]
+        torch.testing.assert_close(plain(ids[None]).logits, want, rtol=1e-5, atol=1e-5)
 
 
 def test_trl_sft_trainer_under_expert_parallelism_equals_data_parallelism(tmp_path, tokenizer):

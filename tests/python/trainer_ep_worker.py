@@ -7,7 +7,8 @@ gradient norms) as JSON and the final model's logits on a fixed batch.
 
 argv: checkpoint directory, output directory, ep_size[, the checkpoint to resume from, or "last":
 the output directory's last checkpoint if there is one]. AUTOMOE_TEST_KILL_AT_STEP=N: rank 1 of
-torchrun's first attempt SIGKILLs itself as step N begins."""
+torchrun's first attempt SIGKILLs itself as step N begins. AUTOMOE_TEST_PEFT=1: LoRA (PEFT's
+get_peft_model, r 4 on q_proj / v_proj and the routed experts) on the model, the base frozen."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
                                                  **({"ep_size": ep} if ep > 1 else {}))
     vocab = model.config.vocab_size
+    if os.environ.get("AUTOMOE_TEST_PEFT") == "1":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(0)  # (PEFT draws A from torch's generator: the same on every rank)
+        model = get_peft_model(model, LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
     gen = torch.Generator().manual_seed(5)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(3, vocab, (40, 12), generator=gen)]
     args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=4 // world, max_steps=10,

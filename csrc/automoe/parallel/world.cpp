@@ -99,6 +99,17 @@ std::vector<int64_t> all_gather_ints(const Group& group, const std::vector<int64
   return {out.data_ptr<int64_t>(), out.data_ptr<int64_t>() + P * n};
 }
 
+at::Tensor all_gather_rows(const Group& group, const at::Tensor& rows, const char* what) {
+  if (!group || group->getSize() == 1) return rows;
+  at::NoGradGuard no_grad;  // (the backend fills views of `out`)
+  std::vector<int64_t> shape = rows.sizes().vec();
+  shape[0] *= group->getSize();
+  at::Tensor out = at::empty(shape, rows.options());
+  at::Tensor in = rows.detach().contiguous();
+  wait(group->_allgather_base(out, in), what);
+  return out;
+}
+
 std::vector<std::string> all_gather_strings(const Group& group, const std::string& mine,
                                             c10::Device device, const char* what) {
   if (!group || group->getSize() == 1) return {mine};

@@ -68,6 +68,10 @@ void all_reduce_sum(const Group& group, const at::Tensor& t, const char* what);
 // Every rank's copy of a small int64 vector (equal lengths), rank-major; on the host.
 std::vector<int64_t> all_gather_ints(const Group& group, const std::vector<int64_t>& mine,
                                      c10::Device device, const char* what);
+// Every rank's `rows` (equal shapes) concatenated along dim 0 in rank order — over an EP group,
+// the whole [E, ...] tensor of which each rank holds its experts' rows. Bitwise copies, on
+// `rows`' device.
+at::Tensor all_gather_rows(const Group& group, const at::Tensor& rows, const char* what);
 // Each rank's error message (empty: none); if any rank has one, throws on every rank, naming
 // the first such rank and its message — so that a failure on one rank (a check, a full disk)
 // fails a collective operation everywhere instead of leaving the others waiting in it.

@@ -14,44 +14,86 @@ namespace {
 namespace fs = std::filesystem;
 
 // The adapters as trained (their float32 masters) as PEFT's adapter directory, which PEFT loads
-// onto Transformers' model of model.path; on request also the merged model. Every rank holds the
-// same adapters (no expert parallelism): rank 0 writes.
+// onto Transformers' model of model.path; on request also the merged model. Under expert
+// parallelism the routed experts' adapters are gathered over the EP group (bitwise: the files are
+// the one-process export's), every replica holding the same adapters; rank 0 writes. The merged
+// model is written collectively, each rank merging its own experts' rows.
 Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
-                         c10::ScalarType export_dtype, ExpertsLayout layout) {
+                         const parallel::World& world, c10::ScalarType export_dtype,
+                         ExpertsLayout layout) {
   const AdamW& opt = m.ts.opt;
-  std::vector<LoraSite> trained = m.lora_sites;
+  const bool sharded = m.mesh.ep > 1;
+  std::vector<LoraSite> trained = m.lora_sites, whole;
   for (auto& site : trained) {
     for (size_t i = 0; i < opt.names.size(); ++i) {
       if (opt.names[i] == site.a_name()) site.a = opt.master[i];
       if (opt.names[i] == site.b_name()) site.b = opt.master[i];
     }
   }
-  if (!place.lead) return {};
+  for (const auto& site : trained) {
+    LoraSite w = site;
+    if (sharded && site.experts) {
+      w.a = parallel::all_gather_rows(world.ep, site.a, "LoRA export (experts' adapters)");
+      w.b = parallel::all_gather_rows(world.ep, site.b, "LoRA export (experts' adapters)");
+      w.experts_count = w.a.size(0);
+    }
+    whole.push_back(std::move(w));
+  }
   const c10::ScalarType adapter_dtype =
       rc.checkpoint.export_dtype == "auto" ? at::kFloat : export_dtype;
-  write_peft_adapter((place.run / "export").string(), m.lora_config, trained,
-                     fs::absolute(rc.model.path).lexically_normal().string(), adapter_dtype);
+  std::string error;  // (a failed write on rank 0 fails the export on every rank)
+  if (place.lead) {
+    try {
+      write_peft_adapter((place.run / "export").string(), m.lora_config, whole,
+                         fs::absolute(rc.model.path).lexically_normal().string(), adapter_dtype);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (place.dist) {
+    parallel::agree(world.world, error, world.device, "LoRA export");
+  } else if (!error.empty()) {
+    throw Error(error);
+  }
   Exported out{{{"export", (place.run / "export").string()}},
                (place.run / "export").string() + " (PEFT adapter)"};
-  if (rc.peft.export_merged) {
-    std::map<int64_t, const LoraSite*> by_slot;
-    for (const auto& site : trained) by_slot[site.slot] = &site;
-    NamedTensors merged;
-    const auto& params = m.decoder().named_parameters();
-    const auto& trainable = m.decoder().trainable();
+  if (!rc.peft.export_merged) return place.lead ? out : Exported{};
+  // Each weight merged where it lives: dense ones by rank 0, experts' rows by the ranks of
+  // replica 0 (the others pass their shapes only: write_pretrained).
+  std::map<int64_t, const LoraSite*> by_slot;
+  for (const auto& site : trained) by_slot[site.slot] = &site;
+  NamedTensors merged;
+  const auto& params = m.decoder().named_parameters();
+  const auto& trainable = m.decoder().trainable();
+  const std::vector<ParamDecl> decls = parameter_layout(m.spec());
+  error.clear();
+  try {
     for (size_t i = 0; i < params.size(); ++i) {
       const auto& [name, t] = params[i];
+      const c10::ScalarType dt = trainable[i] ? export_dtype : t.scalar_type();
+      const bool writes = decls[i].routed_expert && sharded ? world.dp_rank() == 0 : place.lead;
+      if (!writes) {
+        merged.emplace_back(name, at::empty(t.sizes(), at::TensorOptions().dtype(dt).device(at::kMeta)));
+        continue;
+      }
       const auto it = by_slot.find(static_cast<int64_t>(i));
-      merged.emplace_back(
-          name, it != by_slot.end()
-                    ? merge_lora(*it->second, t, export_dtype).cpu()
-                    : t.detach().to(at::kCPU, trainable[i] ? export_dtype : t.scalar_type()));
+      merged.emplace_back(name, it != by_slot.end() ? merge_lora(*it->second, t, export_dtype).cpu()
+                                                    : t.detach().to(at::kCPU, dt));
     }
-    write_pretrained(m.pm.config, layout, m.pm.source_dir, m.spec(), merged,
-                     (place.run / "export-merged").string(), SaveOptions{}, nullptr);
-    out.fields["export_merged"] = (place.run / "export-merged").string();
-    out.where += " and " + (place.run / "export-merged").string() + " (merged Hugging Face model)";
+  } catch (const std::exception& e) {
+    error = e.what();
   }
+  if (place.dist) {
+    parallel::agree(world.world, error, world.device, "merged export");
+  } else if (!error.empty()) {
+    throw Error(error);
+  }
+  write_pretrained(m.pm.config, layout, m.pm.source_dir, m.spec(), merged,
+                   (place.run / "export-merged").string(), SaveOptions{},
+                   place.dist ? &world : nullptr);
+  if (!place.lead) return {};
+  out.fields["export_merged"] = (place.run / "export-merged").string();
+  out.where += " and " + (place.run / "export-merged").string() + " (merged Hugging Face model)";
   return out;
 }
 
@@ -111,7 +153,7 @@ Exported export_run(const Recipe& rc, const RunPlace& place, TrainModel& m,
   ExpertsLayout layout = m.pm.layout;
   if (rc.checkpoint.export_layout == "per-expert") layout = ExpertsLayout::kPerExpert;
   if (rc.checkpoint.export_layout == "fused") layout = ExpertsLayout::kFused;
-  if (m.lora) return export_adapters(rc, place, m, export_dtype, layout);
+  if (m.lora) return export_adapters(rc, place, m, world, export_dtype, layout);
   return export_model(place, m, world, export_dtype, layout);
 }
 

@@ -72,7 +72,10 @@ std::vector<at::Tensor> ExpertAdapterMetrics::snapshot(const AdamW& opt) const {
   return out;
 }
 
-json ExpertAdapterMetrics::report(const AdamW& opt, const std::vector<at::Tensor>& before) {
+json ExpertAdapterMetrics::report(const AdamW& opt, const std::vector<at::Tensor>& before,
+                                 const parallel::Group& ep) {
+  // Per layer (touched's order): experts with a gradient, experts, the update's squared norm —
+  // summed over the EP group, whose ranks hold the layer's experts between them.
   std::map<int64_t, double> sq;
   for (size_t k = 0; k < sites.size() && !before.empty(); ++k) {
     for (int w = 0; w < 2; ++w) {
@@ -80,12 +83,25 @@ json ExpertAdapterMetrics::report(const AdamW& opt, const std::vector<at::Tensor
       sq[sites[k].layer] += (opt.master[i] - before[2 * k + w]).pow(2).sum().item<double>();
     }
   }
+  std::vector<double> sums;
+  for (const auto& [layer, t] : touched) {
+    sums.insert(sums.end(), {t.sum().item<double>(), static_cast<double>(t.numel()), sq[layer]});
+  }
+  if (ep && ep->getSize() > 1 && !sums.empty()) {
+    const at::Device dev = touched.begin()->second.device();
+    at::Tensor all = at::tensor(sums, at::kDouble).to(dev);
+    parallel::all_reduce_sum(ep, all, "expert adapter metrics");
+    all = all.cpu();
+    sums.assign(all.data_ptr<double>(), all.data_ptr<double>() + all.numel());
+  }
   json out = json::array();
+  size_t j = 0;
   for (const auto& [layer, t] : touched) {
     out.push_back({{"layer", layer},
-                   {"experts_with_grad", t.sum().item<int64_t>()},
-                   {"experts", t.numel()},
-                   {"update_norm", before.empty() ? NAN : std::sqrt(sq[layer])}});
+                   {"experts_with_grad", static_cast<int64_t>(sums[3 * j])},
+                   {"experts", static_cast<int64_t>(sums[3 * j + 1])},
+                   {"update_norm", before.empty() ? NAN : std::sqrt(sums[3 * j + 2])}});
+    ++j;
   }
   touched.clear();
   return out;

@@ -50,8 +50,10 @@ struct ExpertAdapterMetrics {
   // Masters of the experts' factors before an update (for report's update_norm).
   std::vector<at::Tensor> snapshot(const AdamW& opt) const;
   // The "expert_lora" field, per layer; forgets the window. `before`: snapshot() of the window's
-  // last update (empty: update_norm NaN).
-  nlohmann::json report(const AdamW& opt, const std::vector<at::Tensor>& before);
+  // last update (empty: update_norm NaN). Under expert parallelism every rank of `ep` calls it
+  // at the same step (the counts and norms are summed over the group).
+  nlohmann::json report(const AdamW& opt, const std::vector<at::Tensor>& before,
+                        const parallel::Group& ep = {});
 };
 
 // What every rank of a mesh reports at a logged step.

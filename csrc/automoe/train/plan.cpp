@@ -168,7 +168,6 @@ std::string refusal(const ModelSpec& full, const Recipe& rc, const Config& c, in
   const bool lean = rc.model.dtype == "bfloat16" && !lora &&
                     (c.masters != "float32" || c.state != "float32");
   if (lean && zero > 0) return "lean optimizer precision needs parallel.zero: 0";
-  if (lora && c.ep > 1) return "LoRA under expert parallelism is not supported yet";
   if (c.world % c.ep != 0) return "parallel.ep does not divide the processes";
   if (c.ep > 1 && full.moe.num_experts == 0) return "parallel.ep > 1 on a model without experts";
   if (full.moe.num_experts > 0 && full.moe.num_experts % c.ep != 0) {

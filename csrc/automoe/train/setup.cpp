@@ -76,18 +76,20 @@ parallel::Mesh check_mesh(const Recipe& rc, const parallel::World& world, const 
 }
 
 // LoRA: which weights get adapters (PEFT's rules), refused where the engine or the export cannot
-// honour the recipe; the adapters initialised as PEFT does, float32 on the device.
+// honour the recipe; the adapters initialised as PEFT does, float32 on the device. Under expert
+// parallelism the routed experts' adapters are planned and drawn for every expert, as one process
+// draws them, and each rank keeps its own experts' rows (beside their weights).
 std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::Device dev) {
-  AUTOMOE_CHECK(m.mesh.ep == 1, "peft: LoRA under expert parallelism (parallel.ep = ", m.mesh.ep,
-                ") is not supported yet; use parallel.ep: 1 (data parallelism)");
   AUTOMOE_CHECK(rc.router.bias_update_rate == 0,
                 "router.bias_update_rate: ", rc.router.bias_update_rate,
                 " with peft: the routers' correction bias would train "
                 "beside the adapters, but the PEFT adapter export cannot carry it (PEFT would load "
                 "the adapter onto the untrained bias); use 0 with LoRA");
+  ModelSpec whole = m.spec();
+  whole.moe.expert_begin = whole.moe.expert_count = 0;
   std::vector<LoraSite> sites;
   try {
-    sites = plan_lora(m.spec(), parameter_layout(m.spec()), m.lora_config, /*strict=*/true);
+    sites = plan_lora(whole, parameter_layout(whole), m.lora_config, /*strict=*/true);
   } catch (const Error& e) {
     fail("peft: ", e.what());
   }
@@ -99,6 +101,14 @@ std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::
                   "dropout; use 0");
   }
   init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), rc.train.seed);
+  if (m.mesh.ep > 1) {
+    for (auto& site : sites) {
+      if (!site.experts) continue;
+      site.a = site.a.narrow(0, m.own.begin, m.own.count).clone();
+      site.b = site.b.narrow(0, m.own.begin, m.own.count).clone();
+      site.experts_count = m.own.count;
+    }
+  }
   return sites;
 }
 

@@ -78,7 +78,7 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
   for (const auto& site : lora_sites) {
     masters.emplace_back(site.a_name(), site.a);
     masters.emplace_back(site.b_name(), site.b);
-    routed.insert(routed.end(), {false, false});
+    routed.insert(routed.end(), {site.experts, site.experts});  // (rows of the routed experts)
   }
   if (s.lora) decoder.set_adapters(std::move(lora_sites));
   // LoRA's adapters compute in float32 (their masters themselves), as PEFT's float32 adapters on

@@ -412,7 +412,7 @@ void Trainer::log(double lr) {
       {"expert_load", expert_load(win_.expert_counts, m_.moe_layers)}};
   if (m_.bias_balance->enabled()) rec["router_bias"] = m_.bias_balance->report();
   if (!m_.expert_adapters.sites.empty()) {
-    rec["expert_lora"] = m_.expert_adapters.report(opt_, expert_adapters_before_);
+    rec["expert_lora"] = m_.expert_adapters.report(opt_, expert_adapters_before_, world_.ep);
     expert_adapters_before_.clear();
   }
   if (place_.dist) {
