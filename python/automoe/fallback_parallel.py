@@ -24,7 +24,9 @@ natively, and native ones with force_transformers=True).
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Any
 
 import torch
@@ -67,6 +69,35 @@ def _shard_experts(model: nn.Module, mesh, dispatcher_kind: str, ep: int, world:
                            "no experts module that uses Transformers' experts interface; expert parallelism "
                            "shards those modules' experts")
     return names
+
+
+def _refuse_peft_on_sharded_experts(model) -> None:
+    """PEFT's LoRA on the sharded experts (target_parameters) is refused by name: PEFT's
+    parametrization adds a whole [E, ...] tensor to the DTensor expert, which torch refuses with an
+    error about mixed tensors."""
+    if "peft" not in sys.modules:
+        return
+    from peft.tuners.lora import ParamWrapper
+    from torch.distributed.tensor import DTensor
+
+    for name, module in model.named_modules():
+        if isinstance(module, ParamWrapper) and isinstance(module.get_param(), DTensor):
+            raise AutoMoEError(
+                f"{name}: PEFT LoRA on the routed experts (target_parameters) of Transformers' "
+                f"{type(model).__name__} under expert parallelism (ep_size) is not supported; the "
+                "AutoMoE engine's model types run it (docs/lora.md), or adapt only the linear "
+                "layers (target_modules) here")
+
+
+def _checked_forward(forward):
+    """Transformers' forward (its signature kept: the Trainer reads it), after the PEFT check."""
+
+    @functools.wraps(forward)
+    def checked(self, *args, **kwargs):
+        _refuse_peft_on_sharded_experts(self)
+        return forward(self, *args, **kwargs)
+
+    return checked
 
 
 class _ExpertParallelTransformersModel(_ExpertParallelModel):
@@ -183,6 +214,7 @@ def load(model_cls, pretrained_model_name_or_path, *model_args, ep_size: int, di
 
     sub = type(model_cls.__name__, (_ExpertParallelTransformersModel, model_cls),
                {"maybe_distribute_model": classmethod(maybe_distribute_model),
+                "forward": _checked_forward(model_cls.forward),
                 "__module__": model_cls.__module__, "__qualname__": model_cls.__qualname__})
     if device is not None:
         kwargs["device_map"] = device

@@ -174,8 +174,10 @@ class _EngineBinding:
             # expert adapters; the gradient comes back whole (native_parallel.expert_adapter_rows).
             from automoe.native_parallel import expert_adapter_rows
 
+            info = self._automoe_ep.info
             factors = [t for i in expert_sites for t in out[i][1:3]]
-            rows = expert_adapter_rows(self._automoe_ep, factors)
+            rows = expert_adapter_rows(self._automoe_ep.ep_group, int(info["expert_begin"]),
+                                       int(info["expert_count"]), int(info["ep"]), factors)
             for k, i in enumerate(expert_sites):
                 out[i] = (out[i][0], rows[2 * k], rows[2 * k + 1], *out[i][3:])
         return out

@@ -129,7 +129,7 @@ class _ExpertParallel:
         return grad
 
 
-def expert_adapter_rows(ep: _ExpertParallel, factors: list[torch.Tensor]) -> list[torch.Tensor]:
+def expert_adapter_rows(group, begin: int, count: int, ep: int, factors: list[torch.Tensor]) -> list[torch.Tensor]:
     """This rank's experts' rows of PEFT's expert adapters under expert parallelism: `factors`
     ([E, ...] views of the LoRA factors, every rank holding all E — PEFT makes them replicated,
     dense parameters) cut to [expert_begin, expert_begin + expert_count), for the engine.
@@ -139,10 +139,9 @@ def expert_adapter_rows(ep: _ExpertParallel, factors: list[torch.Tensor]) -> lis
     Trainer, accelerate), which averages the adapters as dense parameters over the world, an
     expert's adapter gets the replicas' summed gradient over the world size — the experts' rule —
     and ranks that all feed the same batch without DDP get the one-process gradient on every rank.
-    One collective per forward, in the backward (where the dispatcher's run)."""
-    info = ep.info
-    return list(_ExpertAdapterRows.apply(ep.ep_group, int(info["expert_begin"]), int(info["expert_count"]),
-                                         int(info["ep"]), *factors))
+    One collective per call, in the backward (where the dispatcher's run). `group`: the EP group,
+    whose rank r holds the experts [begin, begin + count), r = begin / count, of ep · count."""
+    return list(_ExpertAdapterRows.apply(group, begin, count, ep, *factors))
 
 
 class _ExpertAdapterRows(torch.autograd.Function):
@@ -215,6 +214,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+_WRAPPER_PREFIXES = ("", "base_model.model.", "model.", "pretrained_model.", "_orig_mod.")
+
+
 class _ExpertParallelModel:
     """The causal LM's methods that expert parallelism changes."""
 
@@ -239,14 +241,15 @@ class _ExpertParallelModel:
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """DistributedDataParallel's ignore list: this rank's experts (its own, averaged by the
         experts' hook), named as they are now — also inside PEFT's wrappers (`experts.base_layer.`)
-        and from a PeftModel around this model (`base_model.model.`), which DDP reads this
-        attribute through."""
+        and as seen from the wrappers DDP reads this attribute through: a PeftModel
+        (`base_model.model.`), PEFT's LoraModel (`model.`), TRL's value head (`pretrained_model.`),
+        torch.compile (`_orig_mod.`)."""
         names = list(self.__dict__.get("_automoe_ddp_ignore", ()))
         ep = self.__dict__.get("_automoe_ep")
         if ep is not None:
             for name, _ in self.named_parameters(remove_duplicate=False):
                 if name.replace(".base_layer", "") in ep.routed:
-                    names += [name, "base_model.model." + name]
+                    names += [prefix + name for prefix in _WRAPPER_PREFIXES]
         return sorted(set(names))
 
     @_ddp_params_and_buffers_to_ignore.setter

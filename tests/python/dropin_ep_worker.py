@@ -46,7 +46,8 @@ def main() -> None:
     assert par["ep"] == ep and par["dp"] == world // ep and par["rank"] == rank, par
     begin, count = par["expert_begin"], par["expert_count"]
     assert begin == (rank % ep) * count, par
-    routed = set(model._ddp_params_and_buffers_to_ignore)
+    # (DDP's ignore list also names them as seen from wrappers: PeftModel, compile, ...)
+    routed = set(model._ddp_params_and_buffers_to_ignore) & {n for n, _ in model.named_parameters()}
     assert routed and all(".experts." in n for n in routed), routed
 
     def rows(name, t):  # this rank's part of a one-process tensor
@@ -62,7 +63,8 @@ def main() -> None:
         probe = torch.randint(0, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(9))
         close(twin(probe).logits, model.eval()(probe).logits, "a deepcopy's logits")
     del twin
-    if model.automoe_path == "transformers":  # its experts stay AutoMoE's under ep_size
+    model_path = model.automoe_path
+    if model_path == "transformers":  # its experts stay AutoMoE's under ep_size
         try:
             model.set_experts_implementation("grouped_mm")
         except ValueError as e:
@@ -226,6 +228,69 @@ def main() -> None:
         else:
             raise AssertionError("a save that rank 0 never wrote returned")
     dist.barrier()
+    os.environ.pop("AUTOMOE_EP_SAVE_TIMEOUT_S")
+
+    # 7. PEFT's LoRA on fresh models (the same draws on every rank and in one process): the
+    # routed experts' adapters run on the ranks holding their experts, their gradients come back
+    # whole; the same batch without DDP gives the one-process gradients of every adapter (with
+    # and without gradient checkpointing); rank 0 alone saves the adapter (no collective), the
+    # one-process save's files byte for byte; PeftModel.from_pretrained loads it under ep_size.
+    # Transformers' model refuses adapters on its sharded experts by name (linear layers run).
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    peft_base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, ep_size=ep)
+    peft_ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                    force_transformers=model_path == "transformers")
+    experts_names = sorted({n.split(".experts.")[-1] for n in routed})
+    targets = [f"experts.{n}" for n in experts_names if n.endswith("proj")]
+    if model_path == "transformers":
+        torch.manual_seed(0)
+        refused = get_peft_model(peft_base, LoraConfig(r=2, target_modules=["q_proj"], target_parameters=targets))
+        try:
+            refused(input_ids=ids)
+        except AutoMoEError as e:
+            assert "PEFT LoRA on the routed experts (target_parameters)" in str(e), e
+        else:
+            raise AssertionError("PEFT on Transformers' sharded experts ran")
+        peft_base = refused.unload()
+        targets = []
+    lora = dict(r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], target_parameters=targets)
+    torch.manual_seed(0)
+    pm = get_peft_model(peft_base, LoraConfig(**lora))
+    torch.manual_seed(0)
+    pr = get_peft_model(peft_ref, LoraConfig(**lora))
+    assert targets == [] or any(".experts." in n and "lora_B" in n for n, _ in pm.named_parameters())
+    with torch.no_grad():  # (B starts at zero: give the adapters something to say)
+        for (n, p), (_, q) in zip(pm.named_parameters(), pr.named_parameters()):
+            if "lora_B" in n:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(len(n)))
+                q.copy_(p)
+    for checkpointing in (False, True):
+        if checkpointing:
+            pm.gradient_checkpointing_enable()
+            pr.gradient_checkpointing_enable()
+        got, want = pm(input_ids=ids, labels=ids), pr(input_ids=ids, labels=ids)
+        close(got.logits, want.logits, f"PEFT logits (checkpointing {checkpointing})")
+        got.loss.backward()
+        want.loss.backward()
+        for (n, p), (_, q) in zip(pm.named_parameters(), pr.named_parameters()):
+            if p.requires_grad:
+                close(p.grad, q.grad, f"PEFT gradient of {n} (checkpointing {checkpointing})")
+        pm.zero_grad(set_to_none=True)
+        pr.zero_grad(set_to_none=True)
+    if rank == 0:
+        pm.save_pretrained(out / "adapter-ep")
+        pr.save_pretrained(out / "adapter-ref")
+        for f in sorted((out / "adapter-ref").iterdir()):
+            if f.suffix == ".safetensors":
+                assert f.read_bytes() == (out / "adapter-ep" / f.name).read_bytes(), f.name
+    dist.barrier()
+    pm.eval()
+    loaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, ep_size=ep), out / "adapter-ref").eval()
+    with torch.no_grad():
+        close(loaded(input_ids=ids).logits, pr.eval()(input_ids=ids).logits, "PeftModel.from_pretrained under ep_size")
+    del pm, pr, peft_base, peft_ref, loaded
     import gc
 
     del model, ref

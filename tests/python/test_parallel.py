@@ -716,9 +716,9 @@ def test_peft_lora_under_the_trainer_with_ep_size_equals_one_process(tmp_path):
             torch.testing.assert_close(mine[i][key], value, rtol=1e-4, atol=1e-7)
     final = tmp_path / "ep" / "final"
 
-    def config(d):  # (PEFT writes target_modules from a set: its order follows the hash seed)
+    def config(d):  # (PEFT writes its targets from sets: their order follows the hash seed)
         c = json.loads((d / "adapter_config.json").read_text())
-        return {**c, "target_modules": sorted(c["target_modules"])}
+        return {**c, "target_modules": sorted(c["target_modules"]), "target_parameters": sorted(c["target_parameters"])}
 
     assert config(final) == config(tmp_path / "one" / "final")
     a = load_tensors(tmp_path / "one" / "final" / "adapter_model.safetensors")
@@ -736,7 +736,9 @@ def test_peft_lora_under_the_trainer_with_ep_size_equals_one_process(tmp_path):
 def test_trl_sft_trainer_under_expert_parallelism_equals_data_parallelism(tmp_path, tokenizer):
     """TRL's SFTTrainer, unchanged (gradient checkpointing on, its default), on chat conversations
     with ep_size=2 × DDP 2: the losses and clipped gradient norms of plain DDP over the same 4
-    processes (5e-5: the sums' order differs), and of one process (1e-3: its batch of 4 is padded);
+    processes (2e-4: the sums' order differs, and SGD at lr 0.5 grows it; 1.2e-4 in step 3's gradient
+norm on an AVX2-only CPU, whose kernels round differently), and of one process (1e-3: its batch of
+4 is padded);
     resumed from its step-2 checkpoint (written by rank 0 alone), the curve of one process resumed
     from its own (TRL's resume does not repeat the uninterrupted curve here, on Transformers' own
     model either)."""
@@ -756,7 +758,7 @@ def test_trl_sft_trainer_under_expert_parallelism_equals_data_parallelism(tmp_pa
                     str(tmp_path / "one" / "sft" / "checkpoint-2")], check=True, capture_output=True, env=env, timeout=600)
     runs = ("one", "ddp", "ep", "resumed", "one-resumed")
     log = {run: json.loads((tmp_path / run / "log.json").read_text()) for run in runs}
-    for run, ref, tol in (("ep", "ddp", 5e-5), ("ep", "one", 1e-3), ("resumed", "one-resumed", 1e-3)):
+    for run, ref, tol in (("ep", "ddp", 2e-4), ("ep", "one", 1e-3), ("resumed", "one-resumed", 1e-3)):
         assert [h["step"] for h in log[run]] == [h["step"] for h in log[ref]] == [1, 2, 3, 4]
         for a, b in zip(log[run], log[ref]):
             assert a["loss"] == pytest.approx(b["loss"], rel=tol), (run, ref, a["step"])

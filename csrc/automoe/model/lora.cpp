@@ -285,7 +285,8 @@ std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDe
   return sites;
 }
 
-void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, uint64_t seed) {
+void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, uint64_t seed,
+               std::optional<std::pair<int64_t, int64_t>> expert_rows) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(seed);
   for (auto& s : sites) {
     const double bound = 1.0 / std::sqrt(static_cast<double>(s.in));
@@ -294,7 +295,15 @@ void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, u
       a_shape.insert(a_shape.begin(), s.experts_count);
       b_shape.insert(b_shape.begin(), s.experts_count);
     }
-    s.a = at::empty(a_shape, at::kFloat).uniform_(-bound, bound, gen).to(options);
+    at::Tensor a = at::empty(a_shape, at::kFloat).uniform_(-bound, bound, gen);
+    if (s.experts && expert_rows) {
+      const auto [begin, count] = *expert_rows;
+      AUTOMOE_CHECK(begin >= 0 && count > 0 && begin + count <= s.experts_count, "LoRA: experts [",
+                    begin, ", ", begin + count, ") of ", s.base(), ", which has ", s.experts_count);
+      a = a.narrow(0, begin, count);
+      b_shape[0] = s.experts_count = count;
+    }
+    s.a = a.to(options, /*non_blocking=*/false, /*copy=*/true);
     s.b = at::zeros(b_shape, options);
   }
 }

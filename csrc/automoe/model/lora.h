@@ -17,6 +17,7 @@
 #include <optional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "automoe/model/components.h"
@@ -85,8 +86,12 @@ std::vector<LoraSite> plan_lora(const ModelSpec& spec, const std::vector<ParamDe
 std::vector<int8_t> lora_targets(const ModelSpec& spec);
 
 // PEFT's initialisation: A uniform in ±1/sqrt(K) (nn.Linear's kaiming_uniform, a = sqrt(5)), B zero.
-// Drawn on the CPU from `seed`, then placed with `options`.
-void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, uint64_t seed);
+// Drawn on the CPU from `seed`, then placed with `options`. `expert_rows` (expert parallelism:
+// [begin, begin + count)): the routed experts' sites keep only those experts' rows (experts_count
+// becomes count) — the values one process draws for them; only one site's whole A is ever held,
+// on the CPU.
+void init_lora(std::vector<LoraSite>& sites, const at::TensorOptions& options, uint64_t seed,
+               std::optional<std::pair<int64_t, int64_t>> expert_rows = std::nullopt);
 
 // PEFT's adapter_config.json for `config` over `sites` (moe_rank_scaling as rank_pattern entries).
 std::string peft_adapter_config(const LoraConfig& config, const std::vector<LoraSite>& sites,

@@ -30,13 +30,16 @@ Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
       if (opt.names[i] == site.b_name()) site.b = opt.master[i];
     }
   }
-  for (const auto& site : trained) {
+  for (const auto& site : trained) {  // (one site's whole adapters at a time, kept by rank 0 only)
     LoraSite w = site;
     if (sharded && site.experts) {
       w.a = parallel::all_gather_rows(world.ep, site.a, "LoRA export (experts' adapters)");
       w.b = parallel::all_gather_rows(world.ep, site.b, "LoRA export (experts' adapters)");
       w.experts_count = w.a.size(0);
     }
+    if (!place.lead) continue;
+    w.a = w.a.cpu();
+    w.b = w.b.cpu();
     whole.push_back(std::move(w));
   }
   const c10::ScalarType adapter_dtype =
@@ -55,6 +58,7 @@ Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
   } else if (!error.empty()) {
     throw Error(error);
   }
+  whole.clear();
   Exported out{{{"export", (place.run / "export").string()}},
                (place.run / "export").string() + " (PEFT adapter)"};
   if (!rc.peft.export_merged) return place.lead ? out : Exported{};

@@ -118,7 +118,10 @@ struct ModelFacts {
   std::map<int64_t, ModelSpec> local;  // per ep
   std::map<int64_t, Counts> counts;    // per ep
   std::map<int64_t, double> adapters;  // per ep
-  std::map<int64_t, double> adapter_inputs;  // per ep: sum over sites of (in + r) x routed share
+  // per ep, bytes per token: the linear adapters' float32 input and x·A (4 (in + r)); the routed
+  // experts' x·A in the compute dtype, top_k rows per token (the fused grouped LoRA op keeps the
+  // base GEMM's input, no copy)
+  std::map<int64_t, double> adapter_inputs;
   std::map<std::pair<int64_t, int64_t>, ActivationDecl> acts;  // per (ep, micro-batch)
   double flops_per_token = -1;  // a training step's, at the recipe's sequence length
 
@@ -144,11 +147,12 @@ struct ModelFacts {
     const LoraConfig lc = lora_config_of(rc.peft);
     double n = 0, inputs = 0;
     const double K = static_cast<double>(std::max<int64_t>(1, full.moe.top_k));
+    const double compute_bytes = rc.model.dtype == "bfloat16" ? 2 : 4;
     for (const LoraSite& s : plan_lora(spec(ep), parameter_layout(spec(ep)), lc, /*strict=*/false)) {
       n += static_cast<double>(s.experts_count) * static_cast<double>(s.r) *
            static_cast<double>(s.in + s.out);
-      // Per token: the adapter's float32 input and x·A (routed experts: top_k rows per token).
-      inputs += (s.experts ? K : 1.0) * static_cast<double>(s.in + s.r);
+      inputs += s.experts ? K * compute_bytes * static_cast<double>(s.r)
+                          : 4.0 * static_cast<double>(s.in + s.r);
     }
     adapter_inputs[ep] = inputs;
     return adapters.emplace(ep, n).first->second;
@@ -271,7 +275,7 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   const double T = static_cast<double>(c.micro_batch) * static_cast<double>(seq);
   const ActivationDecl& act = facts.acts_of(c.ep, c.micro_batch, static_cast<int64_t>(cd));
   // LoRA: each adapted weight's float32 input and x·A, per token.
-  double kept = act.head + (lora ? 4 * facts.adapter_inputs[c.ep] * T : 0), biggest_layer = 0;
+  double kept = act.head + (lora ? facts.adapter_inputs[c.ep] * T : 0), biggest_layer = 0;
   for (double l : act.layer) {
     kept += c.checkpointing ? act.layer_input : l;
     biggest_layer = std::max(biggest_layer, l);

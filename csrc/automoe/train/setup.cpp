@@ -100,15 +100,8 @@ std::vector<LoraSite> plan_adapters(const Recipe& rc, const TrainModel& m, c10::
                   "): PEFT's target_parameters adapters, the format the export writes, have no "
                   "dropout; use 0");
   }
-  init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), rc.train.seed);
-  if (m.mesh.ep > 1) {
-    for (auto& site : sites) {
-      if (!site.experts) continue;
-      site.a = site.a.narrow(0, m.own.begin, m.own.count).clone();
-      site.b = site.b.narrow(0, m.own.begin, m.own.count).clone();
-      site.experts_count = m.own.count;
-    }
-  }
+  init_lora(sites, at::TensorOptions().dtype(at::kFloat).device(dev), rc.train.seed,
+            m.mesh.ep > 1 ? std::optional(std::make_pair(m.own.begin, m.own.count)) : std::nullopt);
   return sites;
 }
 
@@ -346,8 +339,16 @@ std::unique_ptr<TrainModel> load_train_model(const Recipe& rc, const TrainData& 
     if (spec.is_moe(l)) m->moe_layers.push_back(l);
   }
   m->expert_adapters = ExpertAdapterMetrics::of(m->lora_sites, opt);
-  for (const auto& site : m->lora_sites) m->lora_parameters += site.a.numel() + site.b.numel();
-  for (const auto& [n, t] : m->pm.decoder->named_parameters()) m->base_parameters += t.numel();
+  // (the whole model's counts: under expert parallelism each rank holds 1/ep of the experts)
+  const std::vector<ParamDecl> decls = parameter_layout(spec);
+  const int64_t shards = spec.moe.sharded() ? spec.moe.num_experts / spec.moe.local_experts() : 1;
+  for (const auto& site : m->lora_sites) {
+    m->lora_parameters += (site.a.numel() + site.b.numel()) * (site.experts ? shards : 1);
+  }
+  const auto& params = m->pm.decoder->named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    m->base_parameters += params[i].second.numel() * (decls[i].routed_expert ? shards : 1);
+  }
   return m;
 }
 
