@@ -56,7 +56,8 @@ def main() -> None:
                 r = r[begin:begin + count]
             # (each rank's backward brings its experts the gradient of every rank's identical loss,
             # averaged over the world by the experts' hook: the one-process gradient)
-            torch.testing.assert_close(local(p.grad), r, rtol=1e-5, atol=1e-6,
+            # (atol 5e-6: an AVX2-only CPU's kernels round one embedding row 2.1e-6 apart)
+            torch.testing.assert_close(local(p.grad), r, rtol=1e-5, atol=5e-6,
                                        msg=lambda m: f"{model_type}: gradient of {name}: {m}")
     for model_type in refused:
         try:

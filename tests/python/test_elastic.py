@@ -407,7 +407,9 @@ def test_an_elastic_job_goes_on_with_the_node_that_is_left(model_dir, tmp_path):
     doc["train"]["max_steps"] = steps
     doc["checkpoint"]["every"] = EVERY
     recipe = write_recipe(doc, tmp_path)
-    conf = ",last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=2"  # (the lost node drops out in 2 s)
+    # (the lost node drops out in 2 s; the second node has 10 s to join the first rendezvous: with 1 s,
+    # a slow start on a busy 2-core machine left the first node training alone to the end)
+    conf = ",last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=2"
     a = first_node(recipe, tmp_path, port, "a", nnodes="1:2", rdzv_conf=conf, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     b = node(recipe, tmp_path, port, "b", nnodes="1:2", rdzv_conf=conf, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     run = tmp_path / "run"

@@ -338,7 +338,9 @@ def test_a_vision_language_checkpoint_loads_its_language_model(tmp_path, capfd):
         assert rel_err(ours(input_ids=ids, attention_mask=mask).logits, want) <= 1e-5
         ours.save_pretrained(tmp_path / "text")
         again = HFModel.from_pretrained(tmp_path / "text")(input_ids=ids, attention_mask=mask).logits
-    assert torch.equal(again, want)
+    # (Transformers' language model alone and inside the vision-language model round differently on
+    # some CPUs: not bitwise on an AVX2-only one)
+    assert rel_err(again, want) <= 1e-6
 
 
 @pytest.mark.parametrize("name", ["linear_full_linear_linear_r2_kernel3", "qwen3_5_linear_full_r2"])
