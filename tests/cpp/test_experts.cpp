@@ -82,3 +82,61 @@ TEST(GemmDecisions, AdoptedDecisionsAreReportedBackAndForeignOnesRefused) {
   EXPECT_EQ(cpu::gemm_decisions(), isa + ":0:0");  // "-" leaves a choice as it was
   if (cpu::active_isa() >= cpu::Isa::kAvx2) EXPECT_FALSE(cpu::aten_faster_fp32());
 }
+
+// Quantised experts (a LoRA base) against the dense backends on the dequantised weights, with
+// adapters on both projections: outputs and the gradients of x, the routing weights and the
+// adapters, for each backend and both expert MLPs.
+namespace automoe::moe {
+namespace {
+
+class QuantizedExpertsBackends
+    : public ::testing::TestWithParam<std::tuple<std::string, ExpertMlp, ops::QuantType>> {};
+
+TEST_P(QuantizedExpertsBackends, EqualTheDenseBackendOnTheDequantisedWeights) {
+  const auto [backend, mlp, type] = GetParam();
+  at::manual_seed(11);
+  const int64_t T = 11, E = 5, K = 2, H = 32, I = 16, r = 3;
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const int64_t first = mlp == ExpertMlp::kSwiglu ? 2 * I : I;
+  const ops::QuantizedWeight qgu =
+      ops::quantize(at::randn({E, first, H}), type, 64, at::kDouble, "gate_up");
+  const ops::QuantizedWeight qd = ops::quantize(at::randn({E, H, I}), type, 64, at::kDouble, "down");
+  const at::Tensor gu = ops::dequantize(qgu, 0, E, at::kDouble), dn = ops::dequantize(qd, 0, E, at::kDouble);
+  // Expert 0 gets no token.
+  at::Tensor idx = at::randint(1, E, {T, K}, at::kLong);
+  idx.select(1, 1).copy_((idx.select(1, 0) % (E - 1)) + 1);
+  idx.select(1, 1).masked_fill_(idx.select(1, 1) == idx.select(1, 0), 1);
+  auto leaf = [&](std::vector<int64_t> s) { return at::randn(s, f64).requires_grad_(); };
+  at::Tensor x = leaf({T, H}), w = at::rand({T, K}, f64).requires_grad_();
+  at::Tensor a1 = leaf({E, r, H}), b1 = leaf({E, first, r}), a2 = leaf({E, r, I}), b2 = leaf({E, H, r});
+  const at::Tensor probe = at::randn({T, H}, f64);
+  auto run = [&](bool quantized) {
+    for (auto* t : {&x, &w, &a1, &b1, &a2, &b2}) t->mutable_grad() = at::Tensor();
+    ExpertLora lora{{a1, b1, 0.5}, {a2, b2, 2.0}};
+    const at::Tensor y = quantized
+                             ? experts_quantized(backend, x, idx, w, {&qgu, &qd}, true, &lora, mlp)
+                             : experts_by_name(backend, x, idx, w, gu, dn, &lora, mlp);
+    (y * probe).sum().backward();
+    return std::vector<at::Tensor>{y.detach(), x.grad(), w.grad(), a1.grad(), b1.grad(), a2.grad(), b2.grad()};
+  };
+  const auto ref = run(false), got = run(true);
+  const char* what[] = {"output", "dx", "dweights", "dA1", "dB1", "dA2", "dB2"};
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_TRUE(got[i].defined()) << what[i];
+    EXPECT_TRUE(at::allclose(got[i], ref[i], 1e-10, 1e-10)) << what[i];
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Backends, QuantizedExpertsBackends,
+    ::testing::Combine(::testing::Values("grouped", "eager"),
+                       ::testing::Values(ExpertMlp::kSwiglu, ExpertMlp::kRelu2),
+                       ::testing::Values(ops::QuantType::kNF4, ops::QuantType::kInt8)),
+    [](const auto& info) {
+      return std::get<0>(info.param) +
+             (std::get<1>(info.param) == ExpertMlp::kSwiglu ? "_swiglu_" : "_relu2_") +
+             ops::to_string(std::get<2>(info.param));
+    });
+
+}  // namespace
+}  // namespace automoe::moe

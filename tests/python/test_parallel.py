@@ -171,6 +171,29 @@ def lora_single(model_dir, tmp_path_factory):
     return tmp / "run"
 
 
+def test_lora_on_an_nf4_base_under_expert_parallelism_equals_one_process(model_dir, tmp_path):
+    """Each rank quantises its own experts as it reads them: the losses, the adapters and the merged
+    export (dequantised experts + ΔW, written collectively) are one process's."""
+    one = lora_ep_recipe(model_dir, tmp_path, "one")
+    one["model"]["quantize"] = "nf4"
+    run_train(one, tmp_path)
+    two = lora_ep_recipe(model_dir, tmp_path, "two", ep=2)
+    two["model"]["quantize"] = "nf4"
+    run_ranks(two, tmp_path, 2)
+    ref, got = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    for step in (1, 2, 3):
+        assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-6), step
+    for sub in ("export", "export-merged"):
+        a, b = {}, {}
+        for f in (tmp_path / "one" / sub).glob("*.safetensors"):
+            a.update(load_tensors(f))
+        for f in (tmp_path / "two" / sub).glob("*.safetensors"):
+            b.update(load_tensors(f))
+        assert a.keys() == b.keys() and any("experts" in k for k in a)
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
 @pytest.mark.parametrize("nproc,ep", [(2, 2), (4, 4)], ids=["ep2", "ep4"])
 def test_lora_under_expert_parallelism_equals_one_process(model_dir, lora_single, tmp_path, nproc, ep):
     """Each rank trains the adapters of its own experts beside their weights (drawn as one process

@@ -99,7 +99,11 @@ int64_t layer_of(const std::string& name) {
 
 NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
                              const Architecture& arch, std::optional<c10::ScalarType> dtype,
-                             ExpertsLayout* layout_out) {
+                             ExpertsLayout* layout_out, const QuantizeOptions* quantize,
+                             std::vector<std::pair<std::string, ops::QuantizedWeight>>* quantized) {
+  AUTOMOE_CHECK(!quantize || (quantized && !spec.moe.gpt_oss), ckpt.dir(), ": ",
+                spec.model_type, "'s experts cannot be held quantised (GPT-OSS's experts are stored "
+                "transposed with biases); load it unquantised");
   const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
   if (layout_out) *layout_out = layout;
   std::set<std::string> used;
@@ -176,6 +180,13 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     // Buffers Transformers keeps in float32 (the correction bias) stay float32.
     const std::optional<c10::ScalarType> want =
         decl.keep_float32 ? std::optional<c10::ScalarType>(at::kFloat) : dtype;
+    if (quantize && decl.routed_expert && decl.shape.size() == 3) {
+      const c10::ScalarType dt = want.value_or(t.scalar_type());
+      quantized->emplace_back(decl.name, ops::quantize(t, quantize->type, quantize->blocksize, dt,
+                                                       ckpt.dir() + ": tensor " + decl.name));
+      out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(dt).device(at::kMeta)));
+      continue;
+    }
     if (want && t.scalar_type() != *want) {
       t = t.to(*want);
     } else if (aliases_file) {
@@ -303,7 +314,7 @@ NamedTensors to_memory_tensors(const NamedTensors& tensors, const ModelSpec& spe
 PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
                                 const BackendConfig& backend,
                                 const std::optional<std::string>& config_json,
-                                ExpertShard experts) {
+                                ExpertShard experts, const std::optional<QuantizeOptions>& quantize) {
   PretrainedModel m;
   m.config = config_json ? parse_config(*config_json, (fs::path(dir) / "config.json").string())
                          : load_config(dir);
@@ -314,8 +325,11 @@ PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::Scala
   m.source_dir = dir;
   const Architecture& arch = find_architecture(m.config.spec.model_type, m.config.path);
   SafetensorsCheckpoint ckpt(dir);
-  NamedTensors params = read_parameters(ckpt, m.config.spec, arch, dtype, &m.layout);
+  std::vector<std::pair<std::string, ops::QuantizedWeight>> quantized;
+  NamedTensors params = read_parameters(ckpt, m.config.spec, arch, dtype, &m.layout,
+                                        quantize ? &*quantize : nullptr, &quantized);
   m.decoder = std::make_unique<Decoder>(m.config.spec, backend, std::move(params));
+  for (auto& [name, q] : quantized) m.decoder->set_quantized(name, std::move(q));
   return m;
 }
 

@@ -37,9 +37,17 @@ ExpertsLayout detect_layout(const SafetensorsCheckpoint& ckpt, const ModelSpec& 
 // Reads every parameter of `spec` from `ckpt`, applying the architecture's rules for the layout
 // found there (returned in *layout). `dtype`: cast every tensor to it; nullopt keeps each tensor's
 // stored dtype. Missing, misshapen and unexpected tensors are errors naming the tensor and file.
+// `quantize`: the routed experts' weights are quantised as each is read (peak memory stays near
+// the quantised model's plus one expert tensor) and appended to *quantized; their entries in the
+// result are meta tensors (Decoder::set_quantized).
+struct QuantizeOptions {
+  ops::QuantType type = ops::QuantType::kNF4;
+  int64_t blocksize = 64;
+};
 NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
                              const Architecture& arch, std::optional<c10::ScalarType> dtype,
-                             ExpertsLayout* layout);
+                             ExpertsLayout* layout, const QuantizeOptions* quantize = nullptr,
+                             std::vector<std::pair<std::string, ops::QuantizedWeight>>* quantized = nullptr);
 
 // The tensors to write for `params` in `layout` (views of `params`; nothing is copied).
 NamedTensors to_disk_tensors(const NamedTensors& params, const ModelSpec& spec,
@@ -61,7 +69,8 @@ struct ExpertShard {
 PretrainedModel load_pretrained(const std::string& dir, std::optional<c10::ScalarType> dtype,
                                 const BackendConfig& backend = {},
                                 const std::optional<std::string>& config_json = std::nullopt,
-                                ExpertShard experts = {});
+                                ExpertShard experts = {},
+                                const std::optional<QuantizeOptions>& quantize = std::nullopt);
 
 // A model with fresh parameters for a config (Transformers' from_config): see init_parameters.
 PretrainedModel init_pretrained(const std::string& config_json, const std::string& origin,

@@ -69,6 +69,32 @@ void Decoder::set_backend(BackendConfig backend) {
   ops_ = resolve(backend);
 }
 
+void Decoder::set_quantized(const std::string& name, ops::QuantizedWeight q) {
+  const std::vector<ParamDecl> decls = parameter_layout(spec_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].first != name) continue;
+    AUTOMOE_CHECK(decls[i].routed_expert && decls[i].shape.size() == 3 && !spec_.moe.gpt_oss,
+                  name, ": only the routed experts' gated/up and down weights can be held "
+                  "quantised (GPT-OSS's transposed experts excepted)");
+    AUTOMOE_CHECK(at::IntArrayRef(decls[i].shape) ==
+                      at::IntArrayRef({q.experts, q.out_features, q.in_features}),
+                  name, ": quantised weight is [", q.experts, ", ", q.out_features, ", ",
+                  q.in_features, "], the model's ", at::IntArrayRef(decls[i].shape));
+    if (quantized_.empty()) quantized_.resize(params_.size());
+    params_[i].second = at::empty(decls[i].shape,
+                                  at::TensorOptions().dtype(q.dtype).device(at::kMeta));
+    quantized_[i] = std::move(q);
+    return;
+  }
+  fail("set_quantized: no parameter ", name);
+}
+
+at::Tensor Decoder::dense(int64_t slot, std::optional<c10::ScalarType> dtype) const {
+  const ops::QuantizedWeight* q = quantized(slot);
+  if (!q) return dtype ? p(slot).to(*dtype) : p(slot);
+  return ops::dequantize(*q, 0, q->experts, dtype.value_or(q->dtype));
+}
+
 void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {
   for (auto& [n, t] : params_) {
     if (n != name) continue;
@@ -129,8 +155,10 @@ void Decoder::set_adapters(std::vector<LoraSite> sites) {
                   "LoRA: the adapter of ", s.base(), " ", w.sizes(), " needs A ", at::IntArrayRef(a),
                   " and B ", at::IntArrayRef(b), ", got ", s.a.defined() ? s.a.sizes() : at::IntArrayRef{},
                   " and ", s.b.defined() ? s.b.sizes() : at::IntArrayRef{});
-    AUTOMOE_CHECK(s.a.device() == w.device() && s.b.device() == w.device(), "LoRA: the adapter of ",
-                  s.base(), " is on ", s.a.device(), "; its weight on ", w.device());
+    const ops::QuantizedWeight* q = quantized(s.slot);
+    const c10::Device w_dev = q ? q->codes.device() : w.device();
+    AUTOMOE_CHECK(s.a.device() == w_dev && s.b.device() == w_dev, "LoRA: the adapter of ",
+                  s.base(), " is on ", s.a.device(), "; its weight on ", w_dev);
     AUTOMOE_CHECK(at::isFloatingType(s.a.scalar_type()) && at::isFloatingType(s.b.scalar_type()),
                   "LoRA: the adapter of ", s.base(), " must be floating point");
     AUTOMOE_CHECK(!(s.experts && spec_.moe.gpt_oss), "LoRA: adapters on GPT-OSS's experts are not supported");

@@ -19,6 +19,7 @@
 #include "automoe/model/spec.h"
 #include "automoe/moe/router.h"
 #include "automoe/ops/cross_entropy/cross_entropy.h"
+#include "automoe/ops/quant/quant.h"
 
 namespace automoe {
 
@@ -98,6 +99,18 @@ class Decoder {
   // so that gradients land where the caller's optimizer looks. Adapter factors go by their
   // LoraSite::a_name() / b_name().
   void set_parameter(const std::string& name, const at::Tensor& tensor);
+  // A frozen weight held quantised (ops/quant/quant.h; a LoRA base's routed experts): the named
+  // parameter is then a meta tensor of the dequantised shape and dtype, and the forward
+  // dequantises where it multiplies. Replaces any quantised weight set before under that name.
+  void set_quantized(const std::string& name, ops::QuantizedWeight q);
+  // The quantised weight behind parameter `slot` (named_parameters() index), or null.
+  const ops::QuantizedWeight* quantized(int64_t slot) const {
+    return quantized_.empty() || !quantized_[slot].defined() ? nullptr : &quantized_[slot];
+  }
+  bool has_quantized() const { return !quantized_.empty(); }
+  // Parameter `slot` as a dense tensor: the parameter, or its quantised weight dequantised (to
+  // `dtype`, default the parameter's).
+  at::Tensor dense(int64_t slot, std::optional<c10::ScalarType> dtype = std::nullopt) const;
   // LoRA adapters (model/lora.h) the forward runs beside their base weights, replacing any set
   // before (empty: none). Each site's slot, names and factor shapes are checked against the model.
   void set_adapters(std::vector<LoraSite> sites);
@@ -190,6 +203,7 @@ class Decoder {
   NamedTensors params_;
   std::vector<bool> trainable_;
   ModelSlots slots_;
+  std::vector<ops::QuantizedWeight> quantized_;  // per parameter (undefined: dense); empty: none
   std::vector<LoraSite> adapters_;
   std::vector<int64_t> adapter_of_;  // per parameter: its adapter's index, -1; empty: no adapters
   std::vector<std::vector<at::Tensor>> layer_adapters_;  // per layer: its adapters' factors

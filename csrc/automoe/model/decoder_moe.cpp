@@ -64,6 +64,27 @@ at::Tensor Decoder::experts(const at::Tensor& x_TH, const moe::Routing& routing,
   if (d_site) lora_factors.down = {d_site->a, d_site->b, d_site->scaling};
   const moe::ExpertLora* lora = gu_site || d_site ? &lora_factors : nullptr;
   const moe::ExpertMlp kind = spec_.moe.gated ? moe::ExpertMlp::kSwiglu : moe::ExpertMlp::kRelu2;
+  if (quantized(M.gate_up) || quantized(M.down)) {  // a quantised LoRA base
+    const moe::QuantizedExperts q{quantized(M.gate_up), quantized(M.down)};
+    const c10::ScalarType mm = compute_dtype.value_or(x_TH.scalar_type());
+    const std::string backend = backend_.to_map().at("experts");
+    const bool fused_swiglu = backend_.fused_swiglu;
+    if (!spec_.moe.sharded()) {
+      return moe::experts_quantized(backend, x_TH.to(mm), routing.idx_TK, routing.weights_TK, q,
+                                    fused_swiglu, lora, kind)
+          .to(x_TH.scalar_type());
+    }
+    AUTOMOE_CHECK(dispatcher_, "this model holds experts [", spec_.moe.expert_begin, ", ",
+                  spec_.moe.expert_begin + spec_.moe.expert_count, ") of ", spec_.moe.num_experts,
+                  " and needs an expert-parallel dispatcher to run");
+    auto local = [&](const at::Tensor& x_NH, const at::Tensor& offsets_L1) {
+      return moe::experts_on_rows_quantized(backend, x_NH, offsets_L1, q, fused_swiglu, lora, kind);
+    };
+    return dispatcher_
+        ->run(x_TH.to(mm), routing.idx_TK, routing.weights_TK, local,
+              backend_.experts == ExpertsBackend::kGrouped)
+        .to(x_TH.scalar_type());
+  }
   if (spec_.moe.sharded()) {
     AUTOMOE_CHECK(dispatcher_, "this model holds experts [", spec_.moe.expert_begin, ", ",
                   spec_.moe.expert_begin + spec_.moe.expert_count, ") of ", spec_.moe.num_experts,

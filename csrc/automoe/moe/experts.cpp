@@ -235,4 +235,78 @@ at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
   fail("experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
 }
 
+namespace {
+
+// x·dequantize(w)ᵀ on grouped rows, plus the adapter's (x·Aᵀ)·Bᵀ·scaling (PEFT's order).
+at::Tensor grouped_quantized(const at::Tensor& x_NK, const ops::QuantizedWeight& w,
+                             const at::Tensor& offsets, const LoraFactors* f) {
+  at::Tensor y = ops::grouped_gemm_quantized(x_NK, w, offsets);
+  if (!f) return y;
+  const auto dt = x_NK.scalar_type();
+  const at::Tensor u = ops::grouped_gemm(x_NK, f->a.to(dt), offsets);
+  return y + ops::grouped_gemm(u, f->b.to(dt), offsets) * f->scaling;
+}
+
+// Expert e's MLP on its rows x_eH with its weights dequantised: Transformers' order of
+// operations, as experts_eager.
+at::Tensor quantized_expert(const at::Tensor& x_eH, const QuantizedExperts& q, int64_t e,
+                            const ExpertLora* lora, ExpertMlp mlp) {
+  const auto dt = x_eH.scalar_type();
+  auto proj = [&](const at::Tensor& x, const ops::QuantizedWeight& w, const LoraFactors* f) {
+    at::Tensor y = at::linear(x, ops::dequantize(w, e, 1, dt)[0]);
+    if (!f) return y;
+    return y + at::linear(at::linear(x, f->a[e].to(dt)), f->b[e].to(dt)) * f->scaling;
+  };
+  const at::Tensor h = proj(x_eH, *q.gate_up, gate_up_of(lora));
+  return proj(activate(h, mlp, false), *q.down, down_of(lora));
+}
+
+void check_quantized(const QuantizedExperts& q, const std::string& backend) {
+  AUTOMOE_CHECK(q.gate_up && q.down && q.gate_up->experts == q.down->experts,
+                "quantised experts: both projections must be quantised, for the same experts");
+  AUTOMOE_CHECK(backend == "grouped" || backend == "torch_mm" || backend == "eager",
+                "experts backend \"", backend, "\" is unknown (grouped, torch_mm, eager)");
+}
+
+}  // namespace
+
+at::Tensor experts_quantized(const std::string& backend, const at::Tensor& x_TH,
+                             const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                             const QuantizedExperts& q, bool fused_swiglu, const ExpertLora* lora,
+                             ExpertMlp mlp) {
+  check_quantized(q, backend);
+  const int64_t E = q.gate_up->experts;
+  if (backend == "eager") {
+    return loop_over_experts(x_TH, idx_TK, weights_TK, E, x_TH.scalar_type(),
+                             [&](int64_t e, const at::Tensor& x_eH) {
+                               return quantized_expert(x_eH, q, e, lora, mlp);
+                             });
+  }
+  const ops::PermutePlan plan = ops::permute_plan(idx_TK, E);
+  const at::Tensor y = experts_on_rows_quantized(backend, ops::permute(x_TH, plan), plan.offsets, q,
+                                                 fused_swiglu, lora, mlp);
+  return ops::unpermute(y, plan, weights_TK);
+}
+
+at::Tensor experts_on_rows_quantized(const std::string& backend, const at::Tensor& x_NH,
+                                     const at::Tensor& offsets_G1, const QuantizedExperts& q,
+                                     bool fused_swiglu, const ExpertLora* lora, ExpertMlp mlp) {
+  check_quantized(q, backend);
+  if (backend == "eager") {  // one expert at a time, on its rows (as experts_on_rows)
+    const at::Tensor off = offsets_G1.cpu();
+    const int64_t G = q.gate_up->experts;
+    std::vector<at::Tensor> ys;
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t lo = off[g].item<int64_t>(), n = off[g + 1].item<int64_t>() - lo;
+      if (n == 0 && !(g == G - 1 && ys.empty())) continue;
+      ys.push_back(quantized_expert(x_NH.narrow(0, lo, n), q, g, lora, mlp));
+    }
+    return ys.size() == 1 ? ys.front() : at::cat(ys, 0);
+  }
+  const bool fused = fused_swiglu && backend == "grouped";
+  return grouped_quantized(
+      activate(grouped_quantized(x_NH, *q.gate_up, offsets_G1, gate_up_of(lora)), mlp, fused),
+      *q.down, offsets_G1, down_of(lora));
+}
+
 }  // namespace automoe::moe

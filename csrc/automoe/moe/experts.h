@@ -8,6 +8,8 @@
 #include <optional>
 #include <string>
 
+#include "automoe/ops/quant/quant.h"
+
 namespace automoe::moe {
 
 // LoRA on one fused expert weight w [E, O, K]: per-expert factors a [E, r, K] and b [E, O, r]
@@ -90,5 +92,25 @@ at::Tensor experts_by_name(const std::string& backend, const at::Tensor& x_TH,
                            const at::Tensor& idx_TK, const at::Tensor& weights_TK,
                            const at::Tensor& w_gate_up_EIH, const at::Tensor& w_down_EHI,
     const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
+
+// Frozen quantised experts (a LoRA base, ops/quant/quant.h): w_gate_up [E, 2I, H] (or the plain
+// up weight) and w_down [E, H, I] as stored quantised. The same computation as the backends above
+// with each expert's weights dequantised to x's dtype where it runs (a few experts at a time,
+// never the whole tensor): `backend` "eager" loops over the experts in Transformers' order, the
+// others run the permute -> dequantising grouped GEMM -> activation -> ... path; `lora` adds the
+// adapters' grouped products beside the base GEMMs.
+struct QuantizedExperts {
+  const ops::QuantizedWeight* gate_up = nullptr;
+  const ops::QuantizedWeight* down = nullptr;
+};
+at::Tensor experts_quantized(const std::string& backend, const at::Tensor& x_TH,
+                             const at::Tensor& idx_TK, const at::Tensor& weights_TK,
+                             const QuantizedExperts& q, bool fused_swiglu,
+                             const ExpertLora* lora = nullptr, ExpertMlp mlp = ExpertMlp::kSwiglu);
+// experts_on_rows for quantised experts (expert parallelism's local experts).
+at::Tensor experts_on_rows_quantized(const std::string& backend, const at::Tensor& x_NH,
+                                     const at::Tensor& offsets_G1, const QuantizedExperts& q,
+                                     bool fused_swiglu, const ExpertLora* lora = nullptr,
+                                     ExpertMlp mlp = ExpertMlp::kSwiglu);
 
 }  // namespace automoe::moe

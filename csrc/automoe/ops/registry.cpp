@@ -13,6 +13,7 @@
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/ops/mamba/mamba.h"
 #include "automoe/ops/ops.h"
+#include "automoe/ops/quant/quant.h"
 #include "automoe/ops/rmsnorm/rmsnorm.h"
 
 namespace automoe::ops {
@@ -131,6 +132,59 @@ std::tuple<Tensor, Tensor> delta_rule_op(const Tensor& q, const Tensor& k, const
   return {r.o_BSNV, r.final_BNKV.defined() ? r.final_BNKV : at::empty({0}, q.options())};
 }
 
+// Quantised weights as two tensors (codes, absmax) and their description: [O, K] weights are one
+// expert.
+QuantizedWeight quantized_of(const Tensor& codes, const Tensor& absmax, const std::string& type,
+                             int64_t blocksize, at::IntArrayRef shape, c10::ScalarType dtype) {
+  AUTOMOE_CHECK(shape.size() == 2 || shape.size() == 3,
+                "automoe quantised weight: shape must be [O, K] or [E, O, K], got ", shape);
+  QuantizedWeight q;
+  q.type = quant_type_from_name(type, "automoe quantised weight");
+  q.blocksize = blocksize;
+  q.experts = shape.size() == 3 ? shape[0] : 1;
+  q.out_features = shape[shape.size() - 2];
+  q.in_features = shape.back();
+  q.dtype = dtype;
+  const bool int8 = q.type == QuantType::kInt8;
+  const int64_t n = q.out_features * q.in_features;
+  const int64_t code_cols = int8 ? n : (n + 1) / 2;
+  const int64_t abs_cols = int8 ? q.out_features : (n + blocksize - 1) / std::max<int64_t>(blocksize, 1);
+  AUTOMOE_CHECK(codes.numel() == q.experts * code_cols &&
+                    codes.scalar_type() == (int8 ? at::kChar : at::kByte),
+                "automoe quantised weight: codes must be ", int8 ? "int8" : "uint8", " with ",
+                q.experts * code_cols, " elements, got ", codes.scalar_type(), " ", codes.sizes());
+  AUTOMOE_CHECK(absmax.numel() == q.experts * abs_cols && absmax.scalar_type() == at::kFloat,
+                "automoe quantised weight: absmax must be float32 with ", q.experts * abs_cols,
+                " elements, got ", absmax.scalar_type(), " ", absmax.sizes());
+  q.codes = int8 ? codes.reshape({q.experts, q.out_features, q.in_features}).contiguous()
+                 : codes.reshape({q.experts, code_cols}).contiguous();
+  q.absmax = absmax.reshape({q.experts, abs_cols}).contiguous();
+  return q;
+}
+
+std::tuple<Tensor, Tensor> quantize_op(const Tensor& w, const std::string& type, int64_t blocksize) {
+  AUTOMOE_CHECK(w.dim() == 2 || w.dim() == 3, "automoe.quantize: w must be [O, K] or [E, O, K], got ",
+                w.sizes());
+  const QuantizedWeight q = quantize(w.dim() == 2 ? w.unsqueeze(0) : w,
+                                     quant_type_from_name(type, "automoe.quantize"), blocksize,
+                                     w.scalar_type(), "automoe.quantize: w");
+  return {q.codes, q.absmax};
+}
+
+template <at::Tensor (*Fn)(const QuantizedWeight&, int64_t, int64_t, c10::ScalarType)>
+Tensor dequantize_op(const Tensor& codes, const Tensor& absmax, const std::string& type,
+                     int64_t blocksize, at::IntArrayRef shape, c10::ScalarType dtype) {
+  const QuantizedWeight q = quantized_of(codes, absmax, type, blocksize, shape, dtype);
+  return Fn(q, 0, q.experts, dtype).reshape(shape);
+}
+
+Tensor grouped_gemm_quantized_op(const Tensor& x, const Tensor& codes, const Tensor& absmax,
+                                 const std::string& type, int64_t blocksize, at::IntArrayRef shape,
+                                 const Tensor& offsets) {
+  return grouped_gemm_quantized(
+      x, quantized_of(codes, absmax, type, blocksize, shape, x.scalar_type()), offsets);
+}
+
 std::tuple<Tensor, Tensor> delta_rule_step_reference_op(const Tensor& state, const Tensor& q,
                                                         const Tensor& k, const Tensor& v,
                                                         const Tensor& g, const Tensor& beta) {
@@ -212,6 +266,17 @@ TORCH_LIBRARY(automoe, m) {
   const char* gated_args = "(Tensor y, Tensor z, Tensor weight, int group_size, float eps=1e-5) -> Tensor";
   m.def((std::string("gated_rms_norm") + gated_args).c_str(), TORCH_FN(gated_rms_norm));
   m.def((std::string("gated_rms_norm_reference") + gated_args).c_str(), TORCH_FN(gated_rms_norm_reference));
+  // Quantised frozen weights (ops/quant/quant.h), bitsandbytes' formats.
+  m.def("quantize(Tensor w, str quant_type, int blocksize=64) -> (Tensor codes, Tensor absmax)",
+        TORCH_FN(quantize_op));
+  const char* dq_args =
+      "(Tensor codes, Tensor absmax, str quant_type, int blocksize, int[] shape, ScalarType dtype) -> Tensor";
+  m.def((std::string("dequantize") + dq_args).c_str(), TORCH_FN(dequantize_op<dequantize>));
+  m.def((std::string("dequantize_reference") + dq_args).c_str(),
+        TORCH_FN(dequantize_op<dequantize_reference>));
+  m.def("grouped_gemm_quantized(Tensor x, Tensor codes, Tensor absmax, str quant_type, int blocksize, "
+        "int[] shape, Tensor offsets) -> Tensor",
+        TORCH_FN(grouped_gemm_quantized_op));
   m.def("_set_poison_outputs(bool on) -> ()", TORCH_FN(set_poison_outputs));
   m.def("_cpu_kernel_paths() -> Dict(str, str)", TORCH_FN(cpu_kernel_paths_op));
   m.def("_set_cpu_paths(str isa=\"\", str gemm=\"\") -> ()", TORCH_FN(set_cpu_paths_op));

@@ -5,6 +5,7 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/core/log.h"
 #include "automoe/model/checkpoint.h"
 #include "automoe/model/lora.h"
 
@@ -62,6 +63,12 @@ Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
   Exported out{{{"export", (place.run / "export").string()}},
                (place.run / "export").string() + " (PEFT adapter)"};
   if (!rc.peft.export_merged) return place.lead ? out : Exported{};
+  if (m.decoder().has_quantized() && place.lead) {
+    log_info("export-merged: the base's experts were held ", rc.model.quantize,
+             ": the merged model's experts are their dequantised values plus the adapters' "
+             "product, in ", dtype_to_name(export_dtype), " (not the original checkpoint's weights; "
+             "PEFT's merge into a quantised base rounds likewise)");
+  }
   // Each weight merged where it lives: dense ones by rank 0, experts' rows by the ranks of
   // replica 0 (the others pass their shapes only: write_pretrained).
   std::map<int64_t, const LoraSite*> by_slot;
@@ -81,8 +88,10 @@ Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
         continue;
       }
       const auto it = by_slot.find(static_cast<int64_t>(i));
-      merged.emplace_back(name, it != by_slot.end() ? merge_lora(*it->second, t, export_dtype).cpu()
-                                                    : t.detach().to(at::kCPU, dt));
+      // A quantised base's weight merges dequantised (bitsandbytes' values, then + ΔW).
+      const at::Tensor base = m.decoder().dense(static_cast<int64_t>(i));
+      merged.emplace_back(name, it != by_slot.end() ? merge_lora(*it->second, base, export_dtype).cpu()
+                                                    : base.detach().to(at::kCPU, dt));
     }
   } catch (const std::exception& e) {
     error = e.what();

@@ -162,6 +162,16 @@ void parse_model(const json& root, const std::string& origin, ModelSection& mode
   AUTOMOE_CHECK(!model.path.empty(), m.where("path"),
                 "required: the Hugging Face checkpoint directory to fine-tune");
   model.dtype = m.str("dtype", model.dtype, {"float32", "bfloat16"});
+  model.quantize = m.str("quantize", model.quantize, {"none", "nf4", "fp4", "int8"});
+  if (m.has("quantize_blocksize")) {
+    model.quantize_blocksize = m.integer("quantize_blocksize", 64, 32, 4096);
+    const int64_t b = model.quantize_blocksize;
+    AUTOMOE_CHECK((b & (b - 1)) == 0, m.where("quantize_blocksize"),
+                  "expected a power of two from 32 to 4096 (bitsandbytes' block sizes), got ", b);
+    AUTOMOE_CHECK(model.quantize == "nf4" || model.quantize == "fp4", m.where("quantize_blocksize"),
+                  "is for 4-bit quantisation (model.quantize nf4 or fp4); model.quantize is ",
+                  model.quantize, " (int8 has one scale per row)");
+  }
   if (const json* b = m.raw("backend")) {
     AUTOMOE_CHECK(b->is_object(), m.where("backend"), "expected a mapping, got ", type_name(*b));
     for (const auto& [k, v] : b->items()) {
@@ -489,6 +499,9 @@ void check_across_sections(const Recipe& r, const std::string& origin) {
                   "\" with peft: LoRA's adapters train in float32 (the frozen base has no "
                   "optimizer state); remove the key");
   }
+  AUTOMOE_CHECK(r.model.quantize == "none" || r.peft.enabled, origin, ": model.quantize: ",
+                r.model.quantize, " holds the base frozen and quantised: it trains only with a "
+                "peft: section (LoRA adapters); remove the key to train the whole model");
   AUTOMOE_CHECK(
       !(r.optimizer.in_backward && r.peft.enabled), origin,
       ": optimizer.in_backward with peft: LoRA's adapter gradients are a few MB, there is "
@@ -534,7 +547,11 @@ std::string Recipe::to_json() const {
   j["model"] = {{"path", model.path}, {"dtype", model.dtype}, {"backend", model.backend},
                 {"router_aux_loss_coef", model.router_aux_loss_coef
                                              ? json(*model.router_aux_loss_coef)
-                                             : json(nullptr)}};
+                                             : json(nullptr)},
+                {"quantize", model.quantize}};
+  if (model.quantize == "nf4" || model.quantize == "fp4") {
+    j["model"]["quantize_blocksize"] = model.quantize_blocksize;
+  }
   j["data"] = {{"train", sources_json(data.train)},
                {"validation", sources_json(data.validation)},
                {"num_proc", data.num_proc},

@@ -23,6 +23,10 @@ struct ModelSection {
   std::string dtype = "bfloat16";              // compute dtype: float32 | bfloat16
   std::map<std::string, std::string> backend;  // BackendConfig fields
   std::optional<double> router_aux_loss_coef;  // default: the checkpoint's config
+  // A frozen quantised base for LoRA (docs/lora.md#a-quantised-base): the routed experts held in
+  // bitsandbytes' format, quantised while loading. none | nf4 | fp4 | int8.
+  std::string quantize = "none";
+  int64_t quantize_blocksize = 64;  // 4-bit: elements per absmax block (bitsandbytes' sizes)
 };
 
 // One source of documents (docs/recipes.md#data-sources): a local file, directory or glob of

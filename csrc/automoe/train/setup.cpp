@@ -12,6 +12,7 @@
 
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
+#include "automoe/core/log.h"
 #include "automoe/model/config.h"
 #include "automoe/ops/grouped_gemm/gemm_cpu.h"
 #include "automoe/io/safetensors.h"
@@ -295,8 +296,32 @@ std::unique_ptr<TrainModel> load_train_model(const Recipe& rc, const TrainData& 
   const int64_t num_experts = config.spec.moe.num_experts;
   m->own = m->mesh.ep > 1 ? parallel::experts_of(world.ep_rank(), m->mesh.ep, num_experts)
                           : parallel::ExpertRange{0, 0};
+  std::optional<QuantizeOptions> quantize;
+  if (rc.model.quantize != "none") {
+    quantize = QuantizeOptions{ops::quant_type_from_name(rc.model.quantize, "model.quantize"),
+                               rc.model.quantize_blocksize};
+  }
   m->pm = load_pretrained(rc.model.path, std::nullopt, backend, std::nullopt,
-                          {m->own.begin, m->own.count});
+                          {m->own.begin, m->own.count}, quantize);
+  if (quantize && place.lead) {
+    int64_t held = 0, dense = 0;
+    c10::ScalarType dense_dtype = at::kBFloat16;
+    const auto& params = m->pm.decoder->named_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (const ops::QuantizedWeight* q = m->pm.decoder->quantized(static_cast<int64_t>(i))) {
+        held += q->bytes();
+        dense += params[i].second.numel() * static_cast<int64_t>(c10::elementSize(q->dtype));
+        dense_dtype = q->dtype;
+      }
+    }
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%.3f GiB (%.3f GiB in %s)", held / 1073741824.0,
+                  dense / 1073741824.0, dtype_to_name(dense_dtype).c_str());
+    log_info("model.quantize ", rc.model.quantize,
+             rc.model.quantize == "int8" ? "" : " (blocks of " + std::to_string(rc.model.quantize_blocksize) + ")",
+             ": the routed experts are held quantised and frozen", m->mesh.ep > 1 ? " (this rank's)" : "",
+             ", ", buf);
+  }
   if (m->mesh.ep > 1) {
     m->pm.decoder->set_dispatcher(moe::make_dispatcher(
         backend.dispatcher == "auto" ? "alltoall" : backend.dispatcher, world.ep, num_experts));

@@ -1,0 +1,197 @@
+"""A frozen quantised base for LoRA (`model.quantize`): the routed experts held in bitsandbytes'
+NF4 / FP4 / int8 formats, checked against bitsandbytes itself (codes, scales and dequantised values
+bit for bit), the dequantising grouped GEMM against the grouped GEMM on the dequantised weights, and
+`automoe train` on a quantised base against the same run on a checkpoint of bitsandbytes'
+dequantised weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_train import base_recipe, load_tensors, metrics, model_dir, run_train, tokenizer  # noqa: F401
+from test_train_lora import EXPERTS
+
+import automoe  # (registers torch.ops.automoe)
+
+bnb_functional = pytest.importorskip("bitsandbytes.functional")
+
+OPS = torch.ops.automoe
+
+
+def bnb_quantize(w: torch.Tensor, quant_type: str, blocksize: int):
+    """bitsandbytes' codes and scales for one weight [O, K], as Linear4bit / Linear8bitLt store them."""
+    if quant_type == "int8":
+        codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+        return codes, scb
+    codes, state = bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type)
+    return codes, state.absmax
+
+
+def bnb_dequantize(w: torch.Tensor, quant_type: str, blocksize: int = 64) -> torch.Tensor:
+    """w [O, K] quantised and dequantised by bitsandbytes, in w's dtype."""
+    if quant_type == "int8":
+        codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+        return bnb_functional.int8_vectorwise_dequant(codes, scb).to(w.dtype)
+    codes, state = bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type)
+    return bnb_functional.dequantize_4bit(codes, state)
+
+
+# ---- the formats ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape,blocksize", [((96, 128), 64), ((33, 17), 64), ((64, 256), 128),
+                                             ((8, 64), 4096)],
+                         ids=["blocks", "odd-partial-block", "block128", "one-partial-block"])
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4", "int8"])
+def test_quantisation_is_bitsandbytes_bit_for_bit(quant_type, shape, blocksize, dtype):
+    if quant_type == "int8" and blocksize != 64:
+        pytest.skip("int8 has one scale per row")
+    torch.manual_seed(0)
+    w = torch.randn(shape).to(dtype)
+    w[0, :5] = 0  # exact zeros (FP4 has two zero codes)
+    w[1] = 0      # an all-zero block / row
+    codes, absmax = OPS.quantize(w, quant_type, blocksize)
+    ref_codes, ref_absmax = bnb_quantize(w, quant_type, blocksize)
+    assert torch.equal(codes.flatten(), ref_codes.flatten())
+    assert torch.equal(absmax.flatten(), ref_absmax.flatten())
+    ours = OPS.dequantize(codes, absmax, quant_type, blocksize, list(shape), dtype)
+    assert torch.equal(ours, bnb_dequantize(w, quant_type, blocksize))
+    assert torch.equal(ours, OPS.dequantize_reference(codes, absmax, quant_type, blocksize, list(shape), dtype))
+
+
+def test_quantising_a_non_finite_weight_is_refused_by_name():
+    w = torch.randn(2, 8, 64)
+    w[1, 3, 7] = float("nan")
+    with pytest.raises(automoe.AutoMoEError, match="expert 1 holds non-finite values"):
+        OPS.quantize(w, "nf4", 64)
+    with pytest.raises(automoe.AutoMoEError, match='unknown quantisation "nf3"'):
+        OPS.quantize(w, "nf3", 64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("quant_type", ["nf4", "int8"])
+def test_dequantising_grouped_gemm_equals_the_grouped_gemm_on_dequantised_weights(quant_type, dtype):
+    """Forward and dX, with an expert without rows and rows past the last expert (zeros)."""
+    torch.manual_seed(1)
+    E, O, K = 5, 48, 64
+    w = torch.randn(E, O, K)
+    codes, absmax = OPS.quantize(w, quant_type, 64)
+    dense = OPS.dequantize(codes, absmax, quant_type, 64, [E, O, K], dtype)
+    offsets = torch.tensor([0, 3, 3, 10, 11, 20])
+    x = torch.randn(22, K, dtype=dtype, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    y = OPS.grouped_gemm_quantized(x, codes, absmax, quant_type, 64, [E, O, K], offsets)
+    y2 = OPS.grouped_gemm_reference(x2, dense, offsets)
+    g = torch.randn_like(y)
+    y.backward(g)
+    y2.backward(g)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y2, **tol)
+    torch.testing.assert_close(x.grad, x2.grad, **tol)
+    assert torch.equal(y[20:], torch.zeros_like(y[20:]))
+
+
+# ---- training on a quantised base ---------------------------------------------------------------
+
+def dequantised_checkpoint(model_dir: Path, out: Path, quant_type: str) -> Path:
+    """model_dir with every routed expert's weights replaced by bitsandbytes' quantised-then-
+    dequantised values (each expert's projection quantised as bitsandbytes quantises a linear
+    layer), written by Transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.copy_(torch.stack([bnb_dequantize(p[e], quant_type) for e in range(p.shape[0])]))
+    model.save_pretrained(out)
+    for f in Path(model_dir).iterdir():  # the tokenizer's files (chat template included)
+        if not (out / f.name).exists() and "safetensors" not in f.name:
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def qlora_recipe(model_dir, tmp, run, quantize=None, **model):
+    section = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
+               "target_parameters": EXPERTS}
+    r = base_recipe(model_dir, tmp, run, peft=section, optimizer={"lr": 1e-2})
+    if quantize:
+        r["model"]["quantize"] = quantize
+    r["model"].update(model)
+    return r
+
+
+@pytest.mark.parametrize("quant_type,backend", [("nf4", "grouped"), ("nf4", "eager"), ("fp4", "grouped"),
+                                                ("int8", "grouped")])
+def test_lora_on_a_quantised_base_equals_lora_on_bitsandbytes_dequantised_weights(
+        model_dir, tmp_path, quant_type, backend):
+    """The quantised run's experts are bitsandbytes' values: its losses, gradient norms and
+    adapters are those of the same LoRA run on a float32 checkpoint of those values."""
+    deq = dequantised_checkpoint(model_dir, tmp_path / "deq", quant_type)
+    q = qlora_recipe(model_dir, tmp_path, "q", quant_type, backend={"experts": backend})
+    ref = qlora_recipe(deq, tmp_path, "ref", backend={"experts": backend})
+    run_train(q, tmp_path)
+    run_train(ref, tmp_path)
+    a, b = metrics(tmp_path / "q"), metrics(tmp_path / "ref")
+    for step in b:
+        assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-6), step
+        assert a[step]["grad_norm"] == pytest.approx(b[step]["grad_norm"], rel=1e-5), step
+    got = load_tensors(tmp_path / "q" / "export" / "adapter_model.safetensors")
+    want = load_tensors(tmp_path / "ref" / "export" / "adapter_model.safetensors")
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+def test_merged_export_of_a_quantised_base_is_its_dequantised_weights_plus_the_adapter(
+        model_dir, tmp_path):
+    """export_merged writes bitsandbytes' dequantised experts + ΔW, loadable by Transformers with
+    the logits of the dequantised base with PEFT's adapter on it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    deq = dequantised_checkpoint(model_dir, tmp_path / "deq", "nf4")
+    recipe = qlora_recipe(model_dir, tmp_path, "q", "nf4")
+    recipe["peft"]["export_merged"] = True
+    proc = run_train(recipe, tmp_path)
+    assert "dequantised values plus the adapters' product" in proc.stderr + proc.stdout
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "q" / "export-merged", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, tmp_path / "q" / "export")
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = peft_model(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_lora_on_an_nf4_base_trains_and_holds_no_expert_weight(model_dir, tmp_path):
+    recipe = qlora_recipe(model_dir, tmp_path, "run", "nf4", dtype="bfloat16", quantize_blocksize=128)
+    recipe["train"]["max_steps"] = 8
+    recipe["checkpoint"]["every"] = 4
+    proc = run_train(recipe, tmp_path)
+    saved = load_tensors(tmp_path / "run" / "step-4" / "model.safetensors")
+    assert all(".lora_" in k for k in saved)
+    recs = metrics(tmp_path / "run")
+    assert recs[8]["loss"] < recs[1]["loss"]
+    assert "nf4" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("model,message", [
+    ({"quantize": "nf4"}, "trains only with a peft: section"),
+    ({"quantize": "nf3"}, "model.quantize"),
+    ({"quantize": "int8", "quantize_blocksize": 128}, "is for 4-bit quantisation"),
+    ({"quantize": "nf4", "quantize_blocksize": 100}, "power of two"),
+])
+def test_quantise_recipe_errors_name_the_key(model_dir, tmp_path, model, message):
+    recipe = qlora_recipe(model_dir, tmp_path, "run")
+    if message == "trains only with a peft: section":
+        del recipe["peft"]
+    recipe["model"].update(model)
+    proc = run_train(recipe, tmp_path, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
