@@ -182,6 +182,130 @@ def test_bf16_lora_on_an_nf4_base_trains_and_holds_no_expert_weight(model_dir, t
     assert "nf4" in proc.stderr + proc.stdout
 
 
+# ---- checkpoints bitsandbytes quantised ---------------------------------------------------------
+
+QUANTISED_LINEARS = ("gate_proj.weight", "up_proj.weight", "down_proj.weight", "q_proj.weight",
+                     "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+def bnb_checkpoint(model_dir: Path, out: Path, quant_type: str, double_quant: bool) -> tuple[Path, Path]:
+    """model_dir (per-expert layout, as Transformers writes it) with every expert's and attention's
+    linear weight stored as bitsandbytes serialises Linear4bit / Linear8bitLt (QuantState.as_dict,
+    SCB + weight_format), config.json with BitsAndBytesConfig's quantization_config; and beside it
+    the same checkpoint with those weights replaced by bitsandbytes' dequantised values."""
+    from safetensors.torch import load_file, save_file
+    from transformers import BitsAndBytesConfig
+
+    src = load_file(str(model_dir / "model.safetensors"))
+    assert any(".experts.0.gate_proj.weight" in k for k in src), "expected the per-expert layout"
+    quant, deq = {}, {}
+    for name, w in src.items():
+        if not name.endswith(QUANTISED_LINEARS):
+            quant[name] = deq[name] = w
+            continue
+        if quant_type == "int8":
+            codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+            quant[name] = codes
+            quant[name[: -len("weight")] + "SCB"] = scb
+            quant[name[: -len("weight")] + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
+            deq[name] = bnb_functional.int8_vectorwise_dequant(codes, scb).to(w.dtype)
+            continue
+        codes, state = bnb_functional.quantize_4bit(w, blocksize=64, quant_type=quant_type,
+                                                    compress_statistics=double_quant)
+        quant[name] = codes
+        for k, v in state.as_dict(packed=True).items():
+            quant[f"{name}.{k}"] = v
+        deq[name] = bnb_functional.dequantize_4bit(codes, state)
+    config = json.loads((model_dir / "config.json").read_text())
+    qcfg = BitsAndBytesConfig(load_in_8bit=quant_type == "int8", load_in_4bit=quant_type != "int8",
+                              bnb_4bit_quant_type=quant_type if quant_type != "int8" else "fp4",
+                              bnb_4bit_use_double_quant=double_quant)
+    dirs = []
+    for sub, tensors, cfg in (("bnb", quant, {**config, "quantization_config": qcfg.to_dict()}),
+                              ("bnb-dequantised", deq, config)):
+        d = out / sub
+        d.mkdir(parents=True)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (d / "config.json").write_text(json.dumps(cfg))
+        for f in model_dir.iterdir():
+            if f.name not in ("config.json", "model.safetensors"):
+                shutil.copy(f, d / f.name)
+        dirs.append(d)
+    return dirs[0], dirs[1]
+
+
+@pytest.mark.parametrize("quant_type,double_quant", [("nf4", True), ("nf4", False), ("fp4", False),
+                                                     ("int8", False)],
+                         ids=["nf4-double-quant", "nf4", "fp4", "int8"])
+def test_a_bitsandbytes_quantised_checkpoint_trains_lora_on_its_quantised_experts(
+        model_dir, tmp_path, quant_type, double_quant):
+    """The experts load as stored (each expert's gate and up joined, never dequantised), attention's
+    quantised weights dequantised: the LoRA run equals the run on bitsandbytes' dequantised values."""
+    bnb, deq = bnb_checkpoint(model_dir, tmp_path, quant_type, double_quant)
+    proc = run_train(qlora_recipe(bnb, tmp_path, "q"), tmp_path)
+    assert "dequantised 8 bitsandbytes-quantised" in proc.stderr, proc.stderr
+    run_train(qlora_recipe(deq, tmp_path, "ref"), tmp_path)
+    a, b = metrics(tmp_path / "q"), metrics(tmp_path / "ref")
+    for step in b:
+        assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-6), step
+    got = load_tensors(tmp_path / "q" / "export" / "adapter_model.safetensors")
+    want = load_tensors(tmp_path / "ref" / "export" / "adapter_model.safetensors")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    # Trained in full, the quantised experts are refused by name; so is requantising them.
+    full = base_recipe(bnb, tmp_path, "full")
+    proc = run_train(full, tmp_path, check=False)
+    assert proc.returncode != 0 and "trains only under LoRA" in proc.stderr, proc.stderr
+    other = "int8" if quant_type != "int8" else "nf4"
+    proc = run_train(qlora_recipe(bnb, tmp_path, "re", other), tmp_path, check=False)
+    assert proc.returncode != 0 and f"model.quantize asks for {other}" in proc.stderr, proc.stderr
+
+
+def test_a_checkpoint_transformers_quantised_with_bitsandbytes_loads_and_trains(model_dir, tmp_path):
+    """Transformers + bitsandbytes quantise the linear layers (attention here; Transformers leaves the
+    fused experts as they are) and save them double-quantised: AutoMoE loads that checkpoint and
+    trains LoRA as on Transformers' own dequantize() of it."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qcfg = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=qcfg)
+    model.save_pretrained(tmp_path / "bnb")
+    model.dequantize(dtype=torch.float32)  # (its default reads config.dtype, a string, and fails)
+    model.save_pretrained(tmp_path / "deq")
+    for d in ("bnb", "deq"):
+        for f in model_dir.iterdir():
+            if not (tmp_path / d / f.name).exists() and "safetensors" not in f.name:
+                shutil.copy(f, tmp_path / d / f.name)
+    assert "quantization_config" in json.loads((tmp_path / "bnb" / "config.json").read_text())
+    proc = run_train(qlora_recipe(tmp_path / "bnb", tmp_path, "q"), tmp_path)
+    assert "bitsandbytes-quantised (nf4)" in proc.stderr, proc.stderr
+    run_train(qlora_recipe(tmp_path / "deq", tmp_path, "ref"), tmp_path)
+    a, b = metrics(tmp_path / "q"), metrics(tmp_path / "ref")
+    for step in b:
+        assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-6), step
+
+
+def test_convert_writes_a_bitsandbytes_checkpoint_dequantised(model_dir, tmp_path):
+    """`automoe convert` of a quantised checkpoint: bitsandbytes' values, no quantization_config,
+    loadable by Transformers alone."""
+    from conftest import AUTOMOE_BIN
+    import subprocess
+
+    bnb, deq = bnb_checkpoint(model_dir, tmp_path, "nf4", True)
+    out = tmp_path / "converted"
+    subprocess.run([str(AUTOMOE_BIN), "convert", str(bnb), str(out), "--layout", "per-expert"], check=True,
+                   capture_output=True)
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    from transformers import AutoModelForCausalLM
+
+    a = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    b = AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32)
+    for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
+
+
 @pytest.mark.parametrize("model,message", [
     ({"quantize": "nf4"}, "trains only with a peft: section"),
     ({"quantize": "nf3"}, "model.quantize"),

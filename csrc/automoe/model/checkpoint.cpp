@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -11,6 +12,7 @@
 #include "automoe/core/dtype.h"
 #include "automoe/core/error.h"
 #include "automoe/core/log.h"
+#include "automoe/io/bnb.h"
 #include "automoe/io/mxfp4.h"
 #include "automoe/model/init.h"
 #include "automoe/parallel/world.h"
@@ -97,107 +99,12 @@ int64_t layer_of(const std::string& name) {
 
 }  // namespace
 
-NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
-                             const Architecture& arch, std::optional<c10::ScalarType> dtype,
-                             ExpertsLayout* layout_out, const QuantizeOptions* quantize,
-                             std::vector<std::pair<std::string, ops::QuantizedWeight>>* quantized) {
-  AUTOMOE_CHECK(!quantize || (quantized && !spec.moe.gpt_oss), ckpt.dir(), ": ",
-                spec.model_type, "'s experts cannot be held quantised (GPT-OSS's experts are stored "
-                "transposed with biases); load it unquantised");
-  const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
-  if (layout_out) *layout_out = layout;
-  std::set<std::string> used;
-  // The original (per-expert) format renames tensors (Mixtral's block_sparse_moe); the fused
-  // one, like Transformers v5's save_original_format=False, keeps the in-memory names.
-  const std::vector<RenameRule> no_renames;
-  const std::vector<RenameRule>& renames =
-      layout == ExpertsLayout::kPerExpert ? arch.renames : no_renames;
-  const bool contained = is_contained(ckpt, arch);
-  auto on_disk = [&](const std::string& memory_name) {
-    return in_container(to_disk_name(renames, memory_name), contained, arch);
-  };
-  auto get = [&](const std::string& memory_name) {
-    const std::string name = on_disk(memory_name);
-    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
-                  to_string(layout), " layout)");
-    used.insert(name);
-    return ckpt.get(name);
-  };
-  // Expert parallelism: this process's experts only, as byte ranges of the files.
-  const MoESpec& moe = spec.moe;
-  const bool sharded = moe.sharded();
-  auto get_experts = [&](const std::string& memory_name) {
-    const std::string name = on_disk(memory_name);
-    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
-                  to_string(layout), " layout)");
-    used.insert(name);
-    return ckpt.get_rows(name, moe.expert_begin, moe.expert_begin + moe.expert_count);
-  };
-  // MXFP4 experts dequantise to the dtype asked for, else to the dtype the checkpoint's other
-  // tensors are stored in (their biases'), so that the model stays in one dtype.
-  auto dequant_dtype_for = [&](const std::string& name) -> c10::ScalarType {
-    if (dtype) return *dtype;
-    if (ckpt.contains(name + "_bias")) return ckpt.info(name + "_bias").dtype;
-    return at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16;
-  };
-  std::optional<c10::ScalarType> dequant_dtype;
-  int64_t dequantised = 0;
-  NamedTensors out;
-  for (const auto& decl : parameter_layout(spec)) {
-    std::string prefix;
-    const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
-    at::Tensor t;
-    if (spec.mxfp4_experts && decl.shape.size() == 3 && !ckpt.contains(decl.name) &&
-        ckpt.contains(decl.name + "_blocks")) {
-      // Stored [E, O, G, 16] + [E, O, G] for the transposed in-memory [E, K, O]: as Transformers.
-      dequant_dtype = dequant_dtype_for(decl.name);
-      auto part = [&](const std::string& n) { return sharded ? get_experts(n) : get(n); };
-      t = dequantize_mxfp4(part(decl.name + "_blocks"), part(decl.name + "_scales"), *dequant_dtype,
-                           ckpt.dir() + ": tensor " + decl.name)
-              .transpose(1, 2)
-              .contiguous();
-      ++dequantised;
-    } else {
-      if (rule && layout == ExpertsLayout::kPerExpert) {
-        t = gather_experts(*rule, prefix, moe.local_experts(), get, sharded ? moe.expert_begin : 0);
-        for (int64_t e = 0; sharded && e < moe.num_experts; ++e) {  // other ranks' experts
-          if (e >= moe.expert_begin && e < moe.expert_begin + moe.expert_count) continue;
-          for (const auto& part : rule->parts) used.insert(on_disk(disk_name(prefix, part, e)));
-        }
-      } else {
-        t = sharded && decl.routed_expert ? get_experts(decl.name) : get(decl.name);
-      }
-    }
-    AUTOMOE_CHECK(t.sizes() == at::IntArrayRef(decl.shape), ckpt.dir(), ": tensor ", decl.name,
-                  ": expected shape ", at::IntArrayRef(decl.shape), " from config.json, found ",
-                  t.sizes());
-    AUTOMOE_CHECK(at::isFloatingType(t.scalar_type()), ckpt.dir(), ": tensor ", decl.name,
-                  ": expected a floating-point dtype, found ", t.scalar_type());
-    // Parameters own their memory: a tensor still aliasing the file mapping is copied, so that
-    // another program rewriting the checkpoint in place can neither change nor (by truncating it)
-    // crash a loaded model.
-    const bool aliases_file = !(rule && layout == ExpertsLayout::kPerExpert);
-    // Buffers Transformers keeps in float32 (the correction bias) stay float32.
-    const std::optional<c10::ScalarType> want =
-        decl.keep_float32 ? std::optional<c10::ScalarType>(at::kFloat) : dtype;
-    if (quantize && decl.routed_expert && decl.shape.size() == 3) {
-      const c10::ScalarType dt = want.value_or(t.scalar_type());
-      quantized->emplace_back(decl.name, ops::quantize(t, quantize->type, quantize->blocksize, dt,
-                                                       ckpt.dir() + ": tensor " + decl.name));
-      out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(dt).device(at::kMeta)));
-      continue;
-    }
-    if (want && t.scalar_type() != *want) {
-      t = t.to(*want);
-    } else if (aliases_file) {
-      t = t.clone(at::MemoryFormat::Contiguous);
-    }
-    out.emplace_back(decl.name, std::move(t));
-  }
-  if (dequantised > 0) {
-    log_info(ckpt.dir(), ": dequantised ", dequantised, " MXFP4 expert tensors to ",
-             dtype_to_name(*dequant_dtype), " (saves write them in that dtype)");
-  }
+namespace {
+
+// The checkpoint's tensors that no parameter used: skipped with one message where Transformers
+// ignores them too (multi-token prediction, a vision tower), an error otherwise.
+void check_leftover_tensors(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
+                            const Architecture& arch, const std::set<std::string>& used) {
   std::vector<std::string> extra;
   std::set<int64_t> mtp_layers;
   int64_t mtp_tensors = 0;
@@ -248,6 +155,183 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     fail(ckpt.dir(), ": ", extra.size(), " tensor(s) that a ", spec.model_type,
          " model with this config.json does not have: ", list, extra.size() > 5 ? ", ..." : "");
   }
+}
+
+// One MoE layer's experts [first, first + count) of a per-expert checkpoint bitsandbytes
+// quantised one linear layer at a time: each expert's parts joined along the rows (gate then up),
+// the experts stacked. Every tensor read is added to *used.
+ops::QuantizedWeight read_bnb_experts(const SafetensorsCheckpoint& ckpt, const WeightRule& rule,
+                                      const std::string& prefix, int64_t count, int64_t first,
+                                      const std::function<std::string(const std::string&)>& on_disk,
+                                      std::optional<c10::ScalarType> dtype, std::set<std::string>* used) {
+  AUTOMOE_CHECK(!rule.transpose && !rule.interleave && (rule.parts.size() == 1 || rule.concat_dim == 1),
+                ckpt.dir(), ": ", prefix, rule.memory_suffix, ": this architecture's experts are "
+                "stored transposed or interleaved; their bitsandbytes-quantised form is not supported");
+  std::vector<ops::QuantizedWeight> experts;
+  for (int64_t e = first; e < first + count; ++e) {
+    std::vector<ops::QuantizedWeight> parts;
+    for (const auto& part : rule.parts) {
+      const std::string name = on_disk(disk_name(prefix, part, e));
+      AUTOMOE_CHECK(bnb_format(ckpt, name), ckpt.dir(), ": tensor ", name,
+                    " is not bitsandbytes-quantised, as the layer's other experts are");
+      parts.push_back(read_bnb(ckpt, name, dtype));
+      used->insert(name);
+      for (const std::string& c : bnb_companions(ckpt, name)) used->insert(c);
+    }
+    experts.push_back(join_rows(parts, ckpt.dir() + ": expert " + std::to_string(e) + " of " + prefix));
+  }
+  return stack_experts(experts, ckpt.dir() + ": " + prefix + rule.memory_suffix);
+}
+
+}  // namespace
+
+NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
+                             const Architecture& arch, std::optional<c10::ScalarType> dtype,
+                             ExpertsLayout* layout_out, const QuantizeOptions* quantize,
+                             std::vector<std::pair<std::string, ops::QuantizedWeight>>* quantized) {
+  AUTOMOE_CHECK(!quantize || (quantized && !spec.moe.gpt_oss), ckpt.dir(), ": ",
+                spec.model_type, "'s experts cannot be held quantised (GPT-OSS's experts are stored "
+                "transposed with biases); load it unquantised");
+  const ExpertsLayout layout = detect_layout(ckpt, spec, arch);
+  if (layout_out) *layout_out = layout;
+  std::set<std::string> used;
+  // The original (per-expert) format renames tensors (Mixtral's block_sparse_moe); the fused
+  // one, like Transformers v5's save_original_format=False, keeps the in-memory names.
+  const std::vector<RenameRule> no_renames;
+  const std::vector<RenameRule>& renames =
+      layout == ExpertsLayout::kPerExpert ? arch.renames : no_renames;
+  const bool contained = is_contained(ckpt, arch);
+  auto on_disk = [&](const std::string& memory_name) {
+    return in_container(to_disk_name(renames, memory_name), contained, arch);
+  };
+  // A bitsandbytes-quantised tensor other than a routed expert's is dequantised here (to the
+  // dtype asked for, else its quant state's).
+  int64_t bnb_dequantised = 0;
+  auto mark_bnb = [&](const std::string& name) {
+    for (const std::string& c : bnb_companions(ckpt, name)) used.insert(c);
+  };
+  auto get = [&](const std::string& memory_name) {
+    const std::string name = on_disk(memory_name);
+    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
+                  to_string(layout), " layout)");
+    used.insert(name);
+    if (!spec.bnb_quantized.empty() && bnb_format(ckpt, name)) {
+      mark_bnb(name);
+      ++bnb_dequantised;
+      const ops::QuantizedWeight q =
+          read_bnb(ckpt, name, dtype ? dtype : std::optional<c10::ScalarType>(spec.dtype));
+      return ops::dequantize(q, 0, 1, q.dtype)[0];
+    }
+    return ckpt.get(name);
+  };
+  // Expert parallelism: this process's experts only, as byte ranges of the files.
+  const MoESpec& moe = spec.moe;
+  const bool sharded = moe.sharded();
+  auto get_experts = [&](const std::string& memory_name) {
+    const std::string name = on_disk(memory_name);
+    AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
+                  to_string(layout), " layout)");
+    used.insert(name);
+    return ckpt.get_rows(name, moe.expert_begin, moe.expert_begin + moe.expert_count);
+  };
+  // MXFP4 experts dequantise to the dtype asked for, else to the dtype the checkpoint's other
+  // tensors are stored in (their biases'), so that the model stays in one dtype.
+  auto dequant_dtype_for = [&](const std::string& name) -> c10::ScalarType {
+    if (dtype) return *dtype;
+    if (ckpt.contains(name + "_bias")) return ckpt.info(name + "_bias").dtype;
+    return at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16;
+  };
+  // Buffers Transformers keeps in float32 (the correction bias) stay float32.
+  auto want_of = [&](const ParamDecl& decl) {
+    return decl.keep_float32 ? std::optional<c10::ScalarType>(at::kFloat) : dtype;
+  };
+  std::optional<c10::ScalarType> dequant_dtype;
+  int64_t dequantised = 0;
+  NamedTensors out;
+  for (const auto& decl : parameter_layout(spec)) {
+    std::string prefix;
+    const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
+    at::Tensor t;
+    if (spec.mxfp4_experts && decl.shape.size() == 3 && !ckpt.contains(decl.name) &&
+        ckpt.contains(decl.name + "_blocks")) {
+      // Stored [E, O, G, 16] + [E, O, G] for the transposed in-memory [E, K, O]: as Transformers.
+      dequant_dtype = dequant_dtype_for(decl.name);
+      auto part = [&](const std::string& n) { return sharded ? get_experts(n) : get(n); };
+      t = dequantize_mxfp4(part(decl.name + "_blocks"), part(decl.name + "_scales"), *dequant_dtype,
+                           ckpt.dir() + ": tensor " + decl.name)
+              .transpose(1, 2)
+              .contiguous();
+      ++dequantised;
+    } else {
+      if (rule && layout == ExpertsLayout::kPerExpert) {
+        const int64_t first = sharded ? moe.expert_begin : 0;
+        for (int64_t e = 0; sharded && e < moe.num_experts; ++e) {  // other ranks' experts
+          if (e >= moe.expert_begin && e < moe.expert_begin + moe.expert_count) continue;
+          for (const auto& part : rule->parts) {
+            used.insert(on_disk(disk_name(prefix, part, e)));
+            mark_bnb(on_disk(disk_name(prefix, part, e)));
+          }
+        }
+        if (!spec.bnb_quantized.empty() && decl.shape.size() == 3 &&
+            bnb_format(ckpt, on_disk(disk_name(prefix, rule->parts.front(), first)))) {
+          // Experts bitsandbytes quantised, one linear layer each: they stay quantised.
+          AUTOMOE_CHECK(quantized, ckpt.dir(), ": the routed experts are stored bitsandbytes-"
+                        "quantised (", spec.bnb_quantized, "); they load only as the frozen base of "
+                        "LoRA (automoe train with a peft: section, or the drop-in)");
+          ops::QuantizedWeight q = read_bnb_experts(ckpt, *rule, prefix, moe.local_experts(), first,
+                                                    on_disk, want_of(decl), &used);
+          AUTOMOE_CHECK(at::IntArrayRef({q.experts, q.out_features, q.in_features}) ==
+                            at::IntArrayRef(decl.shape),
+                        ckpt.dir(), ": tensor ", decl.name, ": expected shape ",
+                        at::IntArrayRef(decl.shape), " from config.json, found quantised experts [",
+                        q.experts, ", ", q.out_features, ", ", q.in_features, "]");
+          AUTOMOE_CHECK(!quantize || quantize->type == q.type, ckpt.dir(), ": the experts are stored ",
+                        ops::to_string(q.type), "; model.quantize asks for ", ops::to_string(quantize->type),
+                        " (requantising would lose precision twice): remove model.quantize or set it to ",
+                        ops::to_string(q.type));
+          out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(q.dtype).device(at::kMeta)));
+          quantized->emplace_back(decl.name, std::move(q));
+          continue;
+        }
+        t = gather_experts(*rule, prefix, moe.local_experts(), get, first);
+      } else {
+        t = sharded && decl.routed_expert ? get_experts(decl.name) : get(decl.name);
+      }
+    }
+    AUTOMOE_CHECK(t.sizes() == at::IntArrayRef(decl.shape), ckpt.dir(), ": tensor ", decl.name,
+                  ": expected shape ", at::IntArrayRef(decl.shape), " from config.json, found ",
+                  t.sizes());
+    AUTOMOE_CHECK(at::isFloatingType(t.scalar_type()), ckpt.dir(), ": tensor ", decl.name,
+                  ": expected a floating-point dtype, found ", t.scalar_type());
+    // Parameters own their memory: a tensor still aliasing the file mapping is copied, so that
+    // another program rewriting the checkpoint in place can neither change nor (by truncating it)
+    // crash a loaded model.
+    const bool aliases_file = !(rule && layout == ExpertsLayout::kPerExpert);
+    const std::optional<c10::ScalarType> want = want_of(decl);
+    if (quantize && decl.routed_expert && decl.shape.size() == 3) {
+      const c10::ScalarType dt = want.value_or(t.scalar_type());
+      quantized->emplace_back(decl.name, ops::quantize(t, quantize->type, quantize->blocksize, dt,
+                                                       ckpt.dir() + ": tensor " + decl.name));
+      out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(dt).device(at::kMeta)));
+      continue;
+    }
+    if (want && t.scalar_type() != *want) {
+      t = t.to(*want);
+    } else if (aliases_file) {
+      t = t.clone(at::MemoryFormat::Contiguous);
+    }
+    out.emplace_back(decl.name, std::move(t));
+  }
+  if (dequantised > 0) {
+    log_info(ckpt.dir(), ": dequantised ", dequantised, " MXFP4 expert tensors to ",
+             dtype_to_name(*dequant_dtype), " (saves write them in that dtype)");
+  }
+  if (bnb_dequantised > 0) {
+    log_info(ckpt.dir(), ": dequantised ", bnb_dequantised, " bitsandbytes-quantised (",
+             spec.bnb_quantized, ") tensor(s) outside the routed experts (attention, dense MLPs: "
+             "small beside the experts, which stay quantised)");
+  }
+  check_leftover_tensors(ckpt, spec, arch, used);
   return out;
 }
 
@@ -357,7 +441,14 @@ namespace {
 NamedTensors tensors_to_save(const PretrainedModel& model,
                              const std::optional<NamedTensors>& given, bool gathered = false) {
   const NamedTensors& params = model.decoder->named_parameters();
-  if (!given) return params;
+  if (!given && !model.decoder->has_quantized()) return params;
+  if (!given) {  // quantised experts are written dequantised (a plain checkpoint)
+    NamedTensors out;
+    for (size_t i = 0; i < params.size(); ++i) {
+      out.emplace_back(params[i].first, model.decoder->dense(static_cast<int64_t>(i)));
+    }
+    return out;
+  }
   const ModelSpec& spec = model.decoder->spec();
   std::set<std::string> routed;
   if (gathered) {
@@ -504,7 +595,7 @@ static void write_config_and_files(const LoadedConfig& loaded, const std::string
     config["dtype"] = dtype_to_name(params.front().second.scalar_type());
     config.erase("torch_dtype");
     // Dequantised on load, written dequantised: the checkpoint is no longer MXFP4.
-    if (spec.mxfp4_experts) config.erase("quantization_config");
+    if (spec.mxfp4_experts || !spec.bnb_quantized.empty()) config.erase("quantization_config");
     config_text = config.dump(2) + "\n";
   }
   write_file_atomic((fs::path(dir) / "config.json").string(), config_text);

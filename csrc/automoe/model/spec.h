@@ -207,6 +207,10 @@ struct ModelSpec {
   // GPT-OSS's released checkpoints: experts stored as MXFP4 blocks + scales (quantization_config
   // quant_method "mxfp4"), dequantised to the compute dtype on load; saves write them dequantised.
   bool mxfp4_experts = false;
+  // A checkpoint bitsandbytes quantised (quantization_config quant_method "bitsandbytes"): "nf4",
+  // "fp4" or "int8", else empty. Its quantised routed experts load quantised (a LoRA base), its
+  // other quantised weights dequantised (io/bnb.h); saves write no quantization_config.
+  std::string bnb_quantized;
 
   bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
   bool has_mixer(MixerKind kind) const;

@@ -45,8 +45,8 @@ TrainState make_train_state(Decoder& decoder, c10::ScalarType compute, const c10
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& [n, t] = params[i];
     if (const ops::QuantizedWeight* q = decoder.quantized(static_cast<int64_t>(i))) {
-      AUTOMOE_CHECK(s.lora, n, ": held quantised (model.quantize), so frozen: it trains only "
-                    "under LoRA (a peft: section)");
+      AUTOMOE_CHECK(s.lora, n, ": held quantised (model.quantize, or a bitsandbytes-quantised "
+                    "checkpoint), so frozen: it trains only under LoRA (a peft: section)");
       decoder.set_quantized(n, q->to(dev, compute));  // dequantises to the compute dtype
       continue;
     }

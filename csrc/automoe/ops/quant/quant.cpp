@@ -56,7 +56,9 @@ constexpr uint8_t kFP4Order[16] = {11, 10, 13, 12, 15, 14, 9, 0, 8, 1, 6, 7, 4, 
 // int8's dequantisation factor, 1/127 as bitsandbytes writes it.
 constexpr float kInv127 = static_cast<float>(7.874015718698502e-3);
 
-const float* code_book(QuantType t) { return t == QuantType::kNF4 ? kNF4 : kFP4; }
+}  // namespace
+const float* code_book(QuantType t);
+namespace {
 
 // Midpoints between consecutive sorted codes, in float32 as bitsandbytes computes them.
 struct Bounds {
@@ -233,6 +235,8 @@ struct QuantizedGemmFn : torch::autograd::Function<QuantizedGemmFn> {
 };
 
 }  // namespace
+
+const float* code_book(QuantType t) { return t == QuantType::kNF4 ? kNF4 : kFP4; }
 
 QuantType quant_type_from_name(const std::string& name, const std::string& what) {
   if (name == "nf4") return QuantType::kNF4;

@@ -17,6 +17,8 @@ enum class QuantType { kNF4, kFP4, kInt8 };
 // "nf4" | "fp4" | "int8"; anything else an error naming `what`.
 QuantType quant_type_from_name(const std::string& name, const std::string& what);
 const char* to_string(QuantType type);
+// A 4-bit format's 16 code values (bitsandbytes' get_4bit_type), float32.
+const float* code_book(QuantType type);
 
 struct QuantizedWeight {
   QuantType type = QuantType::kNF4;
