@@ -122,7 +122,7 @@ def test_the_drop_in_refuses_weights_that_cannot_fit(medium, monkeypatch):
         automoe.AutoModelForCausalLM.from_pretrained(str(model))
 
 
-@pytest.mark.parametrize("case", ["fp32", "bf16-ckpt", "bf16-lora", "fp32-ep2-zero1"])
+@pytest.mark.parametrize("case", ["fp32", "bf16-ckpt", "bf16-lora", "bf16-qlora-nf4", "fp32-ep2-zero1"])
 def test_the_plan_is_within_ten_percent_of_the_measured_peak(medium, case):
     import plan_accuracy
 

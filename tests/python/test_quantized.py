@@ -253,6 +253,11 @@ def test_a_bitsandbytes_quantised_checkpoint_trains_lora_on_its_quantised_expert
     want = load_tensors(tmp_path / "ref" / "export" / "adapter_model.safetensors")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-6, msg=k)
+    # The plan counts the experts as stored (codes + scales), not in the compute dtype.
+    plan = automoe.plan(qlora_recipe(bnb, tmp_path, "plan"), memory=64, peak_tflops=1.0)
+    items = {m["name"]: m["bytes"] for m in plan["plan"]["memory"]}
+    experts = 2 * 4 * (2 * 16 * 32 + 32 * 16)  # layers x experts x (gate_up + down) elements
+    assert items["quantised experts"] == pytest.approx(experts * (1.0 if quant_type == "int8" else 0.5 + 4 / 64))
     # Trained in full, the quantised experts are refused by name; so is requantising them.
     full = base_recipe(bnb, tmp_path, "full")
     proc = run_train(full, tmp_path, check=False)

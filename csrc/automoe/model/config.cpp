@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "automoe/core/error.h"
+#include "automoe/io/safetensors.h"
 #include "automoe/model/arch/registry.h"
 
 namespace automoe {
@@ -67,7 +68,21 @@ LoadedConfig load_config(const std::string& dir_or_file) {
                 fs::exists(p) ? "unreadable" : "no such file", ")");
   std::stringstream ss;
   ss << in.rdbuf();
-  return parse_config(ss.str(), p.string());
+  LoadedConfig out = parse_config(ss.str(), p.string());
+  const fs::path dir = p.parent_path();
+  if (!out.spec.bnb_quantized.empty() &&
+      (fs::exists(dir / "model.safetensors.index.json") || fs::exists(dir / "model.safetensors"))) {
+    const SafetensorsCheckpoint ckpt(dir.string());
+    for (const std::string& name : ckpt.names()) {
+      if (name.find(".experts.") == std::string::npos) continue;
+      if (name.find(".quant_state.bitsandbytes__") != std::string::npos ||
+          name.size() > 4 && name.compare(name.size() - 4, 4, ".SCB") == 0) {
+        out.spec.bnb_quantized_experts = true;
+        break;
+      }
+    }
+  }
+  return out;
 }
 
 }  // namespace automoe

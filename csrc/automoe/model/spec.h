@@ -211,6 +211,10 @@ struct ModelSpec {
   // "fp4" or "int8", else empty. Its quantised routed experts load quantised (a LoRA base), its
   // other quantised weights dequantised (io/bnb.h); saves write no quantization_config.
   std::string bnb_quantized;
+  // ...and its routed experts are among the quantised tensors (a per-expert checkpoint quantised
+  // one linear layer at a time; Transformers v5 leaves fused experts unquantised). Set by
+  // load_config from the tensors' names.
+  bool bnb_quantized_experts = false;
 
   bool is_moe(int64_t layer) const { return layers[layer].mlp == MlpKind::kMoE; }
   bool has_mixer(MixerKind kind) const;

@@ -166,6 +166,14 @@ struct ModelFacts {
   }
 };
 
+// The quantised base's format ("nf4", "fp4", "int8"; "" when the experts are not quantised):
+// model.quantize, or a checkpoint whose experts bitsandbytes quantised.
+std::string quantised_base(const ModelFacts& f) {
+  if (!f.rc.peft.enabled) return "";
+  if (f.rc.model.quantize != "none") return f.rc.model.quantize;
+  return f.full.bnb_quantized_experts ? f.full.bnb_quantized : "";
+}
+
 // Why a configuration cannot run at all (the engine refuses it), or "".
 std::string refusal(const ModelSpec& full, const Recipe& rc, const Config& c, int64_t zero) {
   const bool lora = rc.peft.enabled;
@@ -205,7 +213,26 @@ Gradients training_state(RankPlan& p, ModelFacts& facts, const Config& c) {
   item("buffers", 4 * n.buffers, "float32 (routers' correction biases)");
   Gradients g;
   if (rc.peft.enabled) {  // the base frozen in the compute dtype; the adapters train in float32
-    item("weights", cd * P, std::string("frozen base, ") + (bf16 ? "bfloat16" : "float32"));
+    // A quantised base (model.quantize, or a bitsandbytes checkpoint): the routed experts as
+    // stored, codes + a float32 absmax per block (int8: per row), the rest in the compute dtype.
+    const std::string quant = quantised_base(facts);
+    if (!quant.empty()) {
+      const double blocksize = rc.model.quantize != "none" ? static_cast<double>(rc.model.quantize_blocksize) : 64;
+      const double per = quant == "int8" ? 1.0 : 0.5 + 4.0 / blocksize;
+      item("weights", cd * n.dense, std::string("frozen base outside the routed experts, ") +
+                                        (bf16 ? "bfloat16" : "float32"));
+      item("quantised experts", per * n.experts,
+           "frozen, " + quant + (quant == "int8" ? " + float32 row scales" : " + float32 block scales"));
+      // Each GEMM dequantises up to 64 MiB of experts at a time (at least one expert), the chunk
+      // and its parts: twice the chunk.
+      const ModelSpec& l = facts.spec(c.ep);
+      const double I = static_cast<double>(l.moe.intermediate_size), H = static_cast<double>(l.hidden_size);
+      const double expert = cd * (l.moe.gated ? 2 : 1) * I * H;
+      const double chunk = std::max(expert, std::min(64 * kMiB, expert * static_cast<double>(l.moe.local_experts())));
+      item("dequantisation scratch", 2 * chunk, "the experts being multiplied, dequantised");
+    } else {
+      item("weights", cd * P, std::string("frozen base, ") + (bf16 ? "bfloat16" : "float32"));
+    }
     const double adapters = facts.adapters_of(c.ep);
     item("adapters", 4 * adapters, human_count(adapters) + " float32 adapter parameters");
     item("optimizer moments", 8 * adapters, "float32 exp_avg + exp_avg_sq of the adapters");
@@ -314,6 +341,8 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   const double stored = static_cast<double>(c10::elementSize(facts.full.dtype)), P = n.trained();
   double loading = p.static_bytes - 4 * n.buffers;
   if (lora) {
+    // (a quantised base too: its experts are quantised as each tensor is read, but the file's
+    // pages they were read from stay mapped, and counted, until the load ends)
     loading += stored * (P + n.buffers);
   } else if (p.zero > 0) {
     loading += (bf16 ? 6 : 4) * P;
