@@ -51,6 +51,10 @@ class SafetensorsFile {
   // Rows [begin, end) along dim 0 (e.g. a range of experts of an [E, ...] tensor), touching only
   // those bytes of the file.
   at::Tensor get_rows(const std::string& name, int64_t begin, int64_t end) const;
+  // Drops the tensor's pages from this process's memory (madvise MADV_DONTNEED): a tensor that
+  // was copied out of the mapping no longer counts towards the resident memory while the rest is
+  // read. (A view still over it reads the same bytes again from the file.)
+  void release(const std::string& name) const;
 
  private:
   std::string path_;
@@ -120,6 +124,7 @@ class SafetensorsCheckpoint {
   const TensorInfo& info(const std::string& name) const;
   at::Tensor get(const std::string& name) const;
   at::Tensor get_rows(const std::string& name, int64_t begin, int64_t end) const;
+  void release(const std::string& name) const;  // SafetensorsFile::release
   size_t num_files() const { return files_.size(); }
 
  private:

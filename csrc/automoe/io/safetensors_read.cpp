@@ -375,6 +375,16 @@ at::Tensor SafetensorsFile::get_rows(const std::string& name, int64_t begin, int
                      row_shape(t, end - begin));
 }
 
+void SafetensorsFile::release(const std::string& name) const {
+  const TensorInfo& t = info(name);
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const uintptr_t lo = reinterpret_cast<uintptr_t>(map_->data() + data_start_ + t.begin) / page * page;
+  const uintptr_t hi = reinterpret_cast<uintptr_t>(map_->data() + data_start_ + t.end);
+  const uintptr_t map_lo = reinterpret_cast<uintptr_t>(map_->data());
+  // (private, never written: the pages come back from the file if read again)
+  if (hi > lo) ::madvise(reinterpret_cast<void*>(std::max(lo, map_lo / page * page)), hi - lo, MADV_DONTNEED);
+}
+
 // ---- SafetensorsCheckpoint ----
 
 SafetensorsCheckpoint::SafetensorsCheckpoint(const std::string& dir) : dir_(dir) {
@@ -473,5 +483,7 @@ at::Tensor SafetensorsCheckpoint::get_rows(const std::string& name, int64_t begi
                                            int64_t end) const {
   return file_of(name).get_rows(name, begin, end);
 }
+
+void SafetensorsCheckpoint::release(const std::string& name) const { file_of(name).release(name); }
 
 }  // namespace automoe

@@ -210,11 +210,13 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   auto mark_bnb = [&](const std::string& name) {
     for (const std::string& c : bnb_companions(ckpt, name)) used.insert(c);
   };
+  std::vector<std::string> read_now;  // the current parameter's tensors
   auto get = [&](const std::string& memory_name) {
     const std::string name = on_disk(memory_name);
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
+    read_now.push_back(name);
     if (!spec.bnb_quantized.empty() && bnb_format(ckpt, name)) {
       mark_bnb(name);
       ++bnb_dequantised;
@@ -232,6 +234,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
     AUTOMOE_CHECK(ckpt.contains(name), ckpt.dir(), ": missing tensor ", name, " (",
                   to_string(layout), " layout)");
     used.insert(name);
+    read_now.push_back(name);
     return ckpt.get_rows(name, moe.expert_begin, moe.expert_begin + moe.expert_count);
   };
   // MXFP4 experts dequantise to the dtype asked for, else to the dtype the checkpoint's other
@@ -249,6 +252,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
   int64_t dequantised = 0;
   NamedTensors out;
   for (const auto& decl : parameter_layout(spec)) {
+    read_now.clear();
     std::string prefix;
     const WeightRule* rule = find_rule(arch.per_expert_rules, decl.name, &prefix);
     at::Tensor t;
@@ -312,6 +316,10 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
       const c10::ScalarType dt = want.value_or(t.scalar_type());
       quantized->emplace_back(decl.name, ops::quantize(t, quantize->type, quantize->blocksize, dt,
                                                        ckpt.dir() + ": tensor " + decl.name));
+      // The file's pages of the dense experts leave memory as they are quantised: the load's
+      // peak stays near the quantised model's.
+      t = at::Tensor();
+      for (const std::string& name : read_now) ckpt.release(name);
       out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(dt).device(at::kMeta)));
       continue;
     }

@@ -174,6 +174,13 @@ std::string quantised_base(const ModelFacts& f) {
   return f.full.bnb_quantized_experts ? f.full.bnb_quantized : "";
 }
 
+// Bytes per routed-expert parameter of a quantised base: codes + float32 scales (int8: per row,
+// negligible).
+double quantised_bytes_per_param(const ModelFacts& f, const std::string& quant) {
+  const double blocksize = f.rc.model.quantize != "none" ? static_cast<double>(f.rc.model.quantize_blocksize) : 64;
+  return quant == "int8" ? 1.0 : 0.5 + 4.0 / blocksize;
+}
+
 // Why a configuration cannot run at all (the engine refuses it), or "".
 std::string refusal(const ModelSpec& full, const Recipe& rc, const Config& c, int64_t zero) {
   const bool lora = rc.peft.enabled;
@@ -217,19 +224,18 @@ Gradients training_state(RankPlan& p, ModelFacts& facts, const Config& c) {
     // stored, codes + a float32 absmax per block (int8: per row), the rest in the compute dtype.
     const std::string quant = quantised_base(facts);
     if (!quant.empty()) {
-      const double blocksize = rc.model.quantize != "none" ? static_cast<double>(rc.model.quantize_blocksize) : 64;
-      const double per = quant == "int8" ? 1.0 : 0.5 + 4.0 / blocksize;
+      const double per = quantised_bytes_per_param(facts, quant);
       item("weights", cd * n.dense, std::string("frozen base outside the routed experts, ") +
                                         (bf16 ? "bfloat16" : "float32"));
       item("quantised experts", per * n.experts,
            "frozen, " + quant + (quant == "int8" ? " + float32 row scales" : " + float32 block scales"));
-      // Each GEMM dequantises up to 64 MiB of experts at a time (at least one expert), the chunk
-      // and its parts: twice the chunk.
+      // Each GEMM dequantises up to 64 MiB of experts at a time (at least one expert): the chunk,
+      // its parts and the GEMM kernel's packed copy (three chunks: measured on cpu-medium).
       const ModelSpec& l = facts.spec(c.ep);
       const double I = static_cast<double>(l.moe.intermediate_size), H = static_cast<double>(l.hidden_size);
       const double expert = cd * (l.moe.gated ? 2 : 1) * I * H;
       const double chunk = std::max(expert, std::min(64 * kMiB, expert * static_cast<double>(l.moe.local_experts())));
-      item("dequantisation scratch", 2 * chunk, "the experts being multiplied, dequantised");
+      item("dequantisation scratch", 3 * chunk, "the experts being multiplied, dequantised");
     } else {
       item("weights", cd * P, std::string("frozen base, ") + (bf16 ? "bfloat16" : "float32"));
     }
@@ -340,9 +346,15 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   // ZeRO the full float32 masters (and bf16 compute copies) exist until they are sliced.
   const double stored = static_cast<double>(c10::elementSize(facts.full.dtype)), P = n.trained();
   double loading = p.static_bytes - 4 * n.buffers;
-  if (lora) {
-    // (a quantised base too: its experts are quantised as each tensor is read, but the file's
-    // pages they were read from stay mapped, and counted, until the load ends)
+  const std::string quant = quantised_base(facts);
+  if (lora && !quant.empty()) {
+    // Quantised as each experts tensor is read, its file pages released: one held at a time. A
+    // checkpoint stored quantised: its codes' pages stay mapped until the load ends.
+    const double experts = rc.model.quantize != "none"
+                               ? stored * n.largest
+                               : quantised_bytes_per_param(facts, quant) * n.experts;
+    loading += stored * (n.dense + n.buffers) + experts;
+  } else if (lora) {
     loading += stored * (P + n.buffers);
   } else if (p.zero > 0) {
     loading += (bf16 ? 6 : 4) * P;
