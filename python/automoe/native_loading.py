@@ -160,7 +160,9 @@ def load_native(cls, pretrained_model_name_or_path, *model_args, backend=None,
     _check_weights_fit(path, config, dtype_name(chosen), ep_size or 1, device)
     engine = _C.load_pretrained(path, dtype_name(chosen) or "auto", cfg.to_dict(),
                                 config_json=config.to_json_string(use_diff=False), parallel=parallel)
-    if engine.spec["mxfp4_experts"]:  # dequantised on load: the model is no longer quantised
+    # Dequantised on load (MXFP4 experts, bitsandbytes' quantised linear layers): the model is no
+    # longer quantised.
+    if engine.spec["mxfp4_experts"] or engine.spec["bnb_quantized"]:
         config.quantization_config = None
         del config.quantization_config
     model = cls._automoe_build(engine, config, source_dir=path, groups=groups)

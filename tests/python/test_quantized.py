@@ -292,6 +292,39 @@ def test_a_checkpoint_transformers_quantised_with_bitsandbytes_loads_and_trains(
         assert a[step]["loss"] == pytest.approx(b[step]["loss"], rel=1e-6), step
 
 
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+def test_the_drop_in_gives_transformers_and_bitsandbytes_logits_on_their_quantised_checkpoint(
+        model_dir, tmp_path, quant):
+    """A checkpoint Transformers + bitsandbytes wrote (quantised attention, dense experts): the drop-in
+    loads it dequantised, with the logits Transformers + bitsandbytes compute on it — within what
+    bitsandbytes' own CPU matmul differs from the same weights dequantised, measured here."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    qcfg = (BitsAndBytesConfig(load_in_8bit=True) if quant == "int8" else
+            BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.float32))
+    AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                         quantization_config=qcfg).save_pretrained(tmp_path / "bnb")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "bnb", dtype=torch.float32).train()
+    ours = automoe.AutoModelForCausalLM.from_pretrained(tmp_path / "bnb", dtype=torch.float32)
+    assert getattr(ours.config, "quantization_config", None) is None  # loaded dequantised
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits
+        got = ours(input_ids=ids).logits
+        hf.dequantize(dtype=torch.float32)
+        plain = hf(input_ids=ids).logits  # the same weights, dequantised, through torch's matmul
+    own = (want - plain).abs().max().item()  # bitsandbytes' CPU path against its own weights
+    print(f"{quant}: ours vs bnb {(got - want).abs().max().item():.2e}, bnb vs dequantised {own:.2e}")
+    assert (got - want).abs().max().item() <= max(2 * own, 1e-5), own
+
+
+def test_the_drop_in_refuses_experts_stored_quantised_by_name(model_dir, tmp_path):
+    bnb, _ = bnb_checkpoint(model_dir, tmp_path, "nf4", False)
+    with pytest.raises(automoe.AutoMoEError, match="the drop-in holds dense weights"):
+        automoe.AutoModelForCausalLM.from_pretrained(bnb)
+
+
 def test_convert_writes_a_bitsandbytes_checkpoint_dequantised(model_dir, tmp_path):
     """`automoe convert` of a quantised checkpoint: bitsandbytes' values, no quantization_config,
     loadable by Transformers alone."""

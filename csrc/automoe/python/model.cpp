@@ -87,6 +87,7 @@ py::dict spec_dict(const ModelSpec& s) {
   d["layer_is_moe"] = is_moe;
   d["aux_loss"] = s.moe.aux_loss;
   d["mxfp4_experts"] = s.mxfp4_experts;
+  d["bnb_quantized"] = s.bnb_quantized;
   d["tie_word_embeddings"] = s.tie_word_embeddings;
   d["dtype"] = dtype_to_name(s.dtype);
   return d;

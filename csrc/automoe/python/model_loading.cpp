@@ -43,7 +43,16 @@ void bind_model_loading(py::module_& m) {
           dt = parse_dtype(dtype);
         }
         py::gil_scoped_release no_gil;
-        if (!parallel) return load_pretrained(dir, dt, cfg, config_json);
+        // The drop-in holds dense weights: experts a bitsandbytes checkpoint stores quantised are
+        // for automoe train's frozen LoRA base (their meta parameters must not reach Python).
+        auto dense_only = [&](PretrainedModel m) {
+          AUTOMOE_CHECK(!m.decoder->has_quantized(), dir, ": the routed experts are stored "
+                        "bitsandbytes-quantised (", m.config.spec.bnb_quantized, "); the drop-in "
+                        "holds dense weights: train LoRA on them with automoe train (a peft: "
+                        "section), or write them dequantised with automoe convert");
+          return m;
+        };
+        if (!parallel) return dense_only(load_pretrained(dir, dt, cfg, config_json));
         // Expert parallelism (from_pretrained(ep_size=N) under torch.distributed): this rank's
         // experts only, exchanged with the other ranks of its EP group by the dispatcher.
         const auto& p = *parallel;
@@ -66,7 +75,7 @@ void bind_model_loading(py::module_& m) {
         m.decoder->set_dispatcher(moe::make_dispatcher(
             cfg.dispatcher == "auto" ? "alltoall" : cfg.dispatcher, world->ep, experts));
         m.world = std::move(world);
-        return m;
+        return dense_only(std::move(m));
       },
       py::arg("dir"), py::arg("dtype") = py::none(),
       py::arg("backend") = std::map<std::string, std::string>{},
