@@ -319,6 +319,30 @@ def test_the_drop_in_gives_transformers_and_bitsandbytes_logits_on_their_quantis
     assert (got - want).abs().max().item() <= max(2 * own, 1e-5), own
 
 
+def test_export_merge_onto_a_bitsandbytes_checkpoint_merges_into_its_dequantised_experts(model_dir, tmp_path):
+    """`automoe export --merge --base <bnb checkpoint>`: the experts stored quantised merge as
+    bitsandbytes' values + ΔW — the logits of PEFT's adapter on the dequantised checkpoint."""
+    import subprocess
+
+    from conftest import AUTOMOE_BIN
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    bnb, deq = bnb_checkpoint(model_dir, tmp_path, "nf4", True)
+    recipe = qlora_recipe(bnb, tmp_path, "q")
+    recipe["train"]["max_steps"] = 2
+    run_train(recipe, tmp_path)
+    proc = subprocess.run([str(AUTOMOE_BIN), "export", str(tmp_path / "q" / "export"), str(tmp_path / "out"),
+                           "--merge", "--base", str(bnb)], capture_output=True, text=True)
+    assert proc.returncode == 0 and "dequantised values plus the adapters' product" in proc.stderr, proc.stderr
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    ref = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(deq, dtype=torch.float32),
+                                    tmp_path / "q" / "export")
+    ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
 def test_the_drop_in_refuses_experts_stored_quantised_by_name(model_dir, tmp_path):
     bnb, _ = bnb_checkpoint(model_dir, tmp_path, "nf4", False)
     with pytest.raises(automoe.AutoMoEError, match="the drop-in holds dense weights"):

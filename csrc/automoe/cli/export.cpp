@@ -75,7 +75,16 @@ int export_adapter(const Args& args) {
   const PretrainedModel model = load_pretrained(*base, dtype);
   LoraConfig config;
   const std::vector<LoraSite> sites = read_peft_adapter(adapter, model.decoder->spec(), &config);
-  NamedTensors merged = model.decoder->named_parameters();
+  // (a base whose experts bitsandbytes quantised merges dequantised: bitsandbytes' values + ΔW)
+  NamedTensors merged;
+  const NamedTensors& params = model.decoder->named_parameters();
+  for (size_t i = 0; i < params.size(); ++i) {
+    merged.emplace_back(params[i].first, model.decoder->dense(static_cast<int64_t>(i)));
+  }
+  if (model.decoder->has_quantized()) {
+    std::cerr << "automoe export: the base's experts are stored " << model.config.spec.bnb_quantized
+              << ": the merged experts are their dequantised values plus the adapters' product\n";
+  }
   for (const auto& site : sites) merged[site.slot].second = merge_lora(site, merged[site.slot].second);
   SaveOptions o;
   o.layout = layout;
