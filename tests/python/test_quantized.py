@@ -25,8 +25,8 @@ OPS = torch.ops.automoe
 
 def bnb_quantize(w: torch.Tensor, quant_type: str, blocksize: int):
     """bitsandbytes' codes and scales for one weight [O, K], as Linear4bit / Linear8bitLt store them."""
-    if quant_type == "int8":
-        codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+    if quant_type == "int8":  # Linear8bitLt quantises the weight in float16
+        codes, scb, _ = bnb_functional.int8_vectorwise_quant(w.to(torch.float16))
         return codes, scb
     codes, state = bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type)
     return codes, state.absmax
@@ -35,7 +35,7 @@ def bnb_quantize(w: torch.Tensor, quant_type: str, blocksize: int):
 def bnb_dequantize(w: torch.Tensor, quant_type: str, blocksize: int = 64) -> torch.Tensor:
     """w [O, K] quantised and dequantised by bitsandbytes, in w's dtype."""
     if quant_type == "int8":
-        codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+        codes, scb = bnb_quantize(w, "int8", 0)
         return bnb_functional.int8_vectorwise_dequant(codes, scb).to(w.dtype)
     codes, state = bnb_functional.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type)
     return bnb_functional.dequantize_4bit(codes, state)
@@ -51,26 +51,35 @@ def bnb_dequantize(w: torch.Tensor, quant_type: str, blocksize: int = 64) -> tor
 def test_quantisation_is_bitsandbytes_bit_for_bit(quant_type, shape, blocksize, dtype):
     if quant_type == "int8" and blocksize != 64:
         pytest.skip("int8 has one scale per row")
-    torch.manual_seed(0)
-    w = torch.randn(shape).to(dtype)
-    w[0, :5] = 0  # exact zeros (FP4 has two zero codes)
-    w[1] = 0      # an all-zero block / row
-    codes, absmax = OPS.quantize(w, quant_type, blocksize)
-    ref_codes, ref_absmax = bnb_quantize(w, quant_type, blocksize)
-    assert torch.equal(codes.flatten(), ref_codes.flatten())
-    assert torch.equal(absmax.flatten(), ref_absmax.flatten())
-    ours = OPS.dequantize(codes, absmax, quant_type, blocksize, list(shape), dtype)
-    assert torch.equal(ours, bnb_dequantize(w, quant_type, blocksize))
-    assert torch.equal(ours, OPS.dequantize_reference(codes, absmax, quant_type, blocksize, list(shape), dtype))
+    for seed in range(8):  # (bf16 values often fall exactly between two int8 codes)
+        torch.manual_seed(seed)
+        w = torch.randn(shape).to(dtype)
+        w[0, :5] = 0  # exact zeros (FP4 has two zero codes)
+        w[1] = 0      # an all-zero block / row
+        codes, absmax = OPS.quantize(w, quant_type, blocksize)
+        ref_codes, ref_absmax = bnb_quantize(w, quant_type, blocksize)
+        assert torch.equal(codes.flatten(), ref_codes.flatten()), seed
+        assert torch.equal(absmax.flatten(), ref_absmax.flatten()), seed
+        ours = OPS.dequantize(codes, absmax, quant_type, blocksize, list(shape), dtype)
+        assert torch.equal(ours, bnb_dequantize(w, quant_type, blocksize)), seed
+        assert torch.equal(ours, OPS.dequantize_reference(codes, absmax, quant_type, blocksize, list(shape), dtype))
 
 
-def test_quantising_a_non_finite_weight_is_refused_by_name():
+def test_bad_quantised_inputs_are_refused_by_name():
     w = torch.randn(2, 8, 64)
     w[1, 3, 7] = float("nan")
     with pytest.raises(automoe.AutoMoEError, match="expert 1 holds non-finite values"):
         OPS.quantize(w, "nf4", 64)
     with pytest.raises(automoe.AutoMoEError, match='unknown quantisation "nf3"'):
         OPS.quantize(w, "nf3", 64)
+    codes, absmax = OPS.quantize(torch.randn(2, 8, 64), "nf4", 64)
+    with pytest.raises(automoe.AutoMoEError, match="block size must be even"):
+        OPS.dequantize(codes, absmax, "nf4", 0, [2, 8, 64], torch.float32)
+    x = torch.randn(10, 64)
+    with pytest.raises(automoe.AutoMoEError, match="offsets must be non-decreasing"):
+        OPS.grouped_gemm_quantized(x, codes, absmax, "nf4", 64, [2, 8, 64], torch.tensor([0, 5, 2]))
+    with pytest.raises(automoe.AutoMoEError, match="is past x's 10 rows"):
+        OPS.grouped_gemm_quantized(x, codes, absmax, "nf4", 64, [2, 8, 64], torch.tensor([0, 5, 12]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -204,7 +213,7 @@ def bnb_checkpoint(model_dir: Path, out: Path, quant_type: str, double_quant: bo
             quant[name] = deq[name] = w
             continue
         if quant_type == "int8":
-            codes, scb, _ = bnb_functional.int8_vectorwise_quant(w)
+            codes, scb = bnb_quantize(w, "int8", 0)
             quant[name] = codes
             quant[name[: -len("weight")] + "SCB"] = scb
             quant[name[: -len("weight")] + "weight_format"] = torch.tensor(0, dtype=torch.uint8)
@@ -341,6 +350,18 @@ def test_export_merge_onto_a_bitsandbytes_checkpoint_merges_into_its_dequantised
     ids = torch.randint(0, 400, (2, 16), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_a_tiled_int8_weight_of_old_bitsandbytes_is_refused_by_name(model_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bnb, _ = bnb_checkpoint(model_dir, tmp_path, "int8", False)
+    tensors = load_file(str(bnb / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj.weight_format"
+    tensors[name] = torch.tensor(2, dtype=torch.uint8)  # col_turing
+    save_file(tensors, str(bnb / "model.safetensors"), metadata={"format": "pt"})
+    proc = run_train(qlora_recipe(bnb, tmp_path, "q"), tmp_path, check=False)
+    assert proc.returncode != 0 and f"{name}: 2, expected 0 (row-major" in proc.stderr, proc.stderr
 
 
 def test_the_drop_in_refuses_experts_stored_quantised_by_name(model_dir, tmp_path):

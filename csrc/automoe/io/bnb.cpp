@@ -72,6 +72,13 @@ ops::QuantizedWeight read_bnb(const SafetensorsCheckpoint& ckpt, const std::stri
     q.absmax = get_checked(ckpt, module_of(w) + ".SCB", at::kFloat, q.out_features, w)
                    .reshape({1, q.out_features})
                    .clone();
+    const std::string format = module_of(w) + ".weight_format";
+    if (ckpt.contains(format)) {  // bitsandbytes < 0.43 could save GPU-tiled layouts (1, 2, 3)
+      const at::Tensor f = ckpt.get(format);
+      AUTOMOE_CHECK(f.numel() == 1 && f.to(at::kLong).item<int64_t>() == 0, ckpt.dir(), ": tensor ",
+                    format, ": ", f.numel() == 1 ? std::to_string(f.to(at::kLong).item<int64_t>()) : "not a scalar",
+                    ", expected 0 (row-major; the tiled formats of older bitsandbytes are not supported)");
+    }
     q.dtype = dtype.value_or(at::kBFloat16);
     return q;
   }

@@ -282,17 +282,21 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
           AUTOMOE_CHECK(quantized, ckpt.dir(), ": the routed experts are stored bitsandbytes-"
                         "quantised (", spec.bnb_quantized, "); they load only as the frozen base of "
                         "LoRA (automoe train with a peft: section, or the drop-in)");
-          ops::QuantizedWeight q = read_bnb_experts(ckpt, *rule, prefix, moe.local_experts(), first,
-                                                    on_disk, want_of(decl), &used);
+          ops::QuantizedWeight q = read_bnb_experts(
+              ckpt, *rule, prefix, moe.local_experts(), first, on_disk,
+              want_of(decl).value_or(at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16), &used);
           AUTOMOE_CHECK(at::IntArrayRef({q.experts, q.out_features, q.in_features}) ==
                             at::IntArrayRef(decl.shape),
                         ckpt.dir(), ": tensor ", decl.name, ": expected shape ",
                         at::IntArrayRef(decl.shape), " from config.json, found quantised experts [",
                         q.experts, ", ", q.out_features, ", ", q.in_features, "]");
-          AUTOMOE_CHECK(!quantize || quantize->type == q.type, ckpt.dir(), ": the experts are stored ",
-                        ops::to_string(q.type), "; model.quantize asks for ", ops::to_string(quantize->type),
-                        " (requantising would lose precision twice): remove model.quantize or set it to ",
-                        ops::to_string(q.type));
+          AUTOMOE_CHECK(!quantize || (quantize->type == q.type &&
+                                      (q.type == ops::QuantType::kInt8 || quantize->blocksize == q.blocksize)),
+                        ckpt.dir(), ": the experts are stored ", ops::to_string(q.type),
+                        q.type == ops::QuantType::kInt8 ? "" : " in blocks of " + std::to_string(q.blocksize),
+                        "; model.quantize asks for ", ops::to_string(quantize->type),
+                        quantize->type == ops::QuantType::kInt8 ? "" : " in blocks of " + std::to_string(quantize->blocksize),
+                        " (requantising would lose precision twice): remove model.quantize or match it");
           out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(q.dtype).device(at::kMeta)));
           quantized->emplace_back(decl.name, std::move(q));
           continue;

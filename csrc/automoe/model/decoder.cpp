@@ -92,7 +92,12 @@ void Decoder::set_quantized(const std::string& name, ops::QuantizedWeight q) {
 at::Tensor Decoder::dense(int64_t slot, std::optional<c10::ScalarType> dtype) const {
   const ops::QuantizedWeight* q = quantized(slot);
   if (!q) return dtype ? p(slot).to(*dtype) : p(slot);
-  return ops::dequantize(*q, 0, q->experts, dtype.value_or(q->dtype));
+  // One expert at a time into the output (the ATen form's temporaries are per expert).
+  const c10::ScalarType dt = dtype.value_or(q->dtype);
+  at::Tensor out = at::empty({q->experts, q->out_features, q->in_features},
+                             q->codes.options().dtype(dt));
+  for (int64_t e = 0; e < q->experts; ++e) out[e].copy_(ops::dequantize(*q, e, 1, dt)[0]);
+  return out;
 }
 
 void Decoder::set_parameter(const std::string& name, const at::Tensor& tensor) {

@@ -252,8 +252,14 @@ at::Tensor grouped_quantized(const at::Tensor& x_NK, const ops::QuantizedWeight&
 at::Tensor quantized_expert(const at::Tensor& x_eH, const QuantizedExperts& q, int64_t e,
                             const ExpertLora* lora, ExpertMlp mlp) {
   const auto dt = x_eH.scalar_type();
+  // (the dequantising GEMM on this expert alone: autograd keeps no dense copy of its weight)
   auto proj = [&](const at::Tensor& x, const ops::QuantizedWeight& w, const LoraFactors* f) {
-    at::Tensor y = at::linear(x, ops::dequantize(w, e, 1, dt)[0]);
+    ops::QuantizedWeight one = w;
+    one.experts = 1;
+    one.codes = w.codes.narrow(0, e, 1);
+    one.absmax = w.absmax.narrow(0, e, 1);
+    const at::Tensor rows = at::tensor({int64_t{0}, x.size(0)}, at::kLong);
+    at::Tensor y = ops::grouped_gemm_quantized(x.contiguous(), one, rows.to(x.device()));
     if (!f) return y;
     return y + at::linear(at::linear(x, f->a[e].to(dt)), f->b[e].to(dt)) * f->scaling;
   };

@@ -146,6 +146,8 @@ QuantizedWeight quantized_of(const Tensor& codes, const Tensor& absmax, const st
   q.in_features = shape.back();
   q.dtype = dtype;
   const bool int8 = q.type == QuantType::kInt8;
+  AUTOMOE_CHECK(int8 || (blocksize >= 2 && blocksize % 2 == 0),
+                "automoe quantised weight: a 4-bit block size must be even and at least 2, got ", blocksize);
   const int64_t n = q.out_features * q.in_features;
   const int64_t code_cols = int8 ? n : (n + 1) / 2;
   const int64_t abs_cols = int8 ? q.out_features : (n + blocksize - 1) / std::max<int64_t>(blocksize, 1);

@@ -64,7 +64,8 @@ Exported export_adapters(const Recipe& rc, const RunPlace& place, TrainModel& m,
                (place.run / "export").string() + " (PEFT adapter)"};
   if (!rc.peft.export_merged) return place.lead ? out : Exported{};
   if (m.decoder().has_quantized() && place.lead) {
-    log_info("export-merged: the base's experts were held ", rc.model.quantize,
+    log_info("export-merged: the base's experts were held ",
+             rc.model.quantize != "none" ? rc.model.quantize : m.spec().bnb_quantized,
              ": the merged model's experts are their dequantised values plus the adapters' "
              "product, in ", dtype_to_name(export_dtype), " (not the original checkpoint's weights; "
              "PEFT's merge into a quantised base rounds likewise)");

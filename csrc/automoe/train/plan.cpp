@@ -350,8 +350,9 @@ void transients(RankPlan& p, ModelFacts& facts, const Config& c, const Gradients
   if (lora && !quant.empty()) {
     // Quantised as each experts tensor is read, its file pages released: one held at a time. A
     // checkpoint stored quantised: its codes' pages stay mapped until the load ends.
+    // (per-expert layout: the gathered copy beside its still-mapped pages)
     const double experts = rc.model.quantize != "none"
-                               ? stored * n.largest
+                               ? 2 * stored * n.largest
                                : quantised_bytes_per_param(facts, quant) * n.experts;
     loading += stored * (n.dense + n.buffers) + experts;
   } else if (lora) {

@@ -84,7 +84,8 @@ void quantize_4bit_one(const float* w, int64_t n, int64_t bs, const Bounds& b, u
                        float* absmax) {
   const int64_t nb = blocks_of(n, bs), full = n / bs;
   std::vector<uint8_t> q(static_cast<size_t>(nb * bs), b.code(0.0f));
-  for (int64_t blk = 0; blk < nb; ++blk) {
+  at::parallel_for(0, nb, 16, [&](int64_t b0, int64_t b1) {
+  for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t lo = blk * bs, len = std::min(bs, n - lo);
     float am = 0.0f;
     for (int64_t i = 0; i < len; ++i) am = std::max(am, std::fabs(w[lo + i]));
@@ -100,22 +101,27 @@ void quantize_4bit_one(const float* w, int64_t n, int64_t bs, const Bounds& b, u
       for (int64_t i = 0; i < len; ++i) q[lo + i] = b.code(std::clamp(w[lo + i] / am, -1.0f, 1.0f));
     }
   }
+  });
   for (int64_t j = 0; j < packed_bytes(n); ++j) {
     codes[j] = static_cast<uint8_t>((q[2 * j] << 4) | q[2 * j + 1]);
   }
 }
 
 void quantize_int8_one(const float* w, int64_t O, int64_t K, int8_t* codes, float* scb) {
-  for (int64_t o = 0; o < O; ++o) {
+  at::parallel_for(0, O, 16, [&](int64_t o0, int64_t o1) {
+  for (int64_t o = o0; o < o1; ++o) {
     const float* row = w + o * K;
     float am = 0.0f;
     for (int64_t k = 0; k < K; ++k) am = std::max(am, std::fabs(row[k]));
     scb[o] = am;
-    const float r = 127.0f / am;  // (an all-zero row: codes 0, as the product would be NaN)
+    // bitsandbytes' `127.0 / row_stats` is torch's reciprocal times 127: two roundings. (An
+    // all-zero row: codes 0, where the product would be NaN.)
+    const float r = (1.0f / am) * 127.0f;
     for (int64_t k = 0; k < K; ++k) {
       codes[o * K + k] = am == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(row[k] * r));
     }
   }
+  });
 }
 
 template <class T>
@@ -286,10 +292,13 @@ QuantizedWeight quantize(const at::Tensor& w_EOK, QuantType type, int64_t blocks
   const int64_t pb = packed_bytes(n), nb = blocks_of(n, blocksize);
   q.codes = int8 ? at::empty({E, O, K}, at::kChar) : at::empty({E, pb}, at::kByte);
   q.absmax = int8 ? at::empty({E, O}, at::kFloat) : at::empty({E, nb}, at::kFloat);
-  // One expert at a time in float32 (a float32 copy of one expert, not of the tensor).
-  at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e) {
-      const at::Tensor w = w_EOK[e].detach().to(at::kCPU, at::kFloat).contiguous();
+  // One expert at a time in float32 (a float32 copy of one expert, not of the tensor), each
+  // expert's blocks or rows in parallel. int8 quantises the float16 values, as Linear8bitLt does.
+  for (int64_t e = 0; e < E; ++e) {
+    {
+      const at::Tensor w = (int8 ? w_EOK[e].detach().to(at::kCPU, at::kHalf) : w_EOK[e].detach())
+                               .to(at::kCPU, at::kFloat)
+                               .contiguous();
       AUTOMOE_CHECK(at::isfinite(w).all().item<bool>(), what, ": expert ", e,
                     " holds non-finite values (NaN or infinity); it cannot be quantised");
       const float* src = w.const_data_ptr<float>();
@@ -301,7 +310,7 @@ QuantizedWeight quantize(const at::Tensor& w_EOK, QuantType type, int64_t blocks
                           q.absmax.data_ptr<float>() + e * nb);
       }
     }
-  });
+  }
   return q;
 }
 
@@ -361,6 +370,15 @@ at::Tensor grouped_gemm_quantized(const at::Tensor& x_NK, const QuantizedWeight&
                 offsets_E1.scalar_type(), " ", offsets_E1.sizes());
   AUTOMOE_CHECK(x_NK.device() == q.codes.device(), "grouped_gemm_quantized: x on ", x_NK.device(),
                 ", the quantised weight on ", q.codes.device());
+  const at::Tensor off = offsets_E1.cpu().contiguous();
+  const int64_t* o = off.const_data_ptr<int64_t>();
+  AUTOMOE_CHECK(o[0] >= 0, "grouped_gemm_quantized: offsets[0] = ", o[0], " < 0");
+  for (int64_t e = 0; e < q.experts; ++e) {
+    AUTOMOE_CHECK(o[e + 1] >= o[e], "grouped_gemm_quantized: offsets must be non-decreasing (offsets[",
+                  e + 1, "] = ", o[e + 1], " < offsets[", e, "] = ", o[e], ")");
+  }
+  AUTOMOE_CHECK(o[q.experts] <= x_NK.size(0), "grouped_gemm_quantized: offsets[", q.experts, "] = ",
+                o[q.experts], " is past x's ", x_NK.size(0), " rows");
   return QuantizedGemmFn::apply(x_NK, offsets_E1, q);
 }
 
