@@ -183,6 +183,25 @@ ops::QuantizedWeight read_bnb_experts(const SafetensorsCheckpoint& ckpt, const W
   return stack_experts(experts, ckpt.dir() + ": " + prefix + rule.memory_suffix);
 }
 
+// The experts read from a bnb checkpoint against config.json's shape and the recipe's
+// model.quantize (which must name the stored format, or be left out).
+void check_bnb_experts(const SafetensorsCheckpoint& ckpt, const ParamDecl& decl,
+                       const ops::QuantizedWeight& q, const QuantizeOptions* quantize) {
+  AUTOMOE_CHECK(at::IntArrayRef({q.experts, q.out_features, q.in_features}) == at::IntArrayRef(decl.shape),
+                ckpt.dir(), ": tensor ", decl.name, ": expected shape ", at::IntArrayRef(decl.shape),
+                " from config.json, found quantised experts [", q.experts, ", ", q.out_features, ", ",
+                q.in_features, "]");
+  auto name = [](ops::QuantType t, int64_t blocksize) {
+    return std::string(ops::to_string(t)) +
+           (t == ops::QuantType::kInt8 ? "" : " in blocks of " + std::to_string(blocksize));
+  };
+  AUTOMOE_CHECK(!quantize || (quantize->type == q.type &&
+                              (q.type == ops::QuantType::kInt8 || quantize->blocksize == q.blocksize)),
+                ckpt.dir(), ": the experts are stored ", name(q.type, q.blocksize),
+                "; model.quantize asks for ", name(quantize->type, quantize->blocksize),
+                " (requantising would lose precision twice): remove model.quantize or match it");
+}
+
 }  // namespace
 
 NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec& spec,
@@ -285,18 +304,7 @@ NamedTensors read_parameters(const SafetensorsCheckpoint& ckpt, const ModelSpec&
           ops::QuantizedWeight q = read_bnb_experts(
               ckpt, *rule, prefix, moe.local_experts(), first, on_disk,
               want_of(decl).value_or(at::isFloatingType(spec.dtype) ? spec.dtype : at::kBFloat16), &used);
-          AUTOMOE_CHECK(at::IntArrayRef({q.experts, q.out_features, q.in_features}) ==
-                            at::IntArrayRef(decl.shape),
-                        ckpt.dir(), ": tensor ", decl.name, ": expected shape ",
-                        at::IntArrayRef(decl.shape), " from config.json, found quantised experts [",
-                        q.experts, ", ", q.out_features, ", ", q.in_features, "]");
-          AUTOMOE_CHECK(!quantize || (quantize->type == q.type &&
-                                      (q.type == ops::QuantType::kInt8 || quantize->blocksize == q.blocksize)),
-                        ckpt.dir(), ": the experts are stored ", ops::to_string(q.type),
-                        q.type == ops::QuantType::kInt8 ? "" : " in blocks of " + std::to_string(q.blocksize),
-                        "; model.quantize asks for ", ops::to_string(quantize->type),
-                        quantize->type == ops::QuantType::kInt8 ? "" : " in blocks of " + std::to_string(quantize->blocksize),
-                        " (requantising would lose precision twice): remove model.quantize or match it");
+          check_bnb_experts(ckpt, decl, q, quantize);
           out.emplace_back(decl.name, at::empty(decl.shape, at::TensorOptions().dtype(q.dtype).device(at::kMeta)));
           quantized->emplace_back(decl.name, std::move(q));
           continue;
