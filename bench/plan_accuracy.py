@@ -192,14 +192,9 @@ def table(rows: list[dict], title: str) -> str:
 
 
 def record(doc: Path, key: str, text: str) -> None:
-    begin, end = f"<!-- plan_accuracy {key} -->", f"<!-- /plan_accuracy {key} -->"
-    body = doc.read_text() if doc.exists() else ""
-    block = f"{begin}\n{text}{end}"
-    if begin in body and end in body:
-        body = body[: body.index(begin)] + block + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(body)
+    import record as rec
+
+    rec.replace_marked(doc, "plan_accuracy", key, text)
 
 
 def main() -> None:

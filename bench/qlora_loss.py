@@ -52,14 +52,9 @@ def table(rows: list[dict], title: str) -> str:
 
 
 def record(doc: Path, text: str) -> None:
-    begin, end = "<!-- qlora_loss demo -->", "<!-- /qlora_loss demo -->"
-    body = doc.read_text()
-    block = f"{begin}\n{text}{end}"
-    if begin in body and end in body:
-        body = body[: body.index(begin)] + block + body[body.index(end) + len(end):]
-    else:
-        body = body.rstrip("\n") + "\n\n" + block + "\n"
-    doc.write_text(body)
+    import record as rec
+
+    rec.replace_marked(doc, "qlora_loss", "demo", text)
 
 
 def main() -> None:

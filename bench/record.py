@@ -208,3 +208,16 @@ def write(doc: Path, benchmark: str, config: str, body: str, s: Stamp) -> str:
         text = pre + slot_begin + "\n" + inside + slot_end + post
     doc.write_text(text)
     return key
+
+
+def replace_marked(doc: Path, name: str, key: str, text: str) -> None:
+    """Puts `text` between `<!-- NAME KEY -->` and `<!-- /NAME KEY -->` in `doc`, replacing what
+    was there, or appends the marked block (the tables a script keeps outside the class sections)."""
+    begin, end = f"<!-- {name} {key} -->", f"<!-- /{name} {key} -->"
+    body = doc.read_text() if doc.exists() else ""
+    block = f"{begin}\n{text}{end}"
+    if begin in body and end in body:
+        body = body[: body.index(begin)] + block + body[body.index(end) + len(end):]
+    else:
+        body = body.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(body)
